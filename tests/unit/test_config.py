@@ -1,0 +1,73 @@
+"""Config loading: presets, includes, overrides, unknown keys, type errors."""
+
+import pytest
+
+from megatron_rl.config import AlgorithmConfig, ConfigError, ParallelConfig, RLConfig, load_config, to_dict
+from megatron_rl.config.core import field_docs, from_dict
+
+
+def test_overrides_set_nested_fields_with_yaml_types():
+    cfg = load_config(RLConfig, None, ["parallel.tensor_parallel=2", "algorithm.eps_high=4e-4", "rollout.stop=[a, b]"])
+    assert cfg.parallel.tensor_parallel == 2
+    assert cfg.algorithm.eps_high == pytest.approx(4e-4)
+    assert cfg.rollout.stop == ["a", "b"]
+
+
+def test_preset_includes_merge_in_order(tmp_path):
+    (tmp_path / "base.yaml").write_text("train: {steps: 3, seed: 7}\nalgorithm: {loss: dapo}\n")
+    (tmp_path / "algo.yaml").write_text("algorithm: {loss: gspo, eps_low: 0.001}\n")
+    (tmp_path / "run.yaml").write_text("defaults: [base.yaml, algo.yaml]\ntrain: {steps: 5}\n")
+    cfg = load_config(RLConfig, tmp_path / "run.yaml", ["train.seed=9"])
+    # own keys beat defaults, later defaults beat earlier ones, overrides beat everything
+    assert (cfg.train.steps, cfg.train.seed, cfg.algorithm.loss, cfg.algorithm.eps_low) == (5, 9, "gspo", 0.001)
+
+
+def test_unknown_key_names_key_and_closest():
+    with pytest.raises(ConfigError, match=r"'algorithm\.eps_hgh'.*'eps_high'"):
+        load_config(RLConfig, None, ["algorithm.eps_hgh=1"])
+    with pytest.raises(ConfigError, match=r"'paralel'.*'parallel'"):
+        load_config(RLConfig, None, ["paralel.tensor_parallel=2"])
+
+
+def test_wrong_types_and_values_are_named():
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel.*integer.*'two'"):
+        load_config(RLConfig, None, ["parallel.tensor_parallel=two"])
+    with pytest.raises(ConfigError, match=r"model\.token_dispatcher.*'flex'"):
+        load_config(RLConfig, None, ["model.token_dispatcher=flex"])
+    with pytest.raises(ConfigError, match=r"train\.prompts_per_step=6.*mini_batches_per_step=4"):
+        load_config(RLConfig, None, ["train.prompts_per_step=6", "train.mini_batches_per_step=4"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(RLConfig, None, ["algorithm.loss"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(RLConfig, tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(RLConfig, tmp_path / "bad.yaml")
+    (tmp_path / "loop.yaml").write_text("defaults: [loop.yaml]\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        load_config(RLConfig, tmp_path / "loop.yaml")
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(RLConfig, None, ["parallel.expert_parallel=2", "algorithm.loss=dapo"])
+    assert from_dict(RLConfig, to_dict(cfg)) == cfg
+
+
+def test_every_field_has_a_docstring():
+    import dataclasses
+
+    from megatron_rl.config import schema
+
+    classes = [AlgorithmConfig] + [c for c in vars(schema).values() if dataclasses.is_dataclass(c) and c.__module__ == schema.__name__]
+    for cls in classes:
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+def test_parallel_sizes_must_be_positive():
+    with pytest.raises(ConfigError, match="tensor_parallel=0"):
+        from_dict(ParallelConfig, {"tensor_parallel": 0})
