@@ -1,0 +1,150 @@
+"""Metric sinks for the RL loop: jsonl, wandb, tensorboard, a progress bar and a PNG summary.
+
+Only rank 0 logs (`MetricsLogger(enabled=rank == 0)`); other ranks get a
+logger whose calls do nothing, so the loop needs no rank checks. wandb runs
+offline unless the user has logged in (an API key is configured) or set
+WANDB_MODE themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+# Curves the PNG summary shows, in order; a metric absent from a run is skipped.
+SUMMARY_PLOTS = [
+    ("reward/mean", "mean reward"),
+    ("response/length_mean", "response length (tokens)"),
+    ("loss/clip_fraction", "clip fraction"),
+    ("actor/entropy", "entropy (nats/token)"),
+    ("routing/drift", "routing drift (fraction of tokens)"),
+]
+
+
+def _plain(value: Any) -> Any:
+    """Tensors and numpy scalars -> Python numbers for JSON."""
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+        return value.item()
+    return value
+
+
+def _wandb_mode() -> str:
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    try:
+        import wandb
+
+        return "online" if wandb.api.api_key else "offline"
+    except Exception:  # noqa: BLE001 - no login, no netrc: stay offline
+        return "offline"
+
+
+class MetricsLogger:
+    """Writes each step's metrics to every configured sink (rank 0 only)."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        enabled: bool = True,
+        use_wandb: bool = False,
+        wandb_project: str = "megatron_rl",
+        use_tensorboard: bool = False,
+        progress_total: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        resume: bool = False,
+    ):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._wandb = self._tb = self._bar = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self._jsonl = self.jsonl_path.open("a" if resume else "w")
+        if use_wandb:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_project, dir=str(self.run_dir), config=dict(config or {}), mode=_wandb_mode(), resume="allow" if resume else None
+            )
+        if use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if progress_total:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=progress_total, desc="rl steps", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record one step's metrics (plain numbers or 0-d tensors)."""
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if self._tb is not None:
+            for key, value in numeric.items():
+                self._tb.add_scalar(key, value, step)
+        if self._bar is not None:
+            shown = {k.split("/")[-1] if k != "reward/mean" else "reward": f"{v:.3f}" for k, v in numeric.items() if k in ("reward/mean", "loss/total")}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Rows of a metrics.jsonl (the last row per step wins, as after a resume)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_summary(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, title: str = "") -> Path:
+    """One panel per SUMMARY_PLOTS curve present in the run, against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_jsonl)
+    present = [(key, label) for key, label in SUMMARY_PLOTS if any(key in r for r in rows)]
+    if not present:
+        raise ValueError(f"{metrics_jsonl} holds none of the summary metrics {[k for k, _ in SUMMARY_PLOTS]}")
+    fig, axes = plt.subplots(1, len(present), figsize=(3.6 * len(present), 3.0), squeeze=False)
+    for ax, (key, label) in zip(axes[0], present):
+        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", linewidth=1.2)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,38 @@
+"""Metric sinks: jsonl contents, tensorboard and wandb files, the PNG summary, rank gating."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_rl.metrics import MetricsLogger, plot_summary, read_metrics
+
+
+def test_jsonl_tensorboard_wandb_and_plot(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = MetricsLogger(tmp_path, use_wandb=True, use_tensorboard=True, progress_total=3, config={"a": 1})
+    for step in range(3):
+        logger.log(step, {"reward/mean": torch.tensor(0.25 * step), "response/length_mean": 4.0 + step, "note": "x"})
+    logger.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["reward/mean"] for r in rows] == [0.0, 0.25, 0.5]
+    assert rows[2]["response/length_mean"] == 6.0 and rows[0]["note"] == "x"
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    png = plot_summary(tmp_path / "metrics.jsonl", tmp_path / "summary.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    logger = MetricsLogger(tmp_path / "r1", enabled=False, use_tensorboard=True)
+    logger.log(0, {"reward/mean": 1.0})
+    logger.close()
+    assert not (tmp_path / "r1").exists()
+
+
+def test_resume_keeps_last_row_per_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"step": 0, "x": 1}, {"step": 1, "x": 2}, {"step": 1, "x": 3}]))
+    assert [r["x"] for r in read_metrics(path)] == [1, 3]
+    with pytest.raises(ValueError, match="none of the summary metrics"):
+        plot_summary(path, tmp_path / "p.png")
