@@ -37,6 +37,9 @@ def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
 
 def check_layout(parallel: ParallelConfig, world_size: int, shape: ModelShape | None = None, num_microbatches: int | None = None) -> int:
     """Raise ConfigError for an impossible layout; return the data-parallel size."""
+    parallel.validate()  # sizes >= 1 (a 0 would otherwise surface as ZeroDivisionError below)
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size}: launch at least one process")
     tp, pp, ep, cp, etp = (
         parallel.tensor_parallel,
         parallel.pipeline_parallel,
@@ -80,6 +83,16 @@ def check_layout(parallel: ParallelConfig, world_size: int, shape: ModelShape | 
             raise ConfigError(
                 f"num_experts={shape.num_experts} is not divisible by parallel.expert_parallel={ep}: "
                 f"choose EP among {[d for d in range(1, shape.num_experts + 1) if shape.num_experts % d == 0]}"
+            )
+        if ep == 1 and etp != tp:
+            # megatron-core (0.16.1, tensor_parallel/layers.py:886) marks expert weights
+            # `allreduce=True` when EP == 1, so DDP reduces their gradients over the dense
+            # DP group, while an expert TP != TP replicates them over a different group
+            # (expert DP): the replicas drift apart after the first step.
+            raise ConfigError(
+                f"parallel.expert_parallel=1 with parallel.expert_tensor_parallel={etp} != parallel.tensor_parallel={tp}: "
+                f"without expert parallelism megatron treats experts as dense weights, so expert TP must equal TP; "
+                f"set parallel.expert_tensor_parallel={tp} (or use expert_parallel > 1)"
             )
     elif ep > 1:
         raise ConfigError(f"parallel.expert_parallel={ep} but the model is dense (no experts): set parallel.expert_parallel=1")

@@ -1,0 +1,181 @@
+"""The megatron-core CPU compatibility layer: every patched target still exists and looks as
+expected (fails loudly, naming the site, when an upgrade moves one), and the patches behave."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from megatron_rl.parallel import cpu_compat
+from megatron_rl.parallel.cpu_compat import SITES, PatchSite, PatchTargetError, apply_cpu_compat, check_patch_targets
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is applied only when CUDA is absent")
+
+
+def test_every_patch_target_exists_and_looks_as_expected():
+    checked = check_patch_targets()
+    required = [s for s in SITES if not s.optional]
+    assert len(checked) >= len(required)
+    for site in required:
+        assert site.describe() in checked
+
+
+def test_sites_are_documented():
+    names = [s.name for s in SITES]
+    assert len(names) == len(set(names)), "patch names must be unique"
+    for site in SITES:
+        assert site.module.startswith("megatron.core."), site
+        assert site.lines and all(n > 0 for n in site.lines), site
+        assert site.why and site.kind in {"function", "method", "attribute", "cuda-shim", "tensor-cuda", "tensor-type"}, site
+        assert "0.16.1 line" in site.describe()
+
+
+def _site(**changes) -> PatchSite:
+    base = next(s for s in SITES if s.name == "rng-tracker-fork")
+    return dataclasses.replace(base, **changes)
+
+
+def test_missing_target_fails_loudly_naming_the_site():
+    fake = _site(name="fake-fork", target="CudaRNGStatesTracker.fork_renamed_upstream")
+    with pytest.raises(PatchTargetError) as info:
+        check_patch_targets([fake])
+    msg = str(info.value)
+    assert "fake-fork" in msg
+    assert "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork_renamed_upstream" in msg
+    assert "no longer exists" in msg and "line 242" in msg
+
+
+def test_changed_source_fails_loudly_naming_the_site():
+    fake = _site(name="fake-expr", expects=("torch.cuda.expression_that_was_rewritten()",))
+    with pytest.raises(PatchTargetError, match=r"\[fake-expr\].*expected source .*expression_that_was_rewritten"):
+        check_patch_targets([fake])
+
+
+def test_shim_site_whose_expression_disappeared_fails():
+    shim = next(s for s in SITES if s.name == "mappings-device")
+    fake = dataclasses.replace(shim, name="fake-shim", expects=("torch.cuda.gone_in_next_release()",))
+    with pytest.raises(PatchTargetError, match=r"fake-shim.*megatron.core.tensor_parallel.mappings"):
+        check_patch_targets([fake])
+
+
+def test_missing_module_fails_unless_optional():
+    fake = _site(name="fake-module", module="megatron.core.module_removed_upstream", target="")
+    with pytest.raises(PatchTargetError, match=r"fake-module.*cannot import megatron.core.module_removed_upstream"):
+        check_patch_targets([fake])
+    assert check_patch_targets([dataclasses.replace(fake, optional=True)]) == []
+
+
+def test_not_applied_when_cuda_is_present(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert apply_cpu_compat() is False
+
+
+# ----------------------------------------------------------------------------------------------
+# Behaviour (CPU builds only).
+
+
+@pytest.fixture(scope="module")
+def applied():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU layer is applied only when CUDA is absent")
+    assert apply_cpu_compat() is True
+    assert apply_cpu_compat() is True  # idempotent
+    return True
+
+
+def test_check_still_passes_after_apply(applied):
+    check_patch_targets()
+    assert cpu_compat.is_applied() and cpu_compat.patched_sites()
+
+
+def test_shim_is_local_to_patched_modules(applied):
+    from megatron.core.tensor_parallel import mappings
+
+    assert mappings.torch.cuda.current_device() == torch.device("cpu")
+    assert mappings.torch.zeros(2, device="cuda").device.type == "cpu"
+    assert mappings.torch.Tensor is torch.Tensor and mappings.torch.distributed is torch.distributed
+    # torch itself is untouched
+    assert torch.cuda.current_device is not mappings.torch.cuda.current_device
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(2, device="cuda")
+
+
+def test_causal_mask_and_streams(applied):
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # noqa: F401
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    mask = get_default_causal_mask(3)
+    assert mask.device.type == "cpu" and mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+    from megatron.core.transformer.moe import token_dispatcher
+
+    stream = token_dispatcher.torch.cuda.Stream()
+    assert stream is token_dispatcher.torch.cuda.current_stream()
+    with token_dispatcher.torch.cuda.stream(stream):
+        pass
+    stream.record_event().synchronize()
+    split = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
+    assert split.tolist() == [1, 2] and not torch.is_tensor(split)
+
+
+def test_rng_tracker_uses_the_cpu_generator(applied):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.model_parallel_cuda_manual_seed(123, tp_rank=1, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    tracker = mrandom.get_cuda_rng_tracker()
+    torch.manual_seed(7)
+    outside_before = torch.get_rng_state()
+    with tracker.fork():  # model-parallel-rng: seed + 2718 + tp_rank
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outside_before), "fork must restore the default CPU state"
+    with tracker.fork():
+        b = torch.rand(3)  # continues the tracked stream
+    ref = torch.Generator().manual_seed(123 + 2718 + 1)
+    assert torch.equal(a, torch.rand(3, generator=ref)) and torch.equal(b, torch.rand(3, generator=ref))
+    with tracker.fork(mrandom.get_expert_parallel_rng_tracker_name()):
+        c = torch.rand(2)
+    assert torch.equal(c, torch.rand(2, generator=torch.Generator().manual_seed(123 + 1024)))
+    # checkpoint-recompute helpers read/write the same (CPU) generator
+    state = mrandom._get_cuda_rng_state()
+    x = torch.rand(2)
+    mrandom._set_cuda_rng_state(state)
+    assert torch.equal(x, torch.rand(2))
+
+
+def test_norm_accepts_sequence_parallel_and_marks_params(applied):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = types.SimpleNamespace(
+        layernorm_zero_centered_gamma=False,
+        persist_layer_norm=False,
+        sequence_parallel=True,
+        memory_efficient_layer_norm=False,
+        normalization="RMSNorm",
+    )
+    norm = WrappedTorchNorm(config=config, hidden_size=8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm)
+    assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    assert config.sequence_parallel is True  # the caller's config is not modified
+    config.sequence_parallel = False
+    assert not any(getattr(p, "sequence_parallel", True) for p in WrappedTorchNorm(config=config, hidden_size=8).parameters())
+
+
+def test_tensor_type_and_cuda_only_change_for_megatron_callers(applied):
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 2.0)
+    clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)  # asserted torch.cuda.FloatTensor
+    assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)
+    assert p.type() == "torch.FloatTensor"  # any other caller sees torch's answer
+    assert p.type(torch.float64).dtype == torch.float64
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.ones(1).cuda()
+
+
+def test_te_general_gemm_bound(applied):
+    from megatron.core.transformer.moe import moe_utils
+
+    assert hasattr(moe_utils, "te_general_gemm")
