@@ -62,6 +62,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "output_router_logits": False,
         "router_aux_loss_coef": 0.0,
     },
+    # Qwen1.5/Qwen2-MoE: q/k/v biases, no renormalisation, a sigmoid-gated shared expert.
+    "qwen2_moe": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.0,
+    },
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False},
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
@@ -168,9 +182,13 @@ def make_tiny_model_dir(
     vocab_size: int = 256,
     init_std: float = 0.02,
     with_tokenizer: bool = True,
+    max_shard_size: str | int | None = None,
     **config_overrides: Any,
 ) -> Path:
     """Write config.json, model.safetensors (random, fp32) and a tokenizer to `out_dir`.
+
+    max_shard_size (e.g. "100KB") writes several safetensors shards plus
+    model.safetensors.index.json, as large checkpoints come.
 
     Written to a temporary sibling and renamed, so an interrupted build never
     leaves a half-written model directory behind.
@@ -194,7 +212,8 @@ def make_tiny_model_dir(
         config = AutoConfig.for_model(**config_dict)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(tmp_dir, safe_serialization=True)
+        shard_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(tmp_dir, safe_serialization=True, **shard_kwargs)
         GenerationConfig(
             bos_token_id=SPECIAL_TOKENS["bos"], eos_token_id=SPECIAL_TOKENS["eos"], pad_token_id=SPECIAL_TOKENS["pad"]
         ).save_pretrained(tmp_dir)

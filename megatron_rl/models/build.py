@@ -1,0 +1,291 @@
+"""HF config.json -> megatron-core TransformerConfig -> GPTModel chunks for this rank.
+
+    ctx = init_parallel(cfg.parallel, shape=model_shape(hf_config))
+    chunks = build_model(cfg.model, ctx)                    # weights loaded from cfg.model.path
+    chunks = build_model(cfg.model, ctx, wrap_ddp=True)     # for training
+
+What is chosen here, once, instead of `if cuda:` branches elsewhere:
+  * layer spec: Transformer Engine when model.transformer_impl allows it and TE
+    imports, else megatron's local spec (torch RMSNorm, SequentialMLP experts);
+  * dtype: model.dtype, auto = bfloat16 on GPU, float32 on CPU;
+  * the settings megatron-core needs on a CPU build (see
+    shared/notes/megatron-core-on-cpu.md): fp32, no dropout, no linear biases
+    except q/k/v, use_cpu_initialization, no grouped GEMM, no fusions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from megatron_rl.config.core import ConfigError
+from megatron_rl.config.schema import ModelConfig, ParallelConfig
+from megatron_rl.models.hf_config import HFArch, load_hf_config, padded_vocab_size, parse_hf_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(model_cfg: ModelConfig) -> torch.dtype:
+    """model.dtype as a torch dtype; auto = bfloat16 on GPU, float32 on CPU."""
+    if model_cfg.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    dtype = _DTYPES[model_cfg.dtype]
+    if dtype != torch.float32 and not torch.cuda.is_available():
+        raise ConfigError(f"model.dtype={model_cfg.dtype} on a CPU-only machine: megatron-core on CPU needs model.dtype=float32 (or auto)")
+    return dtype
+
+
+def te_available() -> bool:
+    """Transformer Engine's PyTorch extension imports (it needs CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing wheel, or a wheel built for another torch/CUDA
+        return False
+    return True
+
+
+def use_transformer_engine(model_cfg: ModelConfig) -> bool:
+    """Whether to build with the TE layer spec (model.transformer_impl, auto = when importable)."""
+    if model_cfg.transformer_impl == "local":
+        return False
+    available = te_available()
+    if model_cfg.transformer_impl == "transformer_engine" and not available:
+        raise ConfigError(
+            "model.transformer_impl=transformer_engine but Transformer Engine does not import here "
+            "(it needs CUDA and the transformer-engine[pytorch] wheel): use model.transformer_impl=auto or local"
+        )
+    return available
+
+
+def hf_to_transformer_config(
+    hf_config: dict,
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    *,
+    dtype: torch.dtype,
+    **overrides: Any,
+):
+    """megatron-core TransformerConfig for an HF config, a ModelConfig and a parallel layout.
+
+    `overrides` replace TransformerConfig fields (e.g. calculate_per_token_loss=True,
+    variable_seq_lengths=True); an unknown field is an error.
+    """
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    arch = parse_hf_config(hf_config)
+    tp, ep = parallel_cfg.tensor_parallel, parallel_cfg.expert_parallel
+    sequence_parallel = parallel_cfg.use_sequence_parallel()
+    if arch.num_experts and tp > 1 and not sequence_parallel:
+        raise ConfigError(
+            f"parallel.sequence_parallel=false with tensor_parallel={tp} on an MoE model: megatron-core's MoE layer "
+            "needs sequence parallelism when TP > 1; set parallel.sequence_parallel=true (or leave it unset)"
+        )
+    use_te = use_transformer_engine(model_cfg)
+    moe: dict[str, Any] = {}
+    if arch.num_experts:
+        moe = dict(
+            num_moe_experts=arch.num_experts,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_topk=arch.moe_topk,
+            # Softmax over all experts then top-k (no renormalisation) is megatron's pre-softmax
+            # mode; top-k over logits then softmax over the k equals softmax -> top-k -> renormalise.
+            moe_router_pre_softmax=not arch.norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_dtype="fp32",
+            moe_layer_freq=[int(m) for m in arch.moe_layers],
+            moe_shared_expert_intermediate_size=arch.shared_expert_size or None,
+            moe_shared_expert_gate=arch.shared_expert_gate,
+            moe_token_dispatcher_type=model_cfg.token_dispatcher,
+            moe_router_load_balancing_type=model_cfg.moe_load_balancing_type if model_cfg.moe_aux_loss_coeff else "none",
+            moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
+            moe_z_loss_coeff=model_cfg.moe_z_loss_coeff or None,
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
+        )
+    recompute: dict[str, Any] = {}
+    if model_cfg.recompute_activations:
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    fields = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=float(hf_config.get("initializer_range", 0.02)),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel_cfg.pipeline_parallel,
+        context_parallel_size=parallel_cfg.context_parallel,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=parallel_cfg.expert_tensor_parallel,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=True,
+        attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        **moe,
+        **recompute,
+    )
+    valid = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ConfigError(f"unknown TransformerConfig field(s) {unknown} in overrides")
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """What export and loading need to know about a built model, attached to each chunk as `.hf_info`."""
+
+    arch: HFArch
+    """The validated HF description."""
+    hf_config: dict
+    """config.json as read."""
+    padded_vocab_size: int
+    """Rows of megatron's embedding/output layer (vocab padded to a multiple of 128 x TP)."""
+    use_te: bool
+    """Built with the Transformer Engine spec."""
+
+
+def layer_spec(config, use_te: bool):
+    """The decoder block spec of this pipeline stage (dense and MoE layers as config.moe_layer_freq says)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    ctx,
+    *,
+    hf_config: dict | None = None,
+    wrap_ddp: bool = False,
+    load_weights: bool | None = None,
+    use_distributed_optimizer: bool = False,
+    ddp_config=None,
+    config_overrides: dict | None = None,
+) -> list:
+    """megatron GPTModel chunks for this rank (one per virtual stage; megatron_rl uses one).
+
+    hf_config: config.json as a dict (default: read from model_cfg.path).
+    load_weights: load the safetensors in model_cfg.path (default: model_cfg.load_weights
+        when model_cfg.path is set). Otherwise weights are drawn from model_cfg.init_seed;
+        such a random init is the same across TP and DP but not across PP/EP layouts (every
+        stage / EP rank draws from the same seed): for layout-independent starting weights,
+        write the model as an HF directory once (models.tiny) and load it.
+    wrap_ddp: wrap each chunk in megatron.core.distributed.DistributedDataParallel and set
+        the config's no_sync / finalize_model_grads hooks, as megatron's training loop expects.
+    use_distributed_optimizer: lay DDP's buffers out for megatron's distributed optimizer
+        (ignored when ddp_config is given).
+    ddp_config: a DistributedDataParallelConfig (default: fp32 grad reduction, no overlap).
+    config_overrides: TransformerConfig fields to replace (e.g. calculate_per_token_loss=True).
+
+    With a half-precision dtype each chunk is wrapped in megatron's Float16Module (fp32
+    logits out of the last stage). Each chunk carries `.hf_info` (ModelInfo).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_rl.models.loading import load_hf_weights
+    from megatron_rl.parallel import seed_all
+
+    if hf_config is None:
+        hf_config = load_hf_config(model_cfg.path)
+    arch = parse_hf_config(hf_config, source=f"{model_cfg.path or '<hf_config>'}/config.json")
+    dtype = resolve_dtype(model_cfg)
+    config = hf_to_transformer_config(hf_config, model_cfg, ctx.config, dtype=dtype, **(config_overrides or {}))
+    use_te = use_transformer_engine(model_cfg)
+    info = ModelInfo(arch=arch, hf_config=hf_config, padded_vocab_size=padded_vocab_size(arch.vocab_size, ctx.tp_size), use_te=use_te)
+    rope: dict[str, Any] = {}
+    if arch.rope_scaling and arch.rope_scaling[0] == "llama3":
+        rope = dict(rope_scaling=True, rope_scaling_factor=arch.rope_scaling[1])
+    elif arch.rope_scaling:
+        rope = dict(seq_len_interpolation_factor=arch.rope_scaling[1])
+
+    seed_all(model_cfg.init_seed)  # same draws on every rank: CPU init makes TP shards of one full tensor
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, use_te),
+        vocab_size=info.padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=ctx.is_pipeline_first_stage(),
+        post_process=ctx.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_base) if float(arch.rope_base).is_integer() else arch.rope_base,
+        **rope,
+    )
+    model.hf_info = info
+    if ctx.device.type == "cuda":
+        model.cuda(ctx.device)
+    if load_weights is None:
+        load_weights = bool(model_cfg.load_weights and model_cfg.path)
+    if load_weights:
+        load_hf_weights([model], model_cfg.path, ctx)
+    chunks = [model]
+    if dtype != torch.float32:
+        # As megatron's training loop does: half-precision inputs in, fp32 logits out of the last stage.
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, model)]
+        chunks[0].hf_info = info
+    if wrap_ddp:
+        if ddp_config is None:
+            from megatron.core.distributed import DistributedDataParallelConfig
+
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
+            )
+        chunks = _wrap_ddp(chunks, config, ddp_config)
+    return chunks
+
+
+def _wrap_ddp(chunks: list, config, ddp_config) -> list:
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        ddp.hf_info = chunk.hf_info
+        wrapped.append(ddp)
+    config.no_sync_func = wrapped[0].no_sync if len(wrapped) == 1 else [m.no_sync for m in wrapped]
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def model_info(chunks: list) -> ModelInfo:
+    """The ModelInfo build_model attached to a model (through DDP wrappers)."""
+    for chunk in chunks:
+        module = chunk
+        while module is not None:
+            info = getattr(module, "hf_info", None)
+            if info is not None:
+                return info
+            module = getattr(module, "module", None)
+    raise ValueError("model chunks carry no hf_info: build them with megatron_rl.models.build_model")

@@ -1,0 +1,351 @@
+"""Hugging Face <-> megatron-core parameter names and layouts, per model family.
+
+One table serves every direction: loading an HF checkpoint into any TP/PP/EP
+layout (models/loading.py), exporting megatron weights as HF tensors for weight
+sync into vLLM and for the HF converters (models/export.py).
+
+Names. A megatron parameter is named here by its *global* name: the name the
+single-rank model (TP = PP = EP = 1) gives it, so layer and expert numbers are
+global. On a rank, `GlobalNamer` turns local names into global ones:
+
+    PP stage 1 of 2, 4 layers:  decoder.layers.0.*  -> decoder.layers.2.*
+    EP rank 1 of 2, 8 experts:  mlp.experts.local_experts.0.* -> ...local_experts.4.*
+
+Layouts (the transforms a mapping applies; HF Linear weights are [out, in]):
+
+    linear_qkv    [G x (q_per_group + 2) x d, H]: per query group g, its q heads,
+                  then k_g, then v_g (q/k/v_proj interleaved per group); TP splits
+                  whole groups, so a rank with groups [g0, g1) reads only those rows.
+    linear_fc1    [gate; up] stacked on dim 0; TP rank r holds [gate_r; up_r].
+    linear_proj,  row-parallel: TP splits the input dim (dim 1).
+    linear_fc2
+    embedding,    vocabulary rows padded with zeros to megatron's padded vocab
+    output_layer  (a multiple of 128 x TP); the padding is stripped on export.
+    norms, router, shared-expert gate: replicated, copied as they are.
+
+Each mapping knows its TP split dim; `check_split_dim` compares it with the
+attributes megatron sets on the parameter, so a wrong table entry fails loudly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megatron_rl.models.hf_config import HFArch, UnsupportedModelError
+
+
+class HFReader(Protocol):
+    """Read access to HF tensors by name, optionally a contiguous range along one dim."""
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The piece of a full megatron tensor one rank holds: part `rank` of `size` along `dim`."""
+
+    dim: int | None
+    rank: int = 0
+    size: int = 1
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        if length % self.size:
+            raise UnsupportedModelError(f"dimension of length {length} cannot be split into {self.size} equal TP shards")
+        step = length // self.size
+        return self.rank * step, (self.rank + 1) * step
+
+
+@dataclass(frozen=True)
+class Direct:
+    """One HF tensor, the same layout; TP splits `tp_dim` into contiguous chunks."""
+
+    hf_name: str
+    tp_dim: int | None = None
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf_name,)
+
+    def load(self, reader: HFReader, shard: Shard) -> torch.Tensor:
+        if shard.dim is None or shard.size == 1:
+            return reader.read(self.hf_name)
+        start, stop = shard.bounds(reader.shape(self.hf_name)[shard.dim])
+        return reader.read(self.hf_name, shard.dim, start, stop)
+
+    def export(self, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=self.tp_dim)
+        return [(self.hf_name, full)]
+
+
+@dataclass(frozen=True)
+class VocabPadded:
+    """Embedding / LM head: vocabulary rows (dim 0) padded with zeros to `padded_vocab`."""
+
+    hf_name: str
+    vocab_size: int
+    padded_vocab: int
+    tp_dim: int | None = 0
+    export_name: str | None = ""
+    """HF name on export; "" = hf_name, None = not exported (a tied output layer)."""
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf_name,)
+
+    def load(self, reader: HFReader, shard: Shard) -> torch.Tensor:
+        rows = reader.shape(self.hf_name)[0]
+        if rows != self.vocab_size:
+            raise UnsupportedModelError(f"{self.hf_name} has {rows} rows but config.json says vocab_size={self.vocab_size}")
+        start, stop = Shard(0, shard.rank, shard.size).bounds(self.padded_vocab)
+        part = reader.read(self.hf_name, 0, min(start, rows), min(stop, rows))
+        if part.shape[0] < stop - start:
+            pad = part.new_zeros((stop - start - part.shape[0],) + tuple(part.shape[1:]))
+            part = torch.cat([part, pad], dim=0)
+        return part
+
+    def export(self, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        if self.export_name is None:
+            return []
+        full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=0)
+        return [(self.export_name or self.hf_name, full[: self.vocab_size])]
+
+
+@dataclass(frozen=True)
+class QKV:
+    """q_proj, k_proj, v_proj (weights or biases) <-> megatron's per-group interleaved linear_qkv."""
+
+    q: str
+    k: str
+    v: str
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    tp_dim: int = 0
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.q, self.k, self.v)
+
+    def load(self, reader: HFReader, shard: Shard) -> torch.Tensor:
+        per_group = self.num_heads // self.num_groups
+        g0, g1 = Shard(0, shard.rank, shard.size).bounds(self.num_groups)
+        d = self.head_dim
+        q = reader.read(self.q, 0, g0 * per_group * d, g1 * per_group * d)
+        k = reader.read(self.k, 0, g0 * d, g1 * d)
+        v = reader.read(self.v, 0, g0 * d, g1 * d)
+        rest = tuple(q.shape[1:])
+        groups = g1 - g0
+        parts = [q.reshape((groups, per_group * d) + rest), k.reshape((groups, d) + rest), v.reshape((groups, d) + rest)]
+        return torch.cat(parts, dim=1).reshape((-1,) + rest)
+
+    def export(self, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=0)
+        per_group, d = self.num_heads // self.num_groups, self.head_dim
+        rest = tuple(full.shape[1:])
+        grouped = full.reshape((self.num_groups, (per_group + 2) * d) + rest)
+        q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+        return [(self.q, q.reshape((-1,) + rest)), (self.k, k.reshape((-1,) + rest)), (self.v, v.reshape((-1,) + rest))]
+
+
+@dataclass(frozen=True)
+class GatedFC1:
+    """gate_proj + up_proj <-> linear_fc1 = [gate; up]; TP rank r holds [gate_r; up_r]."""
+
+    gate: str
+    up: str
+    tp_dim: int = 0
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.gate, self.up)
+
+    def load(self, reader: HFReader, shard: Shard) -> torch.Tensor:
+        start, stop = Shard(0, shard.rank, shard.size).bounds(reader.shape(self.gate)[0])
+        return torch.cat([reader.read(self.gate, 0, start, stop), reader.read(self.up, 0, start, stop)], dim=0)
+
+    def export(self, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        gate = torch.cat([h[0] for h in halves], dim=0) if len(shards) > 1 else halves[0][0]
+        up = torch.cat([h[1] for h in halves], dim=0) if len(shards) > 1 else halves[0][1]
+        return [(self.gate, gate), (self.up, up)]
+
+
+Mapping = Direct | VocabPadded | QKV | GatedFC1
+
+
+@dataclass(frozen=True)
+class _Names:
+    """Where a family keeps its MoE block and what it calls an expert's three matrices."""
+
+    moe: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+_FAMILY_NAMES = {"mixtral": _Names(moe="block_sparse_moe", gate="w1", up="w3", down="w2")}
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+
+
+def mapping_for(arch: HFArch, global_name: str, padded_vocab: int) -> Mapping:
+    """The mapping of one megatron parameter (by global name) of a model described by `arch`."""
+    vocab = arch.vocab_size
+    if global_name == "embedding.word_embeddings.weight":
+        return VocabPadded("model.embed_tokens.weight", vocab, padded_vocab)
+    if global_name == "output_layer.weight":
+        if arch.tie_word_embeddings:  # the last stage's copy of the embedding (PP > 1): loaded, not exported
+            return VocabPadded("model.embed_tokens.weight", vocab, padded_vocab, export_name=None)
+        return VocabPadded("lm_head.weight", vocab, padded_vocab)
+    if global_name == "decoder.final_layernorm.weight":
+        return Direct("model.norm.weight")
+    match = _LAYER.fullmatch(global_name)
+    mapping = _layer_mapping(arch, int(match.group(1)), match.group(2)) if match else None
+    if mapping is None:
+        raise UnsupportedModelError(
+            f"megatron parameter {global_name!r} has no Hugging Face counterpart in the {arch.family} mapping "
+            "(megatron_rl/models/mapping.py): the model was built with a feature the mapping does not cover"
+        )
+    return mapping
+
+
+def _layer_mapping(arch: HFArch, layer: int, rest: str) -> Mapping | None:
+    names = _FAMILY_NAMES.get(arch.family, _Names())
+    hf = f"model.layers.{layer}"
+    attn = f"{hf}.self_attn"
+    simple: dict[str, Mapping] = {
+        "input_layernorm.weight": Direct(f"{hf}.input_layernorm.weight"),
+        "self_attention.linear_qkv.layer_norm_weight": Direct(f"{hf}.input_layernorm.weight"),  # TE spec
+        "pre_mlp_layernorm.weight": Direct(f"{hf}.post_attention_layernorm.weight"),
+        "mlp.linear_fc1.layer_norm_weight": Direct(f"{hf}.post_attention_layernorm.weight"),  # TE spec, dense
+        "self_attention.linear_proj.weight": Direct(f"{attn}.o_proj.weight", tp_dim=1),
+        "self_attention.q_layernorm.weight": Direct(f"{attn}.q_norm.weight"),
+        "self_attention.k_layernorm.weight": Direct(f"{attn}.k_norm.weight"),
+        "mlp.linear_fc1.weight": GatedFC1(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"),
+        "mlp.linear_fc2.weight": Direct(f"{hf}.mlp.down_proj.weight", tp_dim=1),
+        "mlp.router.weight": Direct(f"{hf}.{names.moe}.gate.weight"),
+        "mlp.shared_experts.linear_fc1.weight": GatedFC1(
+            f"{hf}.mlp.shared_expert.gate_proj.weight", f"{hf}.mlp.shared_expert.up_proj.weight"
+        ),
+        "mlp.shared_experts.linear_fc2.weight": Direct(f"{hf}.mlp.shared_expert.down_proj.weight", tp_dim=1),
+        "mlp.shared_experts.gate_weight": Direct(f"{hf}.mlp.shared_expert_gate.weight"),
+    }
+    if rest in simple:
+        return simple[rest]
+    for kind in ("weight", "bias"):
+        if rest == f"self_attention.linear_qkv.{kind}":
+            return QKV(
+                f"{attn}.q_proj.{kind}",
+                f"{attn}.k_proj.{kind}",
+                f"{attn}.v_proj.{kind}",
+                arch.num_attention_heads,
+                arch.num_query_groups,
+                arch.head_dim,
+            )
+    expert = _EXPERT.fullmatch(rest)
+    if expert:
+        prefix = f"{hf}.{names.moe}.experts.{expert.group(1)}"
+        if expert.group(2) == "linear_fc1":
+            return GatedFC1(f"{prefix}.{names.gate}.weight", f"{prefix}.{names.up}.weight")
+        return Direct(f"{prefix}.{names.down}.weight", tp_dim=1)
+    return None
+
+
+def global_mcore_names(arch: HFArch) -> list[str]:
+    """Every parameter of the single-rank megatron model of `arch`, in model order (local spec names)."""
+    names = ["embedding.word_embeddings.weight"]
+    for layer in range(arch.num_layers):
+        p = f"decoder.layers.{layer}"
+        names += [f"{p}.input_layernorm.weight", f"{p}.self_attention.linear_qkv.weight"]
+        if arch.qkv_bias:
+            names.append(f"{p}.self_attention.linear_qkv.bias")
+        if arch.qk_norm:
+            names += [f"{p}.self_attention.q_layernorm.weight", f"{p}.self_attention.k_layernorm.weight"]
+        names += [f"{p}.self_attention.linear_proj.weight", f"{p}.pre_mlp_layernorm.weight"]
+        if arch.moe_layers and arch.moe_layers[layer]:
+            names.append(f"{p}.mlp.router.weight")
+            for e in range(arch.num_experts):
+                names += [f"{p}.mlp.experts.local_experts.{e}.linear_fc1.weight", f"{p}.mlp.experts.local_experts.{e}.linear_fc2.weight"]
+            if arch.shared_expert_size:
+                names += [f"{p}.mlp.shared_experts.linear_fc1.weight", f"{p}.mlp.shared_experts.linear_fc2.weight"]
+                if arch.shared_expert_gate:
+                    names.append(f"{p}.mlp.shared_experts.gate_weight")
+        else:
+            names += [f"{p}.mlp.linear_fc1.weight", f"{p}.mlp.linear_fc2.weight"]
+    names.append("decoder.final_layernorm.weight")
+    if not arch.tie_word_embeddings:
+        names.append("output_layer.weight")
+    return names
+
+
+def expected_hf_names(arch: HFArch) -> list[str]:
+    """Every tensor an HF checkpoint of `arch` holds, in model order (no lm_head when tied)."""
+    out: list[str] = []
+    for name in global_mcore_names(arch):
+        out += mapping_for(arch, name, arch.vocab_size).hf_names
+    return out
+
+
+def hf_to_mcore_names(arch: HFArch) -> dict[str, str]:
+    """HF tensor name -> the global megatron parameter it goes into."""
+    return {hf: mc for mc in global_mcore_names(arch) for hf in mapping_for(arch, mc, arch.vocab_size).hf_names}
+
+
+def check_split_dim(global_name: str, mapping: Mapping, param: torch.Tensor, *, strict: bool = True) -> None:
+    """Fail when the table's TP split dim disagrees with the one megatron set on the parameter.
+
+    strict=False (Transformer Engine spec) checks only parameters that carry megatron's
+    attributes: TE's expert linears are built unsplit and left unmarked.
+    """
+    marked = getattr(param, "tensor_model_parallel", None)
+    if not strict and marked is None:
+        return
+    megatron_dim = param.partition_dim if marked else None
+    if megatron_dim != mapping.tp_dim:
+        raise AssertionError(
+            f"mapping of {global_name!r} splits TP along dim {mapping.tp_dim}, megatron along dim {megatron_dim}: "
+            "fix the table in megatron_rl/models/mapping.py"
+        )
+
+
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
+_LOCAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+
+
+class GlobalNamer:
+    """Local parameter names of one model chunk -> global names (layer offset for PP, expert offset for EP)."""
+
+    def __init__(self, model: torch.nn.Module, ep_rank: int, num_local_experts: int) -> None:
+        self._layer_numbers = [layer.layer_number - 1 for layer in model.decoder.layers] if hasattr(model, "decoder") else []
+        self._expert_offset = ep_rank * num_local_experts
+
+    def __call__(self, local_name: str) -> str:
+        match = _LOCAL_LAYER.fullmatch(local_name)
+        if not match:
+            return local_name
+        name = f"decoder.layers.{self._layer_numbers[int(match.group(1))]}.{match.group(2)}"
+        expert = _LOCAL_EXPERT.fullmatch(name)
+        if expert:
+            name = f"{expert.group(1)}{int(expert.group(2)) + self._expert_offset}{expert.group(3)}"
+        return name
+
+
+def is_expert_param(global_name: str) -> bool:
+    """Routed-expert weights live in the expert-parallel layout (EP x expert TP); the rest in TP."""
+    return ".mlp.experts." in global_name
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module") and not hasattr(module, "decoder"):
+        module = module.module
+    return module
+
+
