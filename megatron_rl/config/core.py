@@ -10,6 +10,13 @@ Later entries override earlier ones; the file's own keys override its defaults;
 command-line overrides (`algorithm.eps_high=4e-4`, dotted paths, values parsed as
 YAML) override everything. Unknown keys are errors that name the key and the
 closest valid ones, before anything starts.
+
+Paths in a preset: a value of a path key (`path`, `dir`, `tokenizer`, `resume`)
+that starts with `./` or `../` is relative to the YAML file that wrote it and is
+made absolute when that file is read, so `configs/models/qwen3-30b-a3b.yaml` can
+say `path: ./qwen3-30b-a3b` and any preset including it, from any working
+directory, gets the right directory. Any other relative path (`outputs/tiny-moe`)
+stays relative to the working directory, as do paths given on the command line.
 """
 
 from __future__ import annotations
@@ -160,7 +167,23 @@ def load_yaml_preset(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> d
     merged: dict = {}
     for include in data.pop("defaults", []) or []:
         merged = deep_merge(merged, load_yaml_preset(path.parent / include, _seen + (path,)))
-    return deep_merge(merged, data)
+    return deep_merge(merged, resolve_preset_paths(data, path.parent))
+
+
+PATH_KEYS = frozenset({"path", "dir", "tokenizer", "resume"})
+"""Keys whose `./` or `../` values are resolved against the preset file's directory."""
+
+
+def resolve_preset_paths(data: dict, base: Path) -> dict:
+    """Copy of `data` with `./x` and `../x` values of PATH_KEYS made absolute against `base`."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            value = resolve_preset_paths(value, base)
+        elif key in PATH_KEYS and isinstance(value, str) and value.startswith(("./", "../")):
+            value = str((base / value).resolve())
+        out[key] = value
+    return out
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -232,5 +255,6 @@ __all__ = [
     "load_yaml_preset",
     "parse_override",
     "replace",
+    "resolve_preset_paths",
     "to_dict",
 ]

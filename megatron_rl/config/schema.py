@@ -174,10 +174,27 @@ class RolloutConfig:
     """Extra stop token ids besides EOS."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory the engine may take (GPU only)."""
+    tensor_parallel: int = 1
+    """GPUs one engine splits each layer over (vLLM tensor_parallel_size); stays inside a node."""
+    pipeline_parallel: int = 1
+    """Pipeline stages of one engine (vLLM pipeline_parallel_size); the way an engine spans nodes."""
     kv_cache_gib: float = 1.0
     """KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     return_routed_experts: bool = False
-    """Capture each response token's top-k experts per MoE layer (needed for R3)."""
+    """Capture each token's top-k experts per MoE layer (needed for R3); the engine then runs without prefix caching."""
+    routed_experts_include_prompt: bool = True
+    """Routed experts cover prompt tokens too (rows [P + R, L, K]), not only the response ([R, L, K])."""
+    multiprocessing: bool = False
+    """In-process engine (engine=vllm): run vLLM's engine core in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1).
+    Slower start (15-40 s vs 3 s on CPU), but vLLM's thread binding stays out of the trainer's process."""
+    max_model_len: int = 0
+    """Engine context length in tokens (prompt + response); 0 = the model's max_position_embeddings."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype; auto = float32 on CPU (logprobs match the trainer to ~1e-6), bfloat16 on GPU."""
+    server_start_timeout_s: float = 300.0
+    """Seconds to wait for a vLLM server this process starts (or restarts) to answer /health."""
+    request_timeout_s: float = 600.0
+    """Seconds one HTTP request to a vLLM server may take before the server counts as dead."""
     weight_bucket_mb: float = 512.0
     """Size of one weight-sync bucket in MB."""
     max_restarts: int = 2
@@ -190,6 +207,18 @@ class RolloutConfig:
             raise ConfigError(f"rollout.n_samples={self.n_samples}, rollout.max_new_tokens={self.max_new_tokens}: both must be >= 1")
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature={self.temperature}: must be > 0 (use a small value for near-greedy sampling)")
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise ConfigError(
+                f"rollout.tensor_parallel={self.tensor_parallel}, rollout.pipeline_parallel={self.pipeline_parallel}: "
+                "engine parallel sizes are whole numbers >= 1"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.max_restarts < 0 or self.weight_bucket_mb <= 0 or self.kv_cache_gib <= 0:
+            raise ConfigError(
+                f"rollout.max_restarts={self.max_restarts}, rollout.weight_bucket_mb={self.weight_bucket_mb}, "
+                f"rollout.kv_cache_gib={self.kv_cache_gib}: restarts must be >= 0, sizes > 0"
+            )
         if self.engine == "vllm_server" and not self.server_urls:
             raise ConfigError("rollout.engine=vllm_server needs rollout.server_urls=[http://host:port, ...]")
 
@@ -255,7 +284,7 @@ class ClusterConfig:
     gpus_per_node: int = 0
     """GPUs per node (0 = CPU run; one process per `cpu_processes`)."""
     gpu_memory_gib: float = 80.0
-    """Memory of one GPU in GiB."""
+    """Memory of one GPU in GiB (CPU runs: the memory one trainer process may use, rank 0's engine included)."""
     gpu_name: str = "cpu"
     """GPU model name, for reports (e.g. H100-80GB)."""
     rollout_gpus: int = 0

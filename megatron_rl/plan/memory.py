@@ -1,0 +1,262 @@
+"""Per-device memory of the trainer and the rollout engine, from the model's shape and the layout.
+
+Sources for each term:
+- Weights, gradients and optimizer state: the byte counts of megatron's
+  distributed optimizer (Megatron-LM docs/source/distrib_optimizer.md, "bytes
+  per parameter": bf16 parameters with fp32 gradients take 6 + 12/d bytes,
+  where 12 = fp32 main copy + Adam's two fp32 moments, sharded over the d
+  data-parallel ranks; fp32 parameters take 8 + 8/d, no main copy). Expert
+  parameters are sharded over the expert-data-parallel group instead,
+  world / (expert TP x EP x PP) ranks.
+- Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models" (arXiv 2205.05198), section 4: a layer stores
+  s b h (34 / t) bytes with tensor + sequence parallelism and the attention
+  scores recomputed (flash attention never stores them), and only its input,
+  2 s b h / t bytes, under full recomputation. Their 34 counts a GPT layer
+  (MHA, 4h GeLU MLP, dropout); `layer_activation_bytes` recounts the same
+  stored tensors for GQA, SwiGLU, RMSNorm, q/k norms, no dropout, and routed
+  experts (each token's k copies). With 1F1B pipelining the first stage
+  holds min(PP, microbatches) microbatches in flight (their section 4.2.3).
+- Logits: the last stage holds the [tokens, V/t] logits shard, its gradient
+  and the vocab-parallel log-softmax's working memory (at most 1.5x the
+  shard, the actor's own target): 3.5 x the shard.
+- Engine: vLLM takes `gpu_memory_utilization` of each of its GPUs for its
+  weights (split over its TP x PP GPUs) and its KV cache, 2 x layers x
+  kv_heads x head_dim values per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_rl.config.schema import RLConfig
+
+if TYPE_CHECKING:
+    from megatron_rl.plan.model_spec import ModelSpec
+
+GIB = 1024**3
+GPU_RUNTIME_OVERHEAD_GIB = 3.0
+"""CUDA context (~0.5-1 GiB), NCCL communicators and buffers, allocator fragmentation."""
+CPU_RUNTIME_OVERHEAD_GIB = 1.0
+"""Python, torch and megatron-core loaded in one process."""
+ENGINE_OVERHEAD_GIB = {"gpu": 2.0, "cpu": 0.7}
+"""vLLM's own activations and buffers beside weights and KV cache (0.7 GiB measured on CPU, notes/vllm-on-cpu.md)."""
+LOGITS_FACTOR = 3.5
+"""Logits shard + its gradient + up to 1.5x working memory of the vocab-parallel log-softmax."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Precision:
+    """Bytes per value of each kind of tensor."""
+
+    param: int
+    """Model weights (bf16 on GPU, fp32 on CPU)."""
+    grad: int
+    """Gradient buffer (fp32: megatron accumulates and reduces bf16 models' grads in fp32)."""
+    main: int
+    """fp32 main copy of the weights kept by the optimizer (0 when the weights are fp32)."""
+    moments: int
+    """Optimizer moments (Adam: 2 x fp32, SGD with momentum: 1 x fp32)."""
+    activation: int
+    """Stored activations."""
+
+
+def precision_for(cfg: RLConfig) -> Precision:
+    on_gpu = cfg.cluster.gpus_per_node > 0
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    half = dtype in ("bfloat16", "float16")
+    moments = 8 if cfg.optimizer.name == "adam" else 4
+    return Precision(param=2 if half else 4, grad=4, main=4 if half else 0, moments=moments, activation=2 if half else 4)
+
+
+@dataclass(kw_only=True, frozen=True)
+class StageMemory:
+    """Bytes on one device of one pipeline stage."""
+
+    stage: int
+    dense_params: int
+    """Non-expert parameters on this device (embedding/output shards included where they live)."""
+    expert_params: int
+    """Routed-expert parameters on this device."""
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    reference: float
+    """Reference model weights (only when algorithm.beta > 0)."""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reference
+
+
+def _per_rank_layer_dense(spec: ModelSpec, moe: bool, tp: int) -> float:
+    """Non-expert weights of one layer on one TP rank: linear weights split, norms and router replicated."""
+    replicated = 2 * spec.hidden_size + (2 * spec.head_dim if spec.qk_norm else 0)
+    split = spec.attention_params() - (2 * spec.head_dim if spec.qk_norm else 0)
+    if moe:
+        replicated += spec.router_params()
+        split += spec.shared_expert_params()
+    else:
+        split += spec.dense_mlp_params()
+    return replicated + split / tp
+
+
+def stage_layers(spec: ModelSpec, pp: int, stage: int) -> range:
+    per_stage = spec.num_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def stage_params(spec: ModelSpec, cfg: RLConfig, stage: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one device of pipeline stage `stage`."""
+    par = cfg.parallel
+    tp, pp, ep, etp = par.tensor_parallel, par.pipeline_parallel, par.expert_parallel, par.expert_tensor_parallel
+    layers = stage_layers(spec, pp, stage)
+    dense = sum(_per_rank_layer_dense(spec, spec.moe_layers[i], tp) for i in layers)
+    vocab_shard = spec.padded_vocab(tp) * spec.hidden_size / tp
+    if stage == 0:
+        dense += vocab_shard
+    if stage == pp - 1:
+        dense += spec.hidden_size  # final norm
+        if not spec.tie_embeddings or pp > 1:  # tied + PP keeps a copy of the embedding on the last stage
+            dense += vocab_shard
+    moe_layers = sum(spec.moe_layers[i] for i in layers)
+    expert = moe_layers * (spec.num_experts // ep) * spec.expert_params() / etp
+    return dense, expert
+
+
+def layer_activation_bytes(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> float:
+    """Bytes one layer stores per token for backward (Korthikanti et al. 2022, sec. 4.1, recounted).
+
+    Elements per token, with t = TP, u = t if sequence parallel else 1 (the
+    norm/linear inputs live in the sequence-parallel region, the rest is split
+    over heads or the MLP width):
+      attention: norm input h + qkv input h                      -> 2h / u
+                 Q (a d), K and V (g d each), attention output   -> (2 a d + 2 g d) / t
+                 q/k before their norms (Qwen3)                  -> (a d + g d) / t
+                 softmax statistics (fp32, one per head)         -> 4 a / t bytes
+      dense MLP: norm input h + fc1 input h                      -> 2h / u
+                 gate, up (2f) and down-projection input (f)     -> 3f / t
+      MoE:       norm input h + router/dispatch input h          -> 2h / u
+                 router logits and probabilities, fp32           -> 8 E / u bytes
+                 per routed copy (k per token, gathered over the
+                 expert-TP group e): fc1 input h, gate+up 2f_e/e,
+                 down input f_e/e, output h                      -> k (2h e + 3 f_e) / u
+                 shared expert: 3 f_s / t + output h / u
+    """
+    par = cfg.parallel
+    t = par.tensor_parallel
+    u = t if par.use_sequence_parallel() else 1
+    h, q, kv = spec.hidden_size, spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    elements = 2 * h / u + (2 * q + 2 * kv) / t
+    if spec.qk_norm:
+        elements += (q + kv) / t
+    extra_bytes = 4 * spec.num_attention_heads / t
+    if moe:
+        e = par.expert_tensor_parallel
+        elements += 2 * h / u + spec.experts_per_token * (2 * h * e + 3 * spec.moe_ffn_hidden_size) / u
+        if spec.shared_expert_ffn_hidden_size:
+            elements += 3 * spec.shared_expert_ffn_hidden_size / t + h / u
+        extra_bytes += 8 * spec.num_experts / u
+    else:
+        elements += 2 * h / u + 3 * spec.ffn_hidden_size / t
+    return elements * act + extra_bytes
+
+
+def tokens_per_microbatch(cfg: RLConfig) -> int:
+    """Tokens one microbatch holds on one context-parallel rank (sequences at full length)."""
+    seq = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    tokens = cfg.train.max_tokens_per_microbatch or cfg.train.micro_batch_size * seq
+    return -(-tokens // cfg.parallel.context_parallel)
+
+
+def stage_memory(spec: ModelSpec, cfg: RLConfig, world: int, microbatches: int, stage: int) -> StageMemory:
+    par = cfg.parallel
+    prec = precision_for(cfg)
+    tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, par.context_parallel
+    dp = world // (tp * pp * cp)
+    expert_dp = world // (par.expert_tensor_parallel * par.expert_parallel * pp)
+    dense, expert = stage_params(spec, cfg, stage)
+    params = dense + expert
+    state_bytes = prec.main + prec.moments
+    if cfg.optimizer.use_distributed_optimizer:
+        optimizer = state_bytes * (dense / (dp * cp) + expert / expert_dp)
+    else:
+        optimizer = state_bytes * params
+
+    tokens = tokens_per_microbatch(cfg)
+    layers = stage_layers(spec, pp, stage)
+    in_flight = max(1, min(pp - stage, microbatches))
+    full = [layer_activation_bytes(spec, spec.moe_layers[i], cfg, prec.activation) for i in layers]
+    if cfg.model.recompute_activations:
+        u = tp if par.use_sequence_parallel() else 1
+        stored = len(full) * spec.hidden_size * prec.activation / u  # each layer's input only
+        activations = tokens * (in_flight * stored + max(full))  # + one layer rematerialised in backward
+    else:
+        activations = tokens * in_flight * sum(full)
+    logits = 0.0
+    if stage == pp - 1:
+        logits = LOGITS_FACTOR * tokens * spec.padded_vocab(tp) / tp * prec.activation
+    reference = params * prec.param if cfg.algorithm.beta > 0 else 0.0
+    return StageMemory(
+        stage=stage,
+        dense_params=round(dense),
+        expert_params=round(expert),
+        weights=params * prec.param,
+        grads=params * prec.grad,
+        optimizer=optimizer,
+        activations=activations,
+        logits=logits,
+        reference=reference,
+    )
+
+
+def worst_stage(spec: ModelSpec, cfg: RLConfig, world: int, microbatches: int) -> StageMemory:
+    """The pipeline stage whose devices need the most memory."""
+    stages = [stage_memory(spec, cfg, world, microbatches, s) for s in range(cfg.parallel.pipeline_parallel)]
+    return max(stages, key=lambda m: m.total)
+
+
+@dataclass(kw_only=True, frozen=True)
+class EngineMemory:
+    """Memory of one rollout engine device."""
+
+    weights: float
+    """Engine weights on one of its devices."""
+    reserved: float
+    """What the engine takes on that device (gpu_memory_utilization x memory on GPU; weights + KV on CPU)."""
+    kv_bytes_per_token: float
+    """KV cache bytes one token takes on one engine device."""
+    kv_tokens: int
+    """Tokens the KV cache holds (on one engine)."""
+
+
+def engine_memory(spec: ModelSpec, cfg: RLConfig) -> EngineMemory:
+    rollout, cluster = cfg.rollout, cfg.cluster
+    prec = precision_for(cfg)
+    etp, epp = rollout.tensor_parallel, rollout.pipeline_parallel
+    weights = spec.total_params() * prec.param / (etp * epp)
+    kv_heads = -(-spec.num_kv_heads // etp)  # vLLM replicates KV heads when TP > kv heads
+    kv_per_token = 2 * (spec.num_layers / epp) * kv_heads * spec.head_dim * prec.param
+    if cluster.gpus_per_node > 0:
+        reserved = rollout.gpu_memory_utilization * cluster.gpu_memory_gib * GIB
+        kv_space = reserved - weights - ENGINE_OVERHEAD_GIB["gpu"] * GIB
+    else:
+        kv_space = rollout.kv_cache_gib * GIB
+        reserved = weights + kv_space + ENGINE_OVERHEAD_GIB["cpu"] * GIB
+    return EngineMemory(
+        weights=weights, reserved=reserved, kv_bytes_per_token=kv_per_token, kv_tokens=max(0, int(kv_space // kv_per_token))
+    )
+
+
+def trainer_budget(cfg: RLConfig, engine: EngineMemory) -> float:
+    """Bytes the trainer may use on one device, after the colocated engine and the runtime."""
+    cluster = cfg.cluster
+    if cluster.gpus_per_node == 0:  # CPU: rank 0 hosts the in-process engine
+        return cluster.gpu_memory_gib * GIB - engine.reserved - CPU_RUNTIME_OVERHEAD_GIB * GIB
+    usable = cluster.gpu_memory_gib * GIB - GPU_RUNTIME_OVERHEAD_GIB * GIB
+    if cluster.rollout_gpus == 0:  # colocated: the engine keeps its share of every GPU
+        usable -= engine.reserved
+    return usable

