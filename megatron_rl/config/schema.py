@@ -25,8 +25,12 @@ class ParallelConfig:
     """Pipeline-parallel size (PP): layers split into this many stages."""
     expert_parallel: int = 1
     """Expert-parallel size (EP): MoE experts split over this many ranks (carved from DP x CP)."""
-    expert_tensor_parallel: int = 1
-    """Tensor-parallel size inside each expert (megatron's expert_tensor_parallel_size)."""
+    expert_tensor_parallel: int | None = None
+    """Tensor-parallel size inside each expert (megatron's expert_tensor_parallel_size).
+
+    None = tensor_parallel when expert_parallel is 1 (megatron then syncs expert
+    gradients over the dense data-parallel group, so expert copies on TP ranks
+    would drift apart under any other value), else 1."""
     context_parallel: int = 1
     """Context-parallel size (CP): the sequence split over this many ranks."""
     sequence_parallel: bool | None = None
@@ -35,6 +39,10 @@ class ParallelConfig:
     """torch.distributed backend; auto = nccl when CUDA is present, else gloo."""
     timeout_s: float = 600.0
     """Collective timeout in seconds: a rank that fails makes the others exit instead of waiting forever."""
+
+    def __post_init__(self) -> None:
+        if self.expert_tensor_parallel is None:
+            self.expert_tensor_parallel = self.tensor_parallel if self.expert_parallel == 1 else 1
 
     def validate(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel", "context_parallel"):

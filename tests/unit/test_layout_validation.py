@@ -53,7 +53,7 @@ def test_valid_layouts_return_dp(layout, world, dp):
         (dict(expert_parallel=2), 2, DENSE, None, ["expert_parallel=2", "dense", "expert_parallel=1"]),
         (dict(pipeline_parallel=2), 2, MOE, 1, ["1 microbatches", "pipeline_parallel=2", "at least 2"]),
         # EP 1: megatron reduces expert grads over the dense DP group, so expert TP must be TP
-        (dict(tensor_parallel=2), 2, MOE, None, ["expert_tensor_parallel=1 != parallel.tensor_parallel=2", "expert_tensor_parallel=2"]),
+        (dict(tensor_parallel=2, expert_tensor_parallel=1), 2, MOE, None, ["expert_tensor_parallel=1 != parallel.tensor_parallel=2", "expert_tensor_parallel=2"]),
         # sizes must be >= 1 (no ZeroDivisionError)
         (dict(tensor_parallel=0), 2, None, None, ["parallel.tensor_parallel=0", ">= 1"]),
         (dict(expert_tensor_parallel=-1), 2, None, None, ["parallel.expert_tensor_parallel=-1"]),
@@ -81,3 +81,11 @@ def test_microbatches_only_matter_with_pipeline():
 def test_timeout_must_be_positive():
     with pytest.raises(ConfigError, match="timeout_s"):
         check_layout(P(timeout_s=0), 1)
+
+
+def test_expert_tensor_parallel_defaults_follow_expert_parallel():
+    # EP 1: experts are replicated over DP and must be split like the dense layers.
+    assert ParallelConfig(tensor_parallel=2).expert_tensor_parallel == 2
+    # EP > 1: experts are whole on each expert rank unless asked otherwise.
+    assert ParallelConfig(tensor_parallel=2, expert_parallel=2).expert_tensor_parallel == 1
+    assert ParallelConfig(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=2).expert_tensor_parallel == 2
