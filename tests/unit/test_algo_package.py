@@ -1,0 +1,59 @@
+"""megatron_rl.algorithms stays pure torch, never syncs inside the loss, and agrees with the config."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.algorithms import ADVANTAGES, POLICY_LOSSES, NonFiniteLogprobsError, check_finite_logprobs, check_step_metrics
+from megatron_rl.config import AlgorithmConfig, ConfigError, from_dict
+from megatron_rl.config.algorithm import ADVANTAGE_NAMES, POLICY_LOSS_NAMES
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl" / "algorithms"
+
+
+def test_no_host_sync_call_in_the_package():
+    for path in PACKAGE.glob("*.py"):
+        assert ".item(" not in path.read_text(), f"{path.name} calls .item(): a host sync (use tensors, or .tolist() outside the loss)"
+
+
+def test_imports_nothing_of_the_project_and_no_megatron_or_vllm():
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in ("megatron", "vllm", "transformer_engine"), f"{path.name} imports {name}"
+                if top == "megatron_rl":
+                    assert name.startswith("megatron_rl.algorithms"), f"{path.name} imports {name}"
+
+
+def test_config_names_match_the_registries():
+    assert list(POLICY_LOSS_NAMES) == POLICY_LOSSES.names()
+    assert list(ADVANTAGE_NAMES) == ADVANTAGES.names()
+    with pytest.raises(ConfigError, match="valid names: dapo, dr_grpo, grpo, gspo, gspo_token"):
+        from_dict(AlgorithmConfig, {"loss": "ppo"})
+    with pytest.raises(ConfigError, match="use tis_mode=sequence"):
+        from_dict(AlgorithmConfig, {"loss": "gspo", "tis_mode": "token"})
+    assert from_dict(AlgorithmConfig, {"loss": "dapo"}).eps_high is None  # the loss's default applies
+
+
+def test_check_finite_logprobs():
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    old = torch.tensor([[0.0, float("nan"), float("nan")], [-1.0, 0.0, 0.0]])
+    assert check_finite_logprobs(mask, old_logprobs=old, ref_logprobs=None) == {"old_logprobs": 1}
+    with pytest.raises(NonFiniteLogprobsError, match="all 3 response tokens have a NaN or inf rollout_logprobs"):
+        check_finite_logprobs(mask, old_logprobs=old, rollout_logprobs=torch.full((2, 3), float("inf")))
+    assert check_finite_logprobs(torch.zeros(2, 3, dtype=torch.bool), old_logprobs=old) == {"old_logprobs": 0}
+    with pytest.raises(ValueError, match="shape"):
+        check_finite_logprobs(mask, old_logprobs=old[:, :2])
+    check_step_metrics({"tokens/sum": 3.0, "nonfinite_tokens/sum": 1.0})
+    with pytest.raises(NonFiniteLogprobsError, match="every one of the step's 4 response tokens"):
+        check_step_metrics({"tokens/sum": 0.0, "nonfinite_tokens/sum": 4.0})
