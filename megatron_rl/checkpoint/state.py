@@ -1,0 +1,217 @@
+"""Training checkpoints: a megatron dist checkpoint plus trainer state, written atomically.
+
+Layout under `checkpoint.dir`:
+
+    step_00000010/            one complete checkpoint
+        metadata.json, ...    megatron dist checkpoint (model + optimizer, any layout)
+        rank_00000.pt ...     per-rank state: RNG states (torch, python, numpy, megatron's tracker)
+        trainer_state.json    step, weight version, data position, scheduler, config
+    latest                    text file naming the newest complete checkpoint
+
+How a save stays safe:
+1. every rank writes into `.step_00000010.partial/` (a crash leaves only this);
+2. after a barrier, rank 0 writes trainer_state.json, renames the directory to
+   `step_00000010` and then replaces `latest` (write to a temporary file, fsync,
+   os.replace), so `latest` always names a complete checkpoint;
+3. only then are checkpoints beyond `keep_last` deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+TRAINER_STATE = "trainer_state.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, half-written or unreadable; the message names the file."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _barrier(group=None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every random generator a training step draws from, on this rank."""
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    sharded_state_dict: dict,
+    trainer_state: dict[str, Any],
+    *,
+    rank_state: dict[str, Any] | None = None,
+    keep_last: int = 2,
+) -> Path:
+    """Write step `step` on every rank (collective); returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = root / step_dir_name(step)
+    partial = root / f".{final.name}.partial"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
+        partial.mkdir()
+    _barrier()
+    dist_checkpointing.save(sharded_state_dict, str(partial))
+    rank_file = partial / f"rank_{_rank():05d}.pt"
+    torch.save({"rng": capture_rng_state(), **(rank_state or {})}, rank_file)
+    _barrier()
+    if _rank() == 0:
+        _atomic_write_text(partial / TRAINER_STATE, json.dumps({"step": step, **trainer_state}, indent=1, default=str))
+        if final.exists():  # an identical step saved again (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_dir(root)
+        _atomic_write_text(root / LATEST, final.name + "\n")
+        for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / TRAINER_STATE).is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_checkpoint(spec: str, root: str | os.PathLike) -> Path | None:
+    """checkpoint.resume -> the directory to load, or None to start fresh.
+
+    'none': None. 'auto': what `root/latest` names, or None when there is no
+    `latest` yet. Anything else: a checkpoint directory path.
+    """
+    if spec == "none":
+        return None
+    root = Path(root)
+    if spec == "auto":
+        latest = root / LATEST
+        if not latest.exists():
+            return None
+        name = latest.read_text().strip()
+        path = root / name
+        if not STEP_DIR.match(name):
+            raise CheckpointError(f"{latest} names {name!r}, not a step_XXXXXXXX directory: fix or delete {latest}")
+    else:
+        path = Path(spec)
+    check_complete(path)
+    return path
+
+
+def check_complete(path: Path) -> None:
+    """Raise naming the file when `path` is not a complete, readable checkpoint."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist: set checkpoint.resume to an existing step_XXXXXXXX directory or 'none'")
+    state_file = path / TRAINER_STATE
+    if not state_file.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is incomplete (no {TRAINER_STATE}): it was interrupted while saving; "
+            f"resume from an older one (checkpoint.resume=<dir>) or delete it"
+        )
+    try:
+        json.loads(state_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{state_file} is not valid JSON ({err.msg}): the checkpoint is damaged; resume from an older one") from None
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no megatron metadata.json: the model state is missing; resume from an older one")
+
+
+def load_checkpoint(
+    path: Path,
+    sharded_state_dict: dict,
+    *,
+    restore_rng: bool = True,
+) -> tuple[dict, dict[str, Any], dict[str, Any]]:
+    """Load on every rank: (megatron state dict, trainer_state, this rank's extra state).
+
+    The megatron part may be loaded into another parallel layout than it was
+    saved from (dist checkpointing reshards). RNG states are restored only
+    when this rank's file exists (same world size).
+    """
+    from megatron.core import dist_checkpointing
+
+    check_complete(path)
+    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    try:
+        state = dist_checkpointing.load(sharded_state_dict, str(path))
+    except Exception as err:  # noqa: BLE001 - name the checkpoint whatever megatron raised
+        raise CheckpointError(f"cannot load the model/optimizer state from {str(path)!r}: {err}") from err
+    rank_file = path / f"rank_{_rank():05d}.pt"
+    rank_state: dict[str, Any] = {}
+    if rank_file.is_file():
+        try:
+            rank_state = torch.load(rank_file, weights_only=False)
+        except Exception as err:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {rank_file}: {err}; the checkpoint is damaged, resume from an older one") from err
+        if restore_rng:
+            restore_rng_state(rank_state.pop("rng"))
+    return state, trainer_state, rank_state
+
+
