@@ -41,15 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megatron_rl import trainer
+    from megatron_rl.config.core import ConfigError
+
     try:
-        from megatron_rl import trainer
-    except ModuleNotFoundError as err:
-        if err.name != "megatron_rl.trainer":
-            raise
-        print("megatron-rl train: the trainer (megatron_rl/trainer.py) is not part of this installation yet", file=sys.stderr)
+        trainer.main(args.config, list(args.overrides))
+    except ConfigError as err:  # a bad key or value: say which, no traceback
+        print(f"megatron-rl train: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    result = trainer.main(args.config, list(args.overrides))
-    return result if isinstance(result, int) else 0
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -246,10 +246,8 @@ def test_train_calls_the_trainer_with_the_config_and_overrides(monkeypatch):
     assert calls == [("configs/tiny-gspo.yaml", ["train.steps=2", "algorithm.eps_high=4e-4"])]
 
 
-def test_train_without_a_trainer_says_so(monkeypatch, capsys):
-    import megatron_rl
-
-    monkeypatch.delattr(megatron_rl, "trainer", raising=False)
-    monkeypatch.setitem(sys.modules, "megatron_rl.trainer", None)  # import fails as if the module were absent
-    assert main(["train", "--config", "configs/tiny-gspo.yaml"]) == EXIT_CONFIG_ERROR
-    assert "trainer" in capsys.readouterr().err
+def test_train_with_a_bad_key_says_which_before_starting(capsys):
+    # the config is checked before any process group, model or engine exists
+    assert main(["train", "--config", "configs/tiny-gspo.yaml", "algorithm.eps_hgh=1"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "'algorithm.eps_hgh'" in err and "eps_high" in err
