@@ -113,12 +113,23 @@ class OptimizerConfig:
     """Clip the global gradient norm to this value (0 disables clipping)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO-1, megatron's distributed optimizer)."""
+    sgd_momentum: float = 0.0
+    """Momentum of the SGD optimizer (name=sgd); unused by Adam."""
+    lr_decay_steps: int = 0
+    """Optimizer steps over which the learning rate decays from lr to min_lr (after warmup);
+    0 = the run's optimizer steps (train.steps x train.mini_batches_per_step)."""
 
     def validate(self) -> None:
         if self.lr < 0 or self.min_lr < 0:
             raise ConfigError(f"optimizer.lr={self.lr}, optimizer.min_lr={self.min_lr}: learning rates must be >= 0")
         if self.clip_grad < 0:
             raise ConfigError(f"optimizer.clip_grad={self.clip_grad}: must be >= 0 (0 disables clipping)")
+        if self.warmup_steps < 0 or self.lr_decay_steps < 0:
+            raise ConfigError(
+                f"optimizer.warmup_steps={self.warmup_steps}, optimizer.lr_decay_steps={self.lr_decay_steps}: must be >= 0"
+            )
+        if self.sgd_momentum < 0:
+            raise ConfigError(f"optimizer.sgd_momentum={self.sgd_momentum}: must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -134,13 +145,22 @@ class TrainConfig:
     micro_batch_size: int = 1
     """Sequences per microbatch (when max_tokens_per_microbatch is 0)."""
     max_tokens_per_microbatch: int = 0
-    """Token budget per microbatch; > 0 packs sequences into microbatches up to this many tokens."""
+    """Token budget per microbatch; > 0 packs sequences into microbatches up to this many tokens
+    (rows x padded width, rows sorted by length; a longer sequence gets a microbatch of its own)."""
+    routing_drift_metrics: bool = True
+    """MoE: record the old-policy forward's experts even without routing replay, so that train_step logs
+    routing/drift per layer (costs one all-reduce of B x T x MoE-layers x top-k bytes per RL step)."""
+    compute_entropy: bool = True
+    """Compute the policy's entropy at each response token in the training forward (logged as `entropy`;
+    always computed, with gradient, when algorithm.entropy_coeff > 0)."""
     seed: int = 42
     """Seed for data order, sampling and everything random in the loop."""
     off_policy_lag: Literal[0, 1] = 0
     """1 = generate step k+1 while training step k (importance-corrected one-step off-policy)."""
     eval_every: int = 0
     """Evaluate every this many steps (0 disables evaluation)."""
+    stop_at_reward: float = 0.0
+    """Stop early once the mean reward of the last 10 steps reaches this (0 = run all train.steps)."""
 
     def validate(self) -> None:
         if self.steps < 0 or self.prompts_per_step < 1 or self.mini_batches_per_step < 1 or self.micro_batch_size < 1:
@@ -154,6 +174,8 @@ class TrainConfig:
                 f"train.prompts_per_step={self.prompts_per_step} is not divisible by "
                 f"train.mini_batches_per_step={self.mini_batches_per_step}: choose sizes where each optimizer step gets whole groups"
             )
+        if self.max_tokens_per_microbatch < 0:
+            raise ConfigError(f"train.max_tokens_per_microbatch={self.max_tokens_per_microbatch}: must be >= 0 (0 = by count)")
 
 
 @dataclass(kw_only=True)
@@ -202,7 +224,7 @@ class RolloutConfig:
     server_start_timeout_s: float = 300.0
     """Seconds to wait for a vLLM server this process starts (or restarts) to answer /health."""
     request_timeout_s: float = 600.0
-    """Seconds one HTTP request to a vLLM server may take before the server counts as dead."""
+    """Seconds one request to a vLLM server (or one control call into a multiprocess engine) may take before the engine counts as dead."""
     weight_bucket_mb: float = 512.0
     """Size of one weight-sync bucket in MB."""
     max_restarts: int = 2
@@ -251,6 +273,10 @@ class DataConfig:
     """Reward function: a registered name or 'module:function'."""
     shuffle: bool = True
     """Shuffle prompts every epoch (seeded by train.seed)."""
+    eval_path: str = ""
+    """Held-out prompts evaluated every train.eval_every steps (same formats as path); empty = no evaluation."""
+    eval_samples: int = 1
+    """Samples per evaluation prompt."""
 
 
 @dataclass(kw_only=True)

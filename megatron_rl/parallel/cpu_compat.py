@@ -454,6 +454,20 @@ SITES: tuple[PatchSite, ...] = (
         kind="tensor-type",
         why="accepts only cuda tensor types; Tensor.type() reports the cuda type name to this module",
     ),
+    PatchSite(
+        name="distopt-torch-adam-step",
+        module=_MC + "optimizer.distrib_optimizer",
+        target="DistributedOptimizer._set_main_param_and_optimizer_states",
+        lines=(938, 2101),
+        expects=("dst_tensors[key].copy_(tensors[key])",),
+        kind="method",
+        why=(
+            "without TE/apex the inner optimizer is torch's Adam, whose per-parameter state holds 'step'; "
+            "loading a fully_reshardable checkpoint skips 'step' in the source (it is restored from the "
+            "param groups) but copies every destination key, so it raises KeyError('step'); the patch "
+            "leaves 'step' as load_state_dict already set it"
+        ),
+    ),
     # Tensor.cuda() ----------------------------------------------------------------------------
     PatchSite(
         name="tensor-cuda-language-module",
@@ -957,6 +971,18 @@ def _norm_patch(site: PatchSite, module: types.ModuleType) -> None:
     cls.__new__ = new
 
 
+def _keep_adam_step(old: Callable) -> Callable:
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return old(self, model_param, tensors)
+
+    return set_main_param_and_optimizer_states
+
+
 _REPLACERS: dict[str, Callable[[PatchSite, types.ModuleType], None]] = {
     "rng-get-state": lambda s, m: _patch_attr(s, m, lambda old: _cpu_get_rng_state),
     "rng-set-state": lambda s, m: _patch_attr(s, m, lambda old: _cpu_set_rng_state),
@@ -968,6 +994,7 @@ _REPLACERS: dict[str, Callable[[PatchSite, types.ModuleType], None]] = {
     "norm-sequence-parallel": _norm_patch,
     "uneven-all-gather": lambda s, m: _patch_attr(s, m, _wrap_gather),
     "uneven-reduce-scatter": lambda s, m: _patch_attr(s, m, _wrap_reduce_scatter),
+    "distopt-torch-adam-step": lambda s, m: _patch_attr(s, m, _keep_adam_step),
 }
 
 

@@ -1,0 +1,407 @@
+"""The actor: a megatron-core policy on any TP/PP/EP/DP layout, its optimizer, and one RL training step.
+
+    actor = Actor.from_config(cfg, ctx)               # model (+ frozen reference when beta > 0), optimizer, LR schedule
+    batch = train_batch_from_rollouts(padded, advantages)
+    batch, metrics = actor.prepare_batch(batch)       # old logprobs (+ R2 routes, + reference logprobs)
+    metrics |= actor.train_step(batch)                # mini-batches x microbatches -> optimizer steps
+    for bucket in actor.export_hf_weights(512 << 20): # weight sync, HF names
+        ...
+
+train_step, per mini-batch (one optimizer step):
+  1. plan: this rank's microbatches (actor.plan), the same count M on every DP rank;
+  2. the step's global token / sequence counts: ONE all-reduce over DP x CP
+     (algorithms.compute_loss_denominators), before the first microbatch;
+  3. megatron's forward_backward_func over the M microbatches: forward (with
+     routing replay set per microbatch), vocab-parallel logprobs, the loss from
+     the algorithms registry times M x D (see actor.step for why), backward;
+     finalize_model_grads reduces gradients over DP;
+  4. LR schedule step, optimizer step (gradient clipping inside), metrics.
+
+Every rank passes the same TrainBatch; results (logprobs, metrics) come back
+identical on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
+from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config
+from megatron_rl.actor.plan import Microbatch, plan_step
+from megatron_rl.actor.routing import RoutingControl
+from megatron_rl.actor.step import (
+    LogprobSettings,
+    inference_loss,
+    loss_scale,
+    microbatch_inputs,
+    policy_loss,
+)
+from megatron_rl.algorithms import (
+    all_reduce_metrics,
+    compute_loss_denominators,
+    finalize_metrics,
+    get_policy_loss,
+    merge_metrics,
+)
+from megatron_rl.config.algorithm import AlgorithmConfig
+from megatron_rl.config.core import ConfigError
+from megatron_rl.config.schema import ModelConfig, OptimizerConfig, TrainConfig
+from megatron_rl.models import build_model, export_hf_weights, load_hf_config, parse_hf_config, resolve_dtype
+
+
+class LogprobsWithRoutes(NamedTuple):
+    """`Actor.compute_logprobs(..., record_routes=True)`."""
+
+    logprobs: torch.Tensor
+    """[B, T] float32, token-aligned (0 at position 0 and on padding)."""
+    routed_experts: torch.Tensor
+    """[B, T, L, K] int16: the experts the forward used (-1 past each row's computed width)."""
+    metrics: dict[str, float]
+    """routing/engine_vs_trainer/... when the batch carries engine routes."""
+
+
+class Actor:
+    """Policy model, optimizer and LR schedule on this rank; see the module docstring."""
+
+    def __init__(
+        self,
+        ctx,
+        *,
+        model: ModelConfig,
+        optimizer: OptimizerConfig,
+        train: TrainConfig,
+        algorithm: AlgorithmConfig,
+        temperature: float = 1.0,
+        total_optimizer_steps: int | None = None,
+        max_response_tokens: int = 0,
+        hf_config: dict | None = None,
+    ) -> None:
+        if ctx.cp_size > 1:
+            raise ConfigError(f"parallel.context_parallel={ctx.cp_size}: the actor does not split sequences over CP ranks yet; use 1")
+        if temperature <= 0:
+            raise ConfigError(f"temperature={temperature}: must be > 0 (rollout.temperature)")
+        train.validate()
+        algorithm.validate()
+        self.ctx, self.model_cfg, self.optimizer_cfg, self.train_cfg, self.algorithm = ctx, model, optimizer, train, algorithm
+        self.hf_config = hf_config if hf_config is not None else load_hf_config(model.path)
+        self.arch = parse_hf_config(self.hf_config)
+        self.dtype = resolve_dtype(model)
+        self.loss_fn = get_policy_loss(algorithm.loss)
+        self.max_response_tokens = max_response_tokens or algorithm.max_response_tokens
+        if algorithm.routing_replay != "none" and not self.arch.num_experts:
+            raise ConfigError(f"algorithm.routing_replay={algorithm.routing_replay} needs an MoE model; {model.path} is dense: set it to none")
+
+        overrides: dict = {}
+        self._uniform_shapes = ctx.pp_size > 1 and model.token_dispatcher == "allgather"
+        if ctx.pp_size > 1 and not self._uniform_shapes:
+            overrides["variable_seq_lengths"] = True  # microbatches of different widths through the pipeline
+        policy_overrides = dict(overrides, moe_enable_routing_replay=True) if self.arch.num_experts else overrides
+        self.model = build_model(
+            model, ctx, hf_config=self.hf_config, wrap_ddp=True, ddp_config=ddp_config(optimizer), config_overrides=policy_overrides
+        )
+        self.routing = RoutingControl(self.model, self.arch, ctx)
+        self.optimizer = build_optimizer(optimizer, self.model, dtype=self.dtype)
+        steps = total_optimizer_steps or max(1, train.steps * train.mini_batches_per_step)
+        self.scheduler = build_scheduler(optimizer, self.optimizer, total_optimizer_steps=steps)
+        self.reference = None
+        if algorithm.beta > 0:  # a frozen copy of the initial policy: no DDP, no optimizer, no replay
+            self.reference = build_model(model, ctx, hf_config=self.hf_config, wrap_ddp=False, config_overrides=overrides)
+            for chunk in self.reference:
+                chunk.eval()
+                chunk.requires_grad_(False)
+        self.settings = LogprobSettings(ctx.tp_group, ctx.tp_rank, self.arch.vocab_size, temperature)
+        self.optimizer_steps = 0
+
+    @classmethod
+    def from_config(cls, cfg, ctx) -> "Actor":
+        """An actor for an RLConfig (temperature from rollout, Dr. GRPO's constant from rollout.max_new_tokens)."""
+        return cls(
+            ctx,
+            model=cfg.model,
+            optimizer=cfg.optimizer,
+            train=cfg.train,
+            algorithm=cfg.algorithm,
+            temperature=cfg.rollout.temperature,
+            max_response_tokens=cfg.algorithm.max_response_tokens or cfg.rollout.max_new_tokens,
+        )
+
+    # -- checks and plans ---------------------------------------------------------------------------
+
+    def validate(self, batch: TrainBatch) -> torch.Tensor:
+        """validate_batch against this model; returns the [B] sequence lengths."""
+        validate_batch(
+            batch,
+            vocab_size=self.arch.vocab_size,
+            max_positions=self.arch.max_position_embeddings,
+            num_moe_layers=self.routing.num_moe_layers,
+            topk=self.arch.moe_topk,
+            num_experts=self.arch.num_experts,
+            complete_routes={"R2": ("old_routed_experts",), "R3": ("routed_experts",)}.get(self.algorithm.routing_replay, ()),
+        )
+        return batch.lengths()
+
+    def _plan(self, lengths: torch.Tensor, mini_batches: int) -> list[list[list[Microbatch]]]:
+        ctx = self.ctx
+        return plan_step(
+            lengths.tolist(),
+            mini_batches=mini_batches,
+            dp_size=ctx.dp_size,
+            micro_batch_size=self.train_cfg.micro_batch_size,
+            max_tokens_per_microbatch=self.train_cfg.max_tokens_per_microbatch,
+            width_multiple=ctx.tp_size if ctx.sequence_parallel else 1,
+            equal_shapes_across_dp=self.model_cfg.token_dispatcher == "allgather" and ctx.ep_size > 1,
+            uniform_shapes=self._uniform_shapes,
+        )
+
+    def _replay_source(self, batch: TrainBatch) -> torch.Tensor | None:
+        mode = self.algorithm.routing_replay
+        if mode == "R2":
+            if batch.old_routed_experts is None:
+                raise BatchError(
+                    "algorithm.routing_replay=R2 needs batch.old_routed_experts, the routes of the old-policy forward: "
+                    "get them from actor.compute_logprobs(batch, record_routes=True) (actor.prepare_batch does this)"
+                )
+            return batch.old_routed_experts
+        if mode == "R3":
+            if batch.routed_experts is None:
+                raise BatchError(
+                    "algorithm.routing_replay=R3 needs batch.routed_experts from the rollout engine: "
+                    "set rollout.return_routed_experts=true (and routed_experts_include_prompt=true)"
+                )
+            return batch.routed_experts
+        return None
+
+    # -- forwards -------------------------------------------------------------------------------------
+
+    def _run_schedule(self, chunks: list, items: list, forward_step, *, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(items),
+            model=chunks,
+            num_microbatches=len(items),
+            seq_length=items[0].mb.width,
+            micro_batch_size=len(items[0].mb.rows),
+            forward_only=forward_only,
+        )
+
+    def _is_logprob_owner(self) -> bool:
+        return self.ctx.is_pipeline_last_stage() and self.ctx.tp_rank == 0
+
+    @torch.no_grad()
+    def _forward_logprobs(self, batch: TrainBatch, lengths: torch.Tensor, *, reference_model: bool, record: bool, replay, drift_reference):
+        """Forward-only pass over the whole batch; (logprobs [B, T], recorded routes or None) on every rank."""
+        ctx = self.ctx
+        chunks = self.reference if reference_model else self.model
+        microbatches = self._plan(lengths, 1)[0][ctx.dp_rank]
+        items = [microbatch_inputs(batch, mb, lengths, ctx.device, with_loss_inputs=False) for mb in microbatches]
+        routing = None if reference_model else self.routing
+        recorded = None
+        if record and routing is not None and routing.num_moe_layers:
+            # expert id + 1, 0 = not computed; uint8 when it fits (a quarter of int32's all-reduce)
+            dtype = torch.uint8 if self.arch.num_experts < 255 else torch.int32
+            recorded = torch.zeros(batch.batch_size, batch.seq_len, routing.num_moe_layers, self.arch.moe_topk, dtype=dtype)
+
+        def forward_step(data_iterator, model):
+            inputs = next(data_iterator)
+            if routing is not None:
+                routing.begin_microbatch(inputs.mb, lengths, replay=replay, reference=drift_reference, record=record)
+            output = model(inputs.tokens, inputs.position_ids, attention_mask=None)
+            if routing is not None:
+                routing.end_microbatch(inputs.mb, recorded)
+            return output, inference_loss(inputs, self.settings)
+
+        for chunk in chunks:
+            chunk.eval()
+        try:
+            outputs = self._run_schedule(chunks, items, forward_step, forward_only=True)
+        finally:
+            if routing is not None:
+                routing.reset()
+        logprobs = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
+        if self._is_logprob_owner():
+            for inputs, out in zip(items, outputs):
+                values = out["logprobs"].float().cpu()
+                for i, row in enumerate(inputs.mb.rows):
+                    if row >= 0:
+                        span = min(inputs.mb.width, batch.seq_len, int(lengths[row]))
+                        logprobs[row, :span] = values[i, :span]
+        # Each row was written on exactly one rank (its DP rank's last stage, TP rank 0): a sum assembles them.
+        logprobs = logprobs.to(ctx.device)
+        dist.all_reduce(logprobs, group=ctx.world_group)
+        routes = None
+        if recorded is not None:
+            recorded = recorded.to(ctx.device)
+            dist.all_reduce(recorded, group=ctx.world_group)
+            routes = recorded.cpu().to(torch.int16) - 1
+        return logprobs.cpu(), routes
+
+    def compute_logprobs(self, batch: TrainBatch, *, record_routes: bool = False):
+        """log pi_theta of every token under the current policy, no gradient ([B, T], on every rank).
+
+        With algorithm.routing_replay=R3 the forward replays batch.routed_experts (so
+        that the old policy and the training forward route alike). With
+        record_routes=True (R2) returns `LogprobsWithRoutes`: the logprobs, the
+        [B, T, L, K] experts this forward used, and, when the batch carries engine
+        routes, per layer and overall: ``routing/engine_vs_trainer`` (fraction of
+        tokens whose top-k set from the trainer's own router differs from the
+        engine's) and ``routing/engine_vs_trainer_used`` (the same for the experts
+        the forward used: 0 under R3 replay).
+        """
+        lengths = self.validate(batch)
+        replay = batch.routed_experts if self.algorithm.routing_replay == "R3" else None
+        if replay is None and self.algorithm.routing_replay == "R3":
+            self._replay_source(batch)  # raises with the fix
+        drift_reference = batch.routed_experts if record_routes else None
+        logprobs, routes = self._forward_logprobs(
+            batch, lengths, reference_model=False, record=record_routes and replay is None, replay=replay, drift_reference=drift_reference
+        )
+        self._check_model_output(batch, logprobs, "policy")
+        if not record_routes:
+            return logprobs
+        metrics = {}
+        if self.routing.num_moe_layers:
+            metrics = self.routing.take_drift_metrics("routing/engine_vs_trainer_used", own_prefix="routing/engine_vs_trainer")
+        if routes is None and replay is not None:
+            routes = replay.to(torch.int16)
+        return LogprobsWithRoutes(logprobs, routes, metrics)
+
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log pi_ref of every token under the frozen reference model ([B, T], every rank); needs algorithm.beta > 0."""
+        if self.reference is None:
+            raise ConfigError("compute_ref_logprobs: there is no reference model (algorithm.beta=0 skips it)")
+        lengths = self.validate(batch)
+        logprobs, _ = self._forward_logprobs(batch, lengths, reference_model=True, record=False, replay=None, drift_reference=None)
+        self._check_model_output(batch, logprobs, "reference")
+        return logprobs
+
+    def _check_model_output(self, batch: TrainBatch, logprobs: torch.Tensor, which: str) -> None:
+        check_finite(batch, f"{which} logprobs", logprobs,
+                     fix=f"the {which} model's forward produced NaN/inf: its weights or activations diverged (lower the lr, check the checkpoint)")
+
+    def prepare_batch(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        """Fill old_logprobs (+ old_routed_experts under R2, + ref_logprobs when beta > 0); returns (batch, metrics)."""
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        record = self.routing.num_moe_layers > 0 and (
+            self.algorithm.routing_replay == "R2" or self.train_cfg.routing_drift_metrics or batch.routed_experts is not None
+        )
+        result = self.compute_logprobs(batch, record_routes=record)
+        if record:
+            batch = batch.replace(old_logprobs=result.logprobs, old_routed_experts=result.routed_experts)
+            metrics.update(result.metrics)
+        else:
+            batch = batch.replace(old_logprobs=result)
+        if self.reference is not None:
+            batch = batch.replace(ref_logprobs=self.compute_ref_logprobs(batch))
+        metrics["time/old_logprobs_s"] = time.perf_counter() - t0
+        return batch, metrics
+
+    # -- training -------------------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL step: train.mini_batches_per_step optimizer steps over the batch; metrics on every rank.
+
+        Metrics: the loss's (algorithms.losses; ``/sum`` keys summed over the step's
+        mini-batches, means exact over every token of the step), ``grad_norm`` (mean
+        over mini-batches, before clipping) and ``grad_norm/max``, ``lr`` (of the last
+        optimizer step), ``microbatches_per_rank``, ``optimizer_steps``, and for MoE
+        models with old-policy or engine routes in the batch ``routing/drift`` (per
+        layer ``routing/drift/layer_l``: fraction of tokens whose experts used in the
+        training forward differ, as a set, from the old policy's; 0 under replay) and
+        ``routing/drift_own`` (the router's own top-k instead of the used experts).
+        """
+        t0 = time.perf_counter()
+        ctx = self.ctx
+        if batch.old_logprobs is None:
+            raise BatchError("batch.old_logprobs is missing: compute them with actor.compute_logprobs(batch) (actor.prepare_batch)")
+        if self.algorithm.beta > 0 and batch.ref_logprobs is None:
+            raise BatchError(f"algorithm.beta={self.algorithm.beta} needs batch.ref_logprobs: use actor.prepare_batch(batch)")
+        lengths = self.validate(batch)
+        replay = self._replay_source(batch)
+        drift_reference = batch.old_routed_experts if batch.old_routed_experts is not None else batch.routed_experts
+        loss_metrics, step_metrics = [], {"grad_norm": [], "lr": [], "microbatches": []}
+        for microbatches in (plan[ctx.dp_rank] for plan in self._plan(lengths, self.train_cfg.mini_batches_per_step)):
+            metrics, grad_norm = self._optimizer_step(batch, lengths, microbatches, replay, drift_reference)
+            loss_metrics.append(metrics)
+            step_metrics["grad_norm"].append(grad_norm)
+            step_metrics["lr"].append(self.optimizer.param_groups[0]["lr"])
+            step_metrics["microbatches"].append(len(microbatches))
+        out = self._reduce_loss_metrics(loss_metrics)
+        out["grad_norm"] = sum(step_metrics["grad_norm"]) / len(step_metrics["grad_norm"])
+        out["grad_norm/max"] = max(step_metrics["grad_norm"])
+        out["lr"] = step_metrics["lr"][-1]
+        out["microbatches_per_rank"] = float(sum(step_metrics["microbatches"]))
+        out["optimizer_steps"] = float(self.optimizer_steps)
+        if self.routing.num_moe_layers and drift_reference is not None:
+            out.update(self.routing.take_drift_metrics("routing/drift", own_prefix="routing/drift_own"))
+        out["time/train_step_s"] = time.perf_counter() - t0
+        return out
+
+    def _optimizer_step(self, batch, lengths, microbatches, replay, drift_reference) -> tuple[dict, float]:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        ctx = self.ctx
+        items = [microbatch_inputs(batch, mb, lengths, ctx.device, with_loss_inputs=True) for mb in microbatches]
+        # The step's global counts: one all-reduce over DP x CP, before the first microbatch.
+        denom = compute_loss_denominators(
+            [item.response_mask for item in items], group=ctx.dp_cp_group, max_response_tokens=self.max_response_tokens
+        )
+        scale = loss_scale(len(items), ctx.dp_size)
+        routing = self.routing
+
+        def forward_step(data_iterator, model):
+            inputs = next(data_iterator)
+            routing.begin_microbatch(inputs.mb, lengths, replay=replay, reference=drift_reference)
+            output = model(inputs.tokens, inputs.position_ids, attention_mask=None)
+            routing.end_microbatch()
+            return output, policy_loss(
+                inputs, self.settings, loss_fn=self.loss_fn, algorithm_cfg=self.algorithm, denom=denom, scale=scale,
+                compute_entropy=self.train_cfg.compute_entropy,
+            )
+
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        try:
+            outputs = self._run_schedule(self.model, items, forward_step, forward_only=False)
+        finally:
+            routing.reset()
+            clear_aux_losses_tracker()
+        self.scheduler.step(increment=1)  # optimizer step k runs at the schedule's rate for k
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron's optimizer skipped the step (non-finite gradients): the loss or the model diverged")
+        self.optimizer_steps += 1
+        return merge_metrics(outputs) if outputs else {}, float(grad_norm) if grad_norm is not None else float("nan")
+
+    def _reduce_loss_metrics(self, per_mini_batch: list[dict]) -> dict[str, float]:
+        """Exact metrics over microbatches, mini-batches and DP ranks, broadcast from the last stage to every rank."""
+        ctx = self.ctx
+        result = [None]
+        if ctx.is_pipeline_last_stage():
+            merged = merge_metrics(per_mini_batch)
+            merged = all_reduce_metrics(merged, group=ctx.dp_cp_group)
+            result[0] = finalize_metrics(merged)
+        if ctx.pp_size > 1:
+            dist.broadcast_object_list(result, src=ctx.pp_last_rank, group=ctx.pp_group)
+        return dict(result[0])
+
+    # -- weights --------------------------------------------------------------------------------------
+
+    def export_hf_weights(self, bucket_bytes: int, *, dst_rank: int = 0):
+        """HF-named weight buckets for weight sync (models.export_hf_weights; every rank must iterate)."""
+        return export_hf_weights(self.model, self.ctx, bucket_bytes=bucket_bytes, dst_rank=dst_rank)
+
+    def close(self) -> None:
+        """Release hooks and megatron's global RouterReplay entries of this actor's models."""
+        self.routing.close()
+
+
+__all__ = ["Actor", "LogprobsWithRoutes"]

@@ -1,0 +1,248 @@
+"""The actor's input: one RL step's sequences as right-padded tensors, and their checks.
+
+Alignment: every ``[B, T]`` per-token tensor is indexed by the position of the
+token it scores. ``logprobs[b, t] = log pi(tokens[b, t] | tokens[b, :t])`` (the
+model's output at position t - 1 predicts token t), ``response_mask[b, t]``
+is True iff ``tokens[b, t]`` is a response token the loss trains on. Column 0
+is never a response token (nothing predicts the first token). This is the
+layout of `megatron_rl.data.batch.PaddedRollouts`, so the conversion is a copy
+of references (`train_batch_from_rollouts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+class BatchError(ValueError):
+    """A batch the actor cannot train on; the message names the sample and the fix."""
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    """One RL step's sequences (B rows, right-padded to T tokens), identical on every rank.
+
+    The actor splits rows over data-parallel ranks, mini-batches and microbatches
+    itself; every rank must be given the same batch.
+    """
+
+    tokens: torch.Tensor
+    """[B, T] int64: prompt then response, right-padded (the padding value is irrelevant)."""
+    response_mask: torch.Tensor
+    """[B, T] bool: True on the response tokens the loss trains on (column 0 is always False)."""
+    advantages: torch.Tensor
+    """[B] float32 (one per sequence) or [B, T] float32 (per token, gspo_token)."""
+    prompt_lengths: torch.Tensor | None = None
+    """[B] int64: prompt tokens of each row (informational; used to name positions in errors)."""
+    sequence_lengths: torch.Tensor | None = None
+    """[B] int64: real tokens (prompt + response) of each row; None = derived from the masks."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, T] float32: log pi_old of each token (from `Actor.compute_logprobs`); needed by train_step."""
+    rollout_logprobs: torch.Tensor | None = None
+    """[B, T] float32: the rollout engine's logprob of each response token (TIS, mismatch metrics)."""
+    ref_logprobs: torch.Tensor | None = None
+    """[B, T] float32: the reference model's logprobs (needed when algorithm.beta > 0)."""
+    routed_experts: torch.Tensor | None = None
+    """[B, T, L, K] int16: the engine's top-k experts of each token per MoE layer (R3 source);
+    L = MoE layers in model order, K = experts per token; -1 where not captured (padding)."""
+    old_routed_experts: torch.Tensor | None = None
+    """[B, T, L, K] int16: the trainer's own top-k experts in the old-policy forward (R2 source),
+    from ``Actor.compute_logprobs(batch, record_routes=True)``."""
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def lengths(self) -> torch.Tensor:
+        """[B] int64 real tokens per row: sequence_lengths, else max(prompt length, last response token + 1)."""
+        if self.sequence_lengths is not None:
+            return self.sequence_lengths.to(torch.int64)
+        positions = torch.arange(1, self.seq_len + 1, dtype=torch.int64)
+        last_response = (self.response_mask.to(torch.int64) * positions).amax(dim=1)
+        if self.prompt_lengths is not None:
+            return torch.maximum(last_response, self.prompt_lengths.to(torch.int64))
+        return last_response
+
+    def replace(self, **changes) -> "TrainBatch":
+        """A copy with some fields replaced (tensors are shared, not copied)."""
+        return dataclasses.replace(self, **changes)
+
+    def select(self, rows: torch.Tensor) -> "TrainBatch":
+        """The rows `rows` (a [b] int64 index) as a new batch."""
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            fields[f.name] = value[rows] if isinstance(value, torch.Tensor) else value
+        return TrainBatch(**fields)
+
+
+def _name_position(batch: TrainBatch, b: int, t: int) -> str:
+    where = f"sample {b}, position {t}"
+    if batch.prompt_lengths is not None:
+        where += f" (response token {t - int(batch.prompt_lengths[b])})"
+    return where
+
+
+def check_finite(batch: TrainBatch, name: str, values: torch.Tensor | None, *, fix: str) -> None:
+    """Raise BatchError naming the first sample whose `name` is NaN/inf on a response token."""
+    if values is None:
+        return
+    bad = batch.response_mask & ~torch.isfinite(values)
+    if bool(bad.any()):
+        rows = torch.nonzero(bad.any(dim=1)).flatten().tolist()
+        b = rows[0]
+        t = int(torch.nonzero(bad[b])[0])
+        raise BatchError(
+            f"{name}[{b}, {t}] = {values[b, t].item()} ({_name_position(batch, b, t)}); {int(bad.sum())} non-finite "
+            f"response token(s) in {len(rows)} sample(s) {rows[:8]}{'...' if len(rows) > 8 else ''}: {fix}"
+        )
+
+
+def validate_batch(
+    batch: TrainBatch,
+    *,
+    vocab_size: int,
+    max_positions: int,
+    num_moe_layers: int = 0,
+    topk: int = 0,
+    num_experts: int = 0,
+    complete_routes: tuple[str, ...] = (),
+) -> None:
+    """Check shapes, dtypes, token ids, lengths, finiteness and routed experts; raise BatchError naming the sample.
+
+    complete_routes: the route fields that will be replayed, which must hold an expert
+    for every real token (elsewhere -1 marks a position the engine did not capture).
+    """
+    tokens, mask = batch.tokens, batch.response_mask
+    if tokens.dim() != 2 or tokens.dtype != torch.int64:
+        raise BatchError(f"tokens must be a [B, T] int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+    B, T = tokens.shape
+    if B == 0:
+        raise BatchError("the batch has no samples")
+    if mask.shape != tokens.shape or mask.dtype != torch.bool:
+        raise BatchError(f"response_mask must be [B, T] = {tuple(tokens.shape)} bool, got {tuple(mask.shape)} {mask.dtype}")
+    if bool(mask[:, 0].any()):
+        b = int(torch.nonzero(mask[:, 0])[0])
+        raise BatchError(
+            f"response_mask[{b}, 0] is True (sample {b}): position 0 has no logprob (nothing predicts the first token); "
+            "the mask marks target tokens aligned with `tokens` (prompts must be at least one token long)"
+        )
+    lengths = batch.lengths()
+    if lengths.shape != (B,):
+        raise BatchError(f"sequence_lengths must be [B] = [{B}], got {tuple(lengths.shape)}")
+    too_long = torch.nonzero(lengths > max_positions).flatten().tolist()
+    if too_long:
+        b = too_long[0]
+        raise BatchError(
+            f"sample {b} has {int(lengths[b])} tokens, more than the model's max_position_embeddings={max_positions} "
+            f"({len(too_long)} sample(s) too long: {too_long[:8]}): lower rollout.max_prompt_tokens + "
+            "rollout.max_new_tokens to at most that, or truncate the sequences before training"
+        )
+    if bool((lengths > T).any()) or bool((lengths < 1).any()):
+        b = int(torch.nonzero((lengths > T) | (lengths < 1))[0])
+        raise BatchError(f"sample {b}: sequence length {int(lengths[b])} outside [1, T={T}]")
+    beyond = mask & (torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1))
+    if bool(beyond.any()):
+        b = int(torch.nonzero(beyond.any(dim=1))[0])
+        raise BatchError(f"sample {b}: response_mask is True past its sequence length {int(lengths[b])}")
+    real = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    bad_ids = real & ((tokens < 0) | (tokens >= vocab_size))
+    if bool(bad_ids.any()):
+        b, t = (int(i) for i in torch.nonzero(bad_ids)[0])
+        raise BatchError(
+            f"tokens[{b}, {t}] = {int(tokens[b, t])} ({_name_position(batch, b, t)}) is outside the model's vocabulary "
+            f"[0, {vocab_size}): the tokenizer does not match the model"
+        )
+    adv = batch.advantages
+    if tuple(adv.shape) not in ((B,), (B, T)):
+        raise BatchError(f"advantages must be [B] = [{B}] or [B, T] = [{B}, {T}], got {tuple(adv.shape)}")
+    bad_adv = ~torch.isfinite(adv) if adv.dim() == 1 else (mask & ~torch.isfinite(adv)).any(dim=1)
+    if bool(bad_adv.any()):
+        b = int(torch.nonzero(bad_adv.reshape(B, -1).any(dim=1))[0])
+        raise BatchError(f"advantages of sample {b} are not finite: check the rewards and the advantage estimator's std")
+    for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+        values = getattr(batch, name)
+        if values is not None and values.shape != tokens.shape:
+            raise BatchError(f"{name} has shape {tuple(values.shape)}, tokens has {tuple(tokens.shape)}")
+    check_finite(batch, "rollout_logprobs", batch.rollout_logprobs,
+                 fix="the rollout engine returned NaN/inf logprobs; drop these samples or check the engine's dtype (fp16 overflow)")
+    check_finite(batch, "old_logprobs", batch.old_logprobs,
+                 fix="the old-policy forward diverged (check the weights for NaN) or the batch was corrupted")
+    check_finite(batch, "ref_logprobs", batch.ref_logprobs,
+                 fix="the reference model's forward diverged (check its weights for NaN)")
+    for name in ("routed_experts", "old_routed_experts"):
+        routes = getattr(batch, name)
+        if routes is not None:
+            check_routes(routes, name, lengths, num_moe_layers=num_moe_layers, topk=topk, num_experts=num_experts,
+                         batch_shape=(B, T), complete=name in complete_routes)
+
+
+def check_routes(
+    routes: torch.Tensor,
+    name: str,
+    lengths: torch.Tensor,
+    *,
+    num_moe_layers: int,
+    topk: int,
+    num_experts: int,
+    batch_shape: tuple[int, int],
+    complete: bool = True,
+) -> None:
+    """routes must be [B, T, L, K] integers in [-1, E); with `complete`, no -1 on a real token (replay needs them)."""
+    B, T = batch_shape
+    if num_moe_layers == 0:
+        raise BatchError(f"batch.{name} is set but the model has no MoE layers: drop it (rollout.return_routed_experts=false)")
+    expected = (B, T, num_moe_layers, topk)
+    if routes.dim() != 4 or tuple(routes.shape) != expected:
+        got = tuple(routes.shape)
+        hint = ""
+        if routes.dim() == 4 and got[:2] == (B, T):
+            hint = (f": the routes describe {got[2]} MoE layer(s) x top-{got[3]}, the model has {num_moe_layers} x "
+                    f"top-{topk}; the engine ran another model than the trainer (check rollout and model paths)")
+        elif routes.dim() == 4:
+            hint = ": the routes are not aligned with `tokens` (pad them to the batch's [B, T] as PaddedRollouts does)"
+        raise BatchError(f"batch.{name} has shape {got}, expected [B, T, L, K] = {list(expected)}{hint}")
+    if routes.dtype.is_floating_point or routes.dtype == torch.bool:
+        raise BatchError(f"batch.{name} must hold integer expert ids (int16), got {routes.dtype}")
+    real = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1))  # [B, T]
+    out_of_range = (routes >= num_experts) | (routes < -1)
+    missing = (routes == -1) & real[:, :, None, None] if complete else torch.zeros_like(out_of_range)
+    for problem, what, fix in (
+        (out_of_range, f"expert ids outside [0, {num_experts})", "the engine ran a model with another number of experts"),
+        (missing, "no captured route (-1) on a real token, which replay needs",
+         "the engine did not capture every position; set rollout.routed_experts_include_prompt=true (R3 replays the "
+         "prompt's routing too) or use algorithm.routing_replay=R2"),
+    ):
+        per_sample = problem.reshape(B, -1).any(dim=1)
+        if bool(per_sample.any()):
+            b = int(torch.nonzero(per_sample)[0])
+            t, layer, k = (int(i) for i in torch.nonzero(problem[b])[0])
+            raise BatchError(
+                f"batch.{name}[{b}, {t}, {layer}, {k}] = {int(routes[b, t, layer, k])} (sample {b}, position {t}, MoE "
+                f"layer {layer}): {what} in {int(per_sample.sum())} sample(s); {fix}"
+            )
+
+
+def train_batch_from_rollouts(rollouts, advantages: torch.Tensor) -> TrainBatch:
+    """A TrainBatch from `megatron_rl.data.batch.PaddedRollouts` (same layout; `Rollouts` are padded first)
+    and the advantages ([B] or [B, T])."""
+    padded = rollouts.to_padded() if hasattr(rollouts, "to_padded") else rollouts
+    return TrainBatch(
+        tokens=padded.tokens,
+        response_mask=padded.response_mask,
+        advantages=advantages,
+        prompt_lengths=padded.prompt_lengths,
+        sequence_lengths=padded.prompt_lengths + padded.response_lengths,
+        rollout_logprobs=padded.rollout_logprobs,
+        routed_experts=padded.routed_experts,
+    )
+
+
+__all__ = ["BatchError", "TrainBatch", "check_finite", "check_routes", "train_batch_from_rollouts", "validate_batch"]

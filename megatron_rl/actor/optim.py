@@ -1,0 +1,92 @@
+"""megatron's (distributed) optimizer and LR schedule from megatron_rl's OptimizerConfig."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.config.core import ConfigError
+from megatron_rl.config.schema import OptimizerConfig
+
+
+def build_optimizer(cfg: OptimizerConfig, model_chunks: list, *, dtype: torch.dtype):
+    """megatron.core.optimizer.get_megatron_optimizer for the chunks (Adam or SGD, clipping, weight decay).
+
+    bf16 parameters train with fp32 main parameters and gradients (megatron's
+    mixed-precision optimizer); fp16 would need loss scaling and is refused.
+    """
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    cfg.validate()
+    if cfg.name == "sgd" and cfg.use_distributed_optimizer:
+        raise ConfigError(
+            "optimizer.name=sgd with optimizer.use_distributed_optimizer=true: megatron's distributed optimizer "
+            "supports Adam only; set optimizer.use_distributed_optimizer=false for SGD"
+        )
+    if dtype == torch.float16:
+        raise ConfigError("model.dtype=float16 needs dynamic loss scaling, which the actor does not do: use bfloat16 or float32")
+    megatron_cfg = MegatronOptimizerConfig(
+        optimizer=cfg.name,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        sgd_momentum=cfg.sgd_momentum,
+        clip_grad=cfg.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(megatron_cfg, model_chunks, use_gloo_process_groups=False)
+
+
+def build_scheduler(cfg: OptimizerConfig, optimizer, *, total_optimizer_steps: int):
+    """megatron's OptimizerParamScheduler: linear warmup from 0 over warmup_steps, then decay_style to min_lr.
+
+    Stepped once *before* each optimizer step (`Actor` does it), so optimizer
+    step k uses the rate at k: k / warmup_steps x lr during warmup (never 0),
+    lr at the end of warmup, min_lr after lr_decay_steps (default: the run's
+    optimizer steps).
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = cfg.lr_decay_steps or total_optimizer_steps
+    decay_steps = max(decay_steps, cfg.warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.warmup_steps > 0 else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=min(cfg.min_lr, cfg.lr),
+        lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=cfg.decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        # A resumed run follows this config's schedule (e.g. more train.steps extends the decay).
+        override_opt_param_scheduler=True,
+    )
+
+
+def ddp_config(cfg: OptimizerConfig):
+    """DDP settings of the actor: fp32 gradient reduction, no overlap (one reduction after the last microbatch).
+
+    megatron's defaults are kept on purpose: DDP scales gradients by 1 / (DP x CP)
+    before its reduction (calculate_per_token_loss stays False); the loss is scaled
+    up to cancel it (see megatron_rl.actor.step).
+    """
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        average_in_collective=False,
+    )
+
+
+__all__ = ["build_optimizer", "build_scheduler", "ddp_config"]

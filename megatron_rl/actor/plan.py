@@ -1,0 +1,145 @@
+"""How one step's rows are cut into mini-batches, data-parallel shares and microbatches.
+
+Every rank holds the whole batch and computes the same plan, so no shapes
+are exchanged:
+
+    1. mini-batches: the rows split into `mini_batches` contiguous, near-equal
+       parts (rollouts are prompt-major, so a group stays in one mini-batch
+       when the sizes divide);
+    2. data-parallel shares: each mini-batch's rows dealt to DP ranks, longest
+       first, each to the rank with the fewest tokens so far (balanced work);
+    3. microbatches per rank: `micro_batch_size` rows at a time, or, with a
+       token budget, rows sorted by length and packed while
+       rows x padded width <= max_tokens_per_microbatch (a row longer than the
+       budget gets a microbatch of its own);
+    4. every DP rank gets the same number of microbatches M (EP's token
+       all-to-all runs once per microbatch on every rank): ranks with fewer
+       get empty ones (one padding row, no response tokens).
+
+A microbatch's width is its longest row rounded up to `width_multiple`
+(TP under sequence parallelism: each TP rank holds width / TP positions).
+With `equal_shapes_across_dp` (megatron's allgather token dispatcher with EP
+needs the same token count on every rank of the EP group) microbatch m has
+the same [rows, width] on every DP rank; with `uniform_shapes` (pipeline
+parallelism without variable_seq_lengths) all microbatches of a mini-batch
+share one shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """Rows of the step's batch (global indices; -1 = a padding row) padded to `width` tokens."""
+
+    rows: tuple[int, ...]
+    width: int
+
+    @property
+    def num_real_rows(self) -> int:
+        return sum(1 for r in self.rows if r >= 0)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def split_contiguous(num_rows: int, parts: int) -> list[list[int]]:
+    """range(num_rows) in `parts` contiguous chunks whose sizes differ by at most one."""
+    if parts < 1:
+        raise ValueError(f"parts={parts} must be >= 1")
+    base, extra = divmod(num_rows, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def split_balanced(rows: list[int], lengths: list[int], parts: int) -> list[list[int]]:
+    """Rows dealt to `parts` bins, longest first, each to the bin with the fewest tokens (ties: lowest bin)."""
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+        target = min(range(parts), key=lambda i: (load[i], len(bins[i]), i))
+        bins[target].append(row)
+        load[target] += lengths[row]
+    return [sorted(b) for b in bins]
+
+
+def _pack(rows: list[int], lengths: list[int], *, micro_batch_size: int, max_tokens: int, multiple: int) -> list[list[int]]:
+    if not rows:
+        return []
+    if max_tokens <= 0:
+        return [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    packs: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+        new_width = max(width, _round_up(lengths[row], multiple))
+        if current and (len(current) + 1) * new_width > max_tokens:
+            packs.append(current)
+            current, new_width = [], _round_up(lengths[row], multiple)
+        current.append(row)
+        width = new_width
+    packs.append(current)
+    return [sorted(p) for p in packs]
+
+
+def plan_step(
+    lengths: list[int],
+    *,
+    mini_batches: int,
+    dp_size: int,
+    micro_batch_size: int = 1,
+    max_tokens_per_microbatch: int = 0,
+    width_multiple: int = 1,
+    equal_shapes_across_dp: bool = False,
+    uniform_shapes: bool = False,
+) -> list[list[list[Microbatch]]]:
+    """plan[mini_batch][dp_rank] = that rank's microbatches (the same count on every rank of a mini-batch)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+    if len(lengths) < mini_batches:
+        raise ValueError(f"{len(lengths)} sequences cannot fill {mini_batches} mini-batches: lower train.mini_batches_per_step")
+    plan = []
+    for mini_rows in split_contiguous(len(lengths), mini_batches):
+        shares = split_balanced(mini_rows, lengths, dp_size)
+        packs = [
+            _pack(share, lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens_per_microbatch, multiple=width_multiple)
+            for share in shares
+        ]
+        num_micro = max(1, max(len(p) for p in packs))
+        for p in packs:
+            p.extend([] for _ in range(num_micro - len(p)))
+
+        def width_of(rows: list[int]) -> int:
+            return _round_up(max([lengths[r] for r in rows], default=1), width_multiple)
+
+        shapes = [[(max(1, len(rows)), width_of(rows)) for rows in p] for p in packs]
+        if equal_shapes_across_dp:
+            for m in range(num_micro):
+                common = (max(s[m][0] for s in shapes), max(s[m][1] for s in shapes))
+                for s in shapes:
+                    s[m] = common
+        if uniform_shapes:
+            for s in shapes:
+                common = (max(x[0] for x in s), max(x[1] for x in s))
+                s[:] = [common] * num_micro
+            if equal_shapes_across_dp:
+                common = (max(s[0][0] for s in shapes), max(s[0][1] for s in shapes))
+                for s in shapes:
+                    s[:] = [common] * num_micro
+        plan.append(
+            [
+                [Microbatch(tuple(rows) + (-1,) * (shape[0] - len(rows)), shape[1]) for rows, shape in zip(p, s)]
+                for p, s in zip(packs, shapes)
+            ]
+        )
+    return plan
+
+
+__all__ = ["Microbatch", "plan_step", "split_balanced", "split_contiguous"]

@@ -1,0 +1,268 @@
+"""MoE routing replay (R2/R3) on megatron-core's RouterReplay, and routing-drift metrics.
+
+Why: after one gradient step about 10% of a token's activated experts change
+(GSPO, arXiv 2507.18071, Sec. 5.3), so token-level importance ratios compare
+two different sparse networks. R2 replays, in the training forward and
+backward, the experts the old-policy forward chose; R3 (Rollout Routing
+Replay, arXiv 2510.11370) replays the experts the rollout engine chose. The
+router logits stay live: the gates of the replayed experts still train the
+router.
+
+Cost: recorded routes are assembled on every rank as one [B, T, L, K] tensor
+(an all-reduce of B x T x L x K bytes over the world, uint8 for fewer than 255
+experts). Keeping each rank's rows, layers and sequence slice local would remove
+it; the global tensor keeps R2 and R3 on one code path.
+
+Global layout (what the engine returns and what the actor records):
+``routes[b, t, l, k]`` = the k-th expert MoE layer l (MoE layers in model
+order, dense layers skipped) sends the token at position t of row b to.
+
+megatron's layout (what a router sees): per rank, per *local* MoE layer, one
+``[N_local, K]`` index tensor over the rank's local tokens, in the order
+hidden states are flattened: ``[s, b]`` (sequence-major), and under
+sequence parallelism only this TP rank's contiguous slice of the sequence.
+`local_tokens` converts one microbatch's ``[B_m, T_m, ...]`` tensor to that
+order; each pipeline stage uses only the MoE layers it holds.
+
+One microbatch forward, as the actor drives it:
+  1. `begin_microbatch`: for every local router, set RouterReplay's action
+     (RECORD, REPLAY_FORWARD with this microbatch's indices, or none) and the
+     drift monitor's reference routes;
+  2. the model forward: each router's top-k goes through RouterReplay
+     (moe_utils.topk_routing_with_score_function); a forward hook on each
+     router compares the experts it actually used (its routing_map) and its
+     own top-k with the reference routes;
+  3. `end_microbatch`: collect recorded indices; switch replay to
+     REPLAY_BACKWARD, so that activation recomputation in backward pops this
+     step's indices in microbatch order (megatron's FIFO replay_backward_list).
+
+Replay data is set per microbatch because REPLAY_FORWARD uses only the last
+`set_target_indices` (several microbatches and pipeline schedules interleave
+forwards).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.plan import Microbatch
+from megatron_rl.models.mapping import unwrap_model
+
+
+def local_tokens(x: torch.Tensor, *, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
+    """[B_m, T_m, ...] -> [N_local, ...]: megatron's [s, b] token order, this rank's sequence-parallel slice."""
+    x = x.transpose(0, 1)
+    if sequence_parallel and tp_size > 1:
+        if x.shape[0] % tp_size:
+            raise ValueError(f"microbatch width {x.shape[0]} is not divisible by TP={tp_size} (sequence parallelism)")
+        x = x.chunk(tp_size, dim=0)[tp_rank]
+    return x.reshape(-1, *x.shape[2:])
+
+
+def microbatch_routes(routes: torch.Tensor, mb: Microbatch, topk: int) -> torch.Tensor:
+    """[B_m, width, L, K] int64 routes of a microbatch; padding rows/positions and -1 entries get experts 0..K-1."""
+    num_rows, width = len(mb.rows), mb.width
+    L = routes.shape[2]
+    default = torch.arange(topk, dtype=torch.int64).expand(num_rows, width, L, topk)
+    out = default.clone()
+    real = [i for i, r in enumerate(mb.rows) if r >= 0]
+    if real:
+        rows = torch.tensor([mb.rows[i] for i in real])
+        span = min(width, routes.shape[1])
+        out[real, :span] = routes[rows, :span].to(torch.int64)
+    return torch.where(out < 0, default, out)
+
+
+def microbatch_positions(mb: Microbatch, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row index, position, counted) [B_m, width] of a microbatch; counted = real row and t < length - 1.
+
+    Drift counts positions whose routing can affect the loss: the last token of a
+    sequence only predicts past its end (and the engine never computes it).
+    """
+    rows = torch.tensor(mb.rows, dtype=torch.int64).unsqueeze(1).expand(-1, mb.width)
+    positions = torch.arange(mb.width, dtype=torch.int64).unsqueeze(0).expand(len(mb.rows), -1)
+    row_len = torch.where(rows >= 0, lengths[rows.clamp(min=0)], 0)
+    return rows, positions, positions < row_len - 1
+
+
+class RoutingControl:
+    """This rank's routers: replay, record and drift measurement (see the module docstring)."""
+
+    def __init__(self, model_chunks: list, arch, ctx) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._actions = RouterReplayAction
+        self.ctx = ctx
+        self.num_moe_layers = sum(arch.moe_layers) if arch.num_experts else 0
+        self.topk = arch.moe_topk
+        self.num_experts = arch.num_experts
+        moe_index = [sum(arch.moe_layers[:i]) for i in range(arch.num_layers)] if arch.num_experts else []
+        self.routers: list = []
+        self.layer_ids: list[int] = []  # global MoE-layer index of each local router
+        for chunk in model_chunks:
+            model = unwrap_model(chunk)
+            for layer in getattr(getattr(model, "decoder", None), "layers", []):
+                router = getattr(getattr(layer, "mlp", None), "router", None)
+                if router is None:
+                    continue
+                if router.router_replay is None:
+                    raise RuntimeError("the model's routers have no RouterReplay: build it with moe_enable_routing_replay=True")
+                self.routers.append(router)
+                self.layer_ids.append(moe_index[layer.layer_number - 1])
+        self._hooks = [r.register_forward_hook(self._make_hook(i)) for i, r in enumerate(self.routers)]
+        self._active = False
+        self._reference: list[torch.Tensor] | None = None
+        self._counted: torch.Tensor | None = None
+        # per MoE layer: [used differs, own differs, counted] (on the device: no host sync per forward)
+        self.counts = torch.zeros(max(self.num_moe_layers, 1), 3, dtype=torch.float64, device=ctx.device)
+
+    # -- conversion -------------------------------------------------------------------------------
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        return local_tokens(x, tp_rank=self.ctx.tp_rank, tp_size=self.ctx.tp_size, sequence_parallel=self.ctx.sequence_parallel)
+
+    def _per_layer(self, routes_mb: torch.Tensor) -> list[torch.Tensor]:
+        local = self._local(routes_mb)  # [N_local, L, K]
+        return [local[:, g].contiguous().to(self.ctx.device) for g in self.layer_ids]
+
+    # -- one microbatch ---------------------------------------------------------------------------
+
+    def begin_microbatch(
+        self,
+        mb: Microbatch,
+        lengths: torch.Tensor,
+        *,
+        replay: torch.Tensor | None = None,
+        reference: torch.Tensor | None = None,
+        record: bool = False,
+    ) -> None:
+        """Set this microbatch's replay indices (global [B, T, L, K] routes) / RECORD, and the drift reference."""
+        if not self.routers:
+            return
+        if replay is not None:
+            for router, indices in zip(self.routers, self._per_layer(microbatch_routes(replay, mb, self.topk))):
+                router.router_replay.set_target_indices(indices)
+                router.router_replay.set_router_replay_action(self._actions.REPLAY_FORWARD)
+        elif record:
+            for router in self.routers:
+                router.router_replay.set_router_replay_action(self._actions.RECORD)
+        else:
+            for router in self.routers:
+                router.router_replay.clear_router_replay_action()
+        self._reference = None
+        if reference is not None:
+            _, _, counted = microbatch_positions(mb, lengths)
+            ref_mb = microbatch_routes(reference, mb, self.topk)
+            # Positions whose reference route was not captured (-1) are not counted.
+            raw = torch.full((len(mb.rows), mb.width, self.num_moe_layers, self.topk), -1, dtype=torch.int64)
+            real = [i for i, r in enumerate(mb.rows) if r >= 0]
+            if real:
+                span = min(mb.width, reference.shape[1])
+                raw[real, :span] = reference[torch.tensor([mb.rows[i] for i in real]), :span].to(torch.int64)
+            captured = (raw >= 0).all(dim=-1)  # [B_m, W, L]
+            self._reference = self._per_layer(ref_mb)
+            counted_local = self._local(counted.unsqueeze(-1) & captured)  # [N_local, L]
+            self._counted = counted_local.to(self.ctx.device)
+        self._active = True
+
+    def end_microbatch(self, mb: Microbatch | None = None, record_into: torch.Tensor | None = None) -> None:
+        """After the model forward: store recorded routes into `record_into` ([B, T, L, K], expert id + 1)."""
+        self._active = False
+        if not self.routers:
+            return
+        if record_into is not None and mb is not None:
+            rows = self._local(torch.tensor(mb.rows, dtype=torch.int64).unsqueeze(1).expand(-1, mb.width))
+            positions = self._local(torch.arange(mb.width, dtype=torch.int64).unsqueeze(0).expand(len(mb.rows), -1))
+            keep = (rows >= 0) & (positions < record_into.shape[1])
+            for router, g in zip(self.routers, self.layer_ids):
+                recorded = router.router_replay.get_recorded_indices()
+                if recorded is None:
+                    raise RuntimeError("a router recorded no indices: is moe_router_fusion on (it bypasses RouterReplay)?")
+                record_into[rows[keep], positions[keep], g] = (recorded.cpu()[keep] + 1).to(record_into.dtype)
+        for router in self.routers:
+            if router.router_replay.router_replay_action == self._actions.REPLAY_FORWARD:
+                # Recomputation in backward (recompute_activations) pops this step's indices in order.
+                router.router_replay.set_router_replay_action(self._actions.REPLAY_BACKWARD)
+
+    def reset(self) -> None:
+        """Clear actions and indices of every local router (after each forward_backward call)."""
+        self._active = False
+        self._reference = None
+        for router in self.routers:
+            router.router_replay.clear_router_replay_action()
+            router.router_replay.clear_indices()
+
+    def close(self) -> None:
+        """Remove hooks and drop this model's instances from megatron's global RouterReplay list."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        for hook in self._hooks:
+            hook.remove()
+        mine = {id(r.router_replay) for r in self.routers}
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if id(r) not in mine
+        ]
+        self.routers = []
+
+    # -- drift ------------------------------------------------------------------------------------
+
+    def _own_topk(self, router, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The router's own top-k (what it would choose without replay); None for group-limited routing."""
+        config = router.config
+        if config.moe_router_num_groups:
+            return None
+        logits = router.gating(hidden).reshape(-1, config.num_moe_experts).float()
+        scores = logits if router.score_function == "softmax" else torch.sigmoid(logits)
+        if router.expert_bias is not None:
+            scores = scores + router.expert_bias
+        return scores.topk(router.topk, dim=1).indices
+
+    def _make_hook(self, index: int):
+        def hook(router, args, output):
+            if not self._active or self._reference is None:
+                return
+            with torch.no_grad():
+                routing_map = output[1]  # [N_local, E] bool: the experts this forward used
+                reference = self._reference[index]
+                counted = self._counted[:, self.layer_ids[index]]
+                ref_map = torch.zeros_like(routing_map).scatter_(1, reference, True)
+                used_differs = (routing_map != ref_map).any(dim=1) & counted
+                own = self._own_topk(router, args[0])
+                if own is None:
+                    own_differs = used_differs
+                else:
+                    own_map = torch.zeros_like(routing_map).scatter_(1, own, True)
+                    own_differs = (own_map != ref_map).any(dim=1) & counted
+                row = self.counts[self.layer_ids[index]]
+                row += torch.stack([used_differs.sum(), own_differs.sum(), counted.sum()]).double()
+
+        return hook
+
+    def take_drift_metrics(self, prefix: str, *, own_prefix: str | None = None) -> dict[str, float]:
+        """All-reduce (world) and reset the drift counts; per layer and overall fractions.
+
+        ``{prefix}/layer_{l}``: tokens whose used top-k set differs from the reference;
+        ``{own_prefix}/layer_{l}``: the same for the router's own top-k (equal without replay).
+        Every rank must call it (one all-reduce).
+        """
+        counts = self.counts.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts, group=self.ctx.world_group)
+        counts = counts.cpu()
+        self.counts.zero_()
+        out: dict[str, float] = {}
+        total = counts[:, 2].sum().item()
+        if total == 0:
+            return out
+        for column, name in ((0, prefix), (1, own_prefix)):
+            if name is None:
+                continue
+            for layer in range(self.num_moe_layers):
+                n = counts[layer, 2].item()
+                out[f"{name}/layer_{layer}"] = counts[layer, column].item() / n if n else float("nan")
+            out[name] = counts[:, column].sum().item() / total
+        return out
+
+
+__all__ = ["RoutingControl", "local_tokens", "microbatch_positions", "microbatch_routes"]

@@ -1,0 +1,252 @@
+"""The actor's training step gives the single-rank whole-batch gradient on every layout, for every loss.
+
+One batch (12 sequences of 10-40 tokens, uneven prompts, one row without
+response tokens, temperature 0.8, a vocabulary of 200 padded to 256 by
+megatron) is trained for one optimizer step with SGD at lr 1, no clipping, no
+momentum: the parameter update is minus the gradient. For gspo, gspo_token,
+dapo and grpo (grpo with a KL term to the frozen reference model), the update
+on TP2, PP2, EP2 (allgather dispatcher, token-budget packing), DP2 x 3
+microbatches, TP2xEP2 and TP2xPP2xEP2 (packing) must equal the single-rank run
+on the whole batch in ONE microbatch within 1e-5 relative; the microbatches of
+the split layouts hold different numbers of tokens. TP2's logprobs must equal
+the single rank's within 1e-5.
+
+The chain is anchored outside megatron_rl: the single-rank logprobs and the
+gspo and dapo gradients are checked against transformers' model and the
+losses written out below from the papers' formulas.
+
+One launch per world size (1, 2, 4); layouts switch in-process.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_distributed
+
+LOSSES = ("gspo", "gspo_token", "dapo", "grpo")
+B, T = 12, 40
+TEMPERATURE = 0.8
+CLIP = 0.2
+GRPO_BETA = 0.05
+TOLERANCE = 1e-5
+
+# name -> (layout, train settings, token dispatcher)
+WORLD1 = {"single": ({}, {"micro_batch_size": B}, "alltoall")}
+WORLD2 = {
+    "TP2": ({"tensor_parallel": 2, "expert_tensor_parallel": 2}, {"micro_batch_size": 3}, "alltoall"),
+    "PP2": ({"pipeline_parallel": 2}, {"micro_batch_size": 2}, "alltoall"),
+    "EP2": ({"expert_parallel": 2}, {"max_tokens_per_microbatch": 96}, "allgather"),
+    "DP2x3mb": ({}, {"micro_batch_size": 2}, "alltoall"),
+}
+WORLD4 = {
+    "TP2xEP2": ({"tensor_parallel": 2, "expert_parallel": 2}, {"micro_batch_size": 2}, "alltoall"),
+    "TP2xPP2xEP2": ({"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2}, {"max_tokens_per_microbatch": 120}, "alltoall"),
+}
+
+
+def make_batch():
+    """The step's batch (identical on every rank): tokens, masks, advantages (no old logprobs yet)."""
+    from megatron_rl.actor import TrainBatch
+
+    g = torch.Generator().manual_seed(2024)
+    lengths = torch.tensor([40, 23, 31, 12, 37, 18, 27, 10, 35, 29, 15, 33])
+    prompts = torch.tensor([6, 3, 9, 4, 5, 7, 3, 4, 8, 6, 5, 4])
+    positions = torch.arange(T)
+    mask = (positions[None] >= prompts[:, None]) & (positions[None] < lengths[:, None])
+    mask[5] = False  # a sample whose response was filtered out: in no denominator, no gradient
+    return TrainBatch(
+        tokens=torch.randint(0, 200, (B, T), generator=g),
+        response_mask=mask,
+        advantages=torch.randn(B, generator=g),
+        prompt_lengths=prompts,
+        sequence_lengths=lengths,
+    )
+
+
+def old_from(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Old-policy logprobs a little off the current ones (ratios 0.95..1.05: nothing clipped at 0.2)."""
+    noise = (torch.rand(logprobs.shape, generator=torch.Generator().manual_seed(7)) - 0.5) * 0.1
+    return torch.where(mask, logprobs + noise, logprobs)
+
+
+def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprobs) -> dict | None:
+    from megatron_rl.actor import Actor
+    from megatron_rl.config import AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+    from megatron_rl.models import export_hf_state_dict, load_hf_config, model_shape
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    shape = model_shape(load_hf_config(model_dir))
+    sgd = OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0, use_distributed_optimizer=False)
+    out = {}
+    for name, (layout, train, dispatcher) in cases.items():
+        ctx = init_parallel(ParallelConfig(timeout_s=120, **layout), shape=shape)
+        try:
+            case = {"updates": {}, "metrics": {}}
+            batch = make_batch()
+            for loss in LOSSES:
+                algorithm = AlgorithmConfig(loss=loss, eps_low=CLIP, eps_high=CLIP, beta=GRPO_BETA if loss == "grpo" else 0.0)
+                actor = Actor(ctx, model=ModelConfig(path=model_dir, token_dispatcher=dispatcher), optimizer=sgd,
+                              train=TrainConfig(**train), algorithm=algorithm, temperature=TEMPERATURE)
+                try:
+                    if "logprobs" not in case:
+                        case["logprobs"] = actor.compute_logprobs(batch)
+                        old = old_logprobs if old_logprobs is not None else old_from(case["logprobs"], batch.response_mask)
+                        batch = batch.replace(old_logprobs=old)
+                        case["old_logprobs"] = old
+                    step_batch = batch
+                    if loss == "gspo_token":  # per-token advantages (the sequence's value, varied along the response)
+                        ramp = 1.0 + 0.1 * torch.linspace(-1, 1, T)
+                        step_batch = batch.replace(advantages=batch.advantages[:, None] * ramp[None])
+                    if algorithm.beta > 0:
+                        step_batch = step_batch.replace(ref_logprobs=actor.compute_ref_logprobs(step_batch))
+                        case["ref_logprobs"] = step_batch.ref_logprobs
+                    case["metrics"][loss] = actor.train_step(step_batch)
+                    params = export_hf_state_dict(actor.model, ctx)
+                    if rank == 0:
+                        case["updates"][loss] = params
+                finally:
+                    actor.close()
+            out[name] = case
+        finally:
+            destroy_parallel(ctx, keep_world=True)
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    # Vocabulary 200, padded by megatron to 256 (128 x TP): the padded columns must stay out of the softmax.
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("actor") / "moe", "qwen3_moe", seed=11, with_tokenizer=False,
+                                   vocab_size=200))
+
+
+@pytest.fixture(scope="module")
+def single(model_dir):
+    return run_distributed(_worker, 1, model_dir, WORLD1, None, timeout=240)[0]["single"]
+
+
+def _initial(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(f"{model_dir}/model.safetensors")
+
+
+def _flat_update(params: dict, initial: dict) -> torch.Tensor:
+    return torch.cat([(params[k] - initial[k]).flatten() for k in sorted(initial)])
+
+
+def _compare(results: dict, reference: dict, initial: dict) -> list[str]:
+    failures = []
+    mask = make_batch().response_mask
+    for name, case in results.items():
+        lp_err = (case["logprobs"] - reference["logprobs"]).abs().max().item()
+        line = [f"{name:12s} logprobs {lp_err:.1e}"]
+        if lp_err > TOLERANCE:
+            failures.append(f"{name}: logprobs differ from the single rank's by {lp_err:.3g}")
+        if "ref_logprobs" in case:
+            ref_err = ((case["ref_logprobs"] - reference["logprobs"]) * mask).abs().max().item()
+            if ref_err > TOLERANCE:
+                failures.append(f"{name}: reference-model logprobs differ from the initial policy's by {ref_err:.3g}")
+        for loss in LOSSES:
+            expected = _flat_update(reference["updates"][loss], initial)
+            got = _flat_update(case["updates"][loss], initial)
+            err = ((got - expected).norm() / expected.norm()).item()
+            loss_value, ref_loss = case["metrics"][loss]["loss/sum"], reference["metrics"][loss]["loss/sum"]
+            loss_err = abs(loss_value - ref_loss) / abs(ref_loss)
+            line.append(f"{loss} {err:.1e}")
+            if not (err <= TOLERANCE and loss_err <= TOLERANCE):
+                failures.append(f"{name}/{loss}: relative gradient error {err:.3g}, loss error {loss_err:.3g}")
+        print("  ".join(line))
+    return failures
+
+
+def test_single_rank_matches_transformers(model_dir, single):
+    """Logprobs and the gspo / dapo gradients of the single-rank actor = transformers + the papers' formulas."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = make_batch()
+    mask = batch.response_mask
+    initial = _initial(model_dir)
+
+    def hf_logprobs():
+        logits = model(batch.tokens).logits / TEMPERATURE
+        picked = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+        return torch.cat([torch.zeros(B, 1), picked], dim=1)  # token-aligned
+
+    with torch.no_grad():
+        expected = hf_logprobs()
+    lengths = batch.sequence_lengths
+    real = torch.arange(T)[None] < lengths[:, None]
+    assert ((single["logprobs"] - expected).abs() * real).max() <= TOLERANCE
+    old = single["old_logprobs"]
+    advantages = batch.advantages
+    has_tokens = mask.any(dim=1)
+
+    def gspo(logprobs):
+        # s_i = exp(mean_t log-ratio); L = -(1/N_seq) sum_i min(s_i A_i, clip(s_i, 1-e, 1+e) A_i)   (GSPO Eq. 5, 7)
+        log_ratio = torch.where(mask, logprobs - old, 0.0)
+        s = torch.exp(log_ratio.sum(1) / mask.sum(1).clamp(min=1))
+        per_seq = torch.minimum(s * advantages, s.clamp(1 - CLIP, 1 + CLIP) * advantages)
+        return -(per_seq * has_tokens).sum() / has_tokens.sum()
+
+    def dapo(logprobs):
+        # L = -(1/N_tok) sum_{i,t} min(w A, clip(w, 1-e, 1+e) A)   (DAPO Eq. 8)
+        w = torch.exp(torch.where(mask, logprobs - old, 0.0))
+        a = advantages[:, None]
+        per_token = torch.minimum(w * a, w.clamp(1 - CLIP, 1 + CLIP) * a)
+        return -(per_token * mask).sum() / mask.sum()
+
+    for loss_name, loss_fn in (("gspo", gspo), ("dapo", dapo)):
+        model.zero_grad()
+        loss = loss_fn(hf_logprobs())
+        loss.backward()
+        grads = _hf_grads_by_export_name(model)
+        assert set(grads) == set(initial)
+        got = _flat_update(single["updates"][loss_name], initial)
+        want = -torch.cat([grads[k].flatten() for k in sorted(initial)])
+        err = ((got - want).norm() / want.norm()).item()
+        print(f"{loss_name}: relative gradient error vs transformers {err:.2e}, loss {loss.item():.6f} vs {single['metrics'][loss_name]['loss/sum']:.6f}")
+        assert err <= TOLERANCE, (loss_name, err)
+        assert abs(loss.item() - single["metrics"][loss_name]["loss/sum"]) <= TOLERANCE * abs(loss.item())
+
+
+def _hf_grads_by_export_name(model) -> dict[str, torch.Tensor]:
+    """transformers 5 fuses each layer's experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]); the
+    checkpoint and megatron_rl's export use per-expert names."""
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if name.endswith("experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e in range(grad.shape[0]):
+                gate, up = grad[e].chunk(2, dim=0)
+                grads[f"{prefix}{e}.gate_proj.weight"], grads[f"{prefix}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(grad.shape[0]):
+                grads[f"{prefix}{e}.down_proj.weight"] = grad[e]
+        else:
+            grads[name] = grad
+    return grads
+
+
+def test_single_rank_step_moves_the_weights(model_dir, single):
+    initial = _initial(model_dir)
+    for loss in LOSSES:
+        assert _flat_update(single["updates"][loss], initial).norm() > 1e-3, loss
+        assert single["metrics"][loss]["sequences/sum"] == B - 1  # the filtered sample counts nowhere
+
+
+@pytest.mark.parametrize("world_size,cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
+def test_layouts_give_the_single_rank_gradient(model_dir, single, world_size, cases):
+    results = run_distributed(_worker, world_size, model_dir, cases, single["old_logprobs"], timeout=300)[0]
+    failures = _compare(results, single, _initial(model_dir))
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,155 @@
+"""Routing replay (R2, R3) and routing-drift metrics on every layout.
+
+Per layout, three actors train the same batch for one RL step of two
+optimizer steps (Adam, lr 0.05: the router weights change a lot after the
+first), with megatron's distributed optimizer:
+
+* no replay: the experts used in the second mini-batch's forward differ from
+  the old policy's (recorded in prepare_batch) -> routing/drift > 0 per layer;
+* R2: the forward replays the recorded experts -> the experts the MoE layers
+  actually used (their routing_map, seen by a forward hook) equal the
+  recorded ones on every token: routing/drift == 0 exactly, while the
+  routers' own top-k has moved (routing/drift_own > 0);
+* R3: random "engine" routes are replayed in the old-policy forward and in
+  training: drift == 0, the engine-vs-trainer metric is large, and the
+  replayed forward's logprobs equal the single rank's (the conversion to each
+  rank's local tokens, sequence-parallel slice and local layers is right).
+
+The routes recorded on every layout equal the single rank's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_distributed
+
+B, T, NUM_EXPERTS, TOPK, MOE_LAYERS = 8, 24, 8, 2, 2
+MODES = ("none", "R2", "R3")
+WORLD1 = {"single": {}}
+WORLD2 = {
+    "TP2": {"tensor_parallel": 2, "expert_tensor_parallel": 2},
+    "PP2": {"pipeline_parallel": 2},
+    "EP2": {"expert_parallel": 2},
+    "DP2": {},
+}
+WORLD4 = {
+    "TP2xEP2": {"tensor_parallel": 2, "expert_parallel": 2},
+    "TP2xPP2xEP2": {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2},
+}
+
+
+def make_batch(engine_routes: bool):
+    from megatron_rl.actor import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([24, 20, 17, 12, 22, 9, 15, 24])
+    prompts = torch.tensor([5, 4, 6, 3, 8, 2, 4, 4])
+    positions = torch.arange(T)
+    routes = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(B * T * MOE_LAYERS)])
+    routes = routes.reshape(B, T, MOE_LAYERS, TOPK).to(torch.int16)
+    return TrainBatch(
+        tokens=torch.randint(0, 256, (B, T), generator=g),
+        response_mask=(positions[None] >= prompts[:, None]) & (positions[None] < lengths[:, None]),
+        advantages=torch.randn(B, generator=g),
+        prompt_lengths=prompts,
+        sequence_lengths=lengths,
+        routed_experts=routes if engine_routes else None,
+    )
+
+
+def _worker(rank: int, world_size: int, model_dir: str, cases: dict) -> dict | None:
+    from megatron_rl.actor import Actor
+    from megatron_rl.config import AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+    from megatron_rl.models import load_hf_config, model_shape
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    shape = model_shape(load_hf_config(model_dir))
+    out = {}
+    for name, layout in cases.items():
+        ctx = init_parallel(ParallelConfig(timeout_s=120, **layout), shape=shape)
+        try:
+            case = {}
+            for mode in MODES:
+                actor = Actor(
+                    ctx,
+                    model=ModelConfig(path=model_dir),
+                    optimizer=OptimizerConfig(lr=0.05, clip_grad=0.0),
+                    train=TrainConfig(micro_batch_size=2, mini_batches_per_step=2),
+                    algorithm=AlgorithmConfig(loss="grpo", routing_replay=mode),
+                )
+                try:
+                    batch, prepare_metrics = actor.prepare_batch(make_batch(engine_routes=mode == "R3"))
+                    train_metrics = actor.train_step(batch)
+                    case[mode] = {
+                        "prepare": prepare_metrics,
+                        "train": train_metrics,
+                        "old_logprobs": batch.old_logprobs,
+                        "old_routes": batch.old_routed_experts,
+                    }
+                finally:
+                    actor.close()
+            out[name] = case
+        finally:
+            destroy_parallel(ctx, keep_world=True)
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("replay") / "moe", "qwen3_moe", seed=5, with_tokenizer=False))
+
+
+@pytest.fixture(scope="module")
+def single(model_dir):
+    return run_distributed(_worker, 1, model_dir, WORLD1, timeout=240)[0]["single"]
+
+
+def _layer_values(metrics: dict, prefix: str) -> list[float]:
+    return [metrics[f"{prefix}/layer_{layer}"] for layer in range(MOE_LAYERS)]
+
+
+def _sets(routes: torch.Tensor) -> torch.Tensor:
+    return routes.sort(dim=-1).values
+
+
+def _check(name: str, case: dict, single: dict) -> None:
+    none, r2, r3 = case["none"], case["R2"], case["R3"]
+    lengths = make_batch(False).sequence_lengths
+    real = torch.arange(T)[None] < lengths[:, None]
+    # Without replay the second optimizer step's forward routes differently from the old policy.
+    assert all(v > 0 for v in _layer_values(none["train"], "routing/drift")), (name, none["train"])
+    assert _layer_values(none["train"], "routing/drift") == _layer_values(none["train"], "routing/drift_own")
+    # R2: the experts used are exactly the recorded ones, although the routers' own choice moved.
+    assert _layer_values(r2["train"], "routing/drift") == [0.0] * MOE_LAYERS, (name, r2["train"])
+    assert all(v > 0 for v in _layer_values(r2["train"], "routing/drift_own")), (name, r2["train"])
+    # R3: engine routes replayed in the old-policy forward and in training.
+    assert _layer_values(r3["train"], "routing/drift") == [0.0] * MOE_LAYERS, (name, r3["train"])
+    assert _layer_values(r3["prepare"], "routing/engine_vs_trainer_used") == [0.0] * MOE_LAYERS
+    assert all(v > 0.5 for v in _layer_values(r3["prepare"], "routing/engine_vs_trainer")), (name, r3["prepare"])
+    assert torch.equal(r3["old_routes"], make_batch(True).routed_experts)
+    r3_err = ((r3["old_logprobs"] - single["R3"]["old_logprobs"]) * real).abs().max().item()
+    assert r3_err <= 1e-5, (name, r3_err)
+    # The routes recorded on this layout are the single rank's (gathered over TP/SP, PP, DP, EP).
+    recorded, expected = r2["old_routes"], single["R2"]["old_routes"]
+    assert recorded.shape == (B, T, MOE_LAYERS, TOPK)
+    assert bool((recorded[real] >= 0).all())
+    assert torch.equal(_sets(recorded)[real], _sets(expected)[real]), name
+    print(f"{name:12s} drift none {none['train']['routing/drift']:.3f}  R2 {r2['train']['routing/drift']} "
+          f"(own {r2['train']['routing/drift_own']:.3f})  R3 {r3['train']['routing/drift']}  R3 logprobs {r3_err:.1e}")
+
+
+def test_replay_single_rank(single):
+    _check("single", single, single)
+    # R3's logprobs differ from the model's own routing's: the replay changes the forward.
+    assert (single["R3"]["old_logprobs"] - single["none"]["old_logprobs"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("world_size,cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
+def test_replay_on_layouts(model_dir, single, world_size, cases):
+    results = run_distributed(_worker, world_size, model_dir, cases, timeout=300)[0]
+    for name, case in results.items():
+        _check(name, case, single)

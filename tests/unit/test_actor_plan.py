@@ -1,0 +1,69 @@
+"""The step plan: every row in exactly one microbatch of one DP rank; equal microbatch counts; budgets and shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_rl.actor.plan import plan_step, split_balanced, split_contiguous
+
+LENGTHS = [random.Random(0).randint(3, 60) for _ in range(23)]
+
+
+def _rows(plan):
+    return sorted(r for mini in plan for rank in mini for mb in rank for r in mb.rows if r >= 0)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+@pytest.mark.parametrize("mini", [1, 2])
+@pytest.mark.parametrize("budget", [0, 100, 10])
+def test_every_row_once_and_equal_counts(dp, mini, budget):
+    plan = plan_step(LENGTHS, mini_batches=mini, dp_size=dp, micro_batch_size=3, max_tokens_per_microbatch=budget, width_multiple=2)
+    assert _rows(plan) == list(range(len(LENGTHS)))
+    assert len(plan) == mini
+    for i, mini_batch in enumerate(plan):
+        assert len(mini_batch) == dp
+        assert len({len(rank) for rank in mini_batch}) == 1  # the same M on every DP rank
+        rows = sorted(r for rank in mini_batch for mb in rank for r in mb.rows if r >= 0)
+        assert rows == split_contiguous(len(LENGTHS), mini)[i]  # mini-batches are contiguous
+        for rank in mini_batch:
+            for mb in rank:
+                assert mb.width % 2 == 0
+                assert all(LENGTHS[r] <= mb.width for r in mb.rows if r >= 0)
+                if budget and mb.num_real_rows > 1:
+                    assert len(mb.rows) * mb.width <= budget
+                if not budget:
+                    assert len(mb.rows) <= 3
+
+
+def test_token_budget_packs_short_rows_together():
+    plan = plan_step([10, 10, 10, 10, 50], mini_batches=1, dp_size=1, max_tokens_per_microbatch=40)
+    micro = plan[0][0]
+    assert sorted(len(mb.rows) for mb in micro) == [1, 4]  # the 50-token row alone (over budget), 4 x 10 together
+
+
+def test_equal_and_uniform_shapes():
+    plan = plan_step(LENGTHS, mini_batches=1, dp_size=2, micro_batch_size=2, equal_shapes_across_dp=True)
+    for m in range(len(plan[0][0])):
+        assert plan[0][0][m].width == plan[0][1][m].width and len(plan[0][0][m].rows) == len(plan[0][1][m].rows)
+    plan = plan_step(LENGTHS, mini_batches=1, dp_size=2, max_tokens_per_microbatch=80, uniform_shapes=True)
+    for rank in plan[0]:
+        assert len({(len(mb.rows), mb.width) for mb in rank}) == 1
+
+
+def test_ranks_without_rows_get_padding_microbatches():
+    plan = plan_step([5, 6], mini_batches=1, dp_size=3, micro_batch_size=1)
+    empty = [rank for rank in plan[0] if all(r < 0 for mb in rank for r in mb.rows)]
+    assert len(empty) == 1 and empty[0][0].rows == (-1,)
+
+
+def test_balanced_split_balances_tokens():
+    shares = split_balanced(list(range(len(LENGTHS))), LENGTHS, 3)
+    loads = [sum(LENGTHS[r] for r in share) for share in shares]
+    assert max(loads) - min(loads) <= max(LENGTHS)
+
+
+def test_too_few_rows_for_mini_batches():
+    with pytest.raises(ValueError, match="mini_batches_per_step"):
+        plan_step([5], mini_batches=2, dp_size=1)

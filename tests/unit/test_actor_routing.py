@@ -1,0 +1,59 @@
+"""Global [B, T, L, K] routes <-> megatron's per-rank local-token order, and the microbatch tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.actor.plan import Microbatch
+from megatron_rl.actor.routing import local_tokens, microbatch_positions, microbatch_routes
+from megatron_rl.actor.step import loss_scale, microbatch_inputs, take_rows, token_aligned
+from megatron_rl.actor import TrainBatch
+
+
+def test_local_tokens_follow_megatrons_sequence_parallel_order():
+    B, W, TP = 3, 8, 2
+    coords = torch.stack(torch.meshgrid(torch.arange(B), torch.arange(W), indexing="ij"), dim=-1)  # [B, W, 2] = (b, t)
+    for rank in range(TP):
+        local = local_tokens(coords, tp_rank=rank, tp_size=TP, sequence_parallel=True)
+        # megatron: embeddings [s, b, h], scattered along s to TP ranks, flattened to [s_local * b, h] by the router
+        expected = [(b, t) for t in range(rank * W // TP, (rank + 1) * W // TP) for b in range(B)]
+        assert [tuple(x) for x in local.tolist()] == expected
+    whole = local_tokens(coords, tp_rank=0, tp_size=1, sequence_parallel=False)
+    assert [tuple(x) for x in whole.tolist()] == [(b, t) for t in range(W) for b in range(B)]
+
+
+def test_microbatch_routes_fill_padding_with_valid_experts():
+    routes = torch.randint(0, 8, (4, 6, 2, 2), dtype=torch.int16)
+    routes[1, 4:] = -1  # sample 1 ends at 4
+    mb = Microbatch(rows=(1, 3, -1), width=8)
+    out = microbatch_routes(routes, mb, topk=2)
+    assert out.shape == (3, 8, 2, 2) and out.dtype == torch.int64
+    assert torch.equal(out[0, :4], routes[1, :4].long()) and torch.equal(out[1, :6], routes[3].long())
+    assert torch.equal(out[0, 4:], torch.tensor([0, 1]).expand(4, 2, 2))  # -1 and beyond T: experts 0..K-1
+    assert torch.equal(out[2], torch.tensor([0, 1]).expand(8, 2, 2))  # a padding row
+    rows, positions, counted = microbatch_positions(mb, torch.tensor([6, 4, 6, 6]))
+    assert counted[0].tolist() == [True] * 3 + [False] * 5  # t < length - 1
+    assert not counted[2].any()
+
+
+def test_microbatch_inputs_shift_targets_and_pad():
+    tokens = torch.arange(1, 25).reshape(3, 8)
+    positions = torch.arange(8)
+    lengths = torch.tensor([8, 5, 6])
+    batch = TrainBatch(tokens=tokens, response_mask=(positions[None] >= 2) & (positions[None] < lengths[:, None]),
+                       advantages=torch.tensor([1.0, 2.0, 3.0]), old_logprobs=-torch.rand(3, 8), sequence_lengths=lengths)
+    mb = Microbatch(rows=(1, -1), width=6)
+    inputs = microbatch_inputs(batch, mb, lengths, torch.device("cpu"), with_loss_inputs=True)
+    assert inputs.tokens[0].tolist() == [9, 10, 11, 12, 13, 0]  # past the length: 0
+    assert inputs.targets[0].tolist() == [10, 11, 12, 13, 0, 0]
+    assert inputs.tokens[1].tolist() == [0] * 6 and not inputs.response_mask[1].any()
+    assert inputs.advantages.tolist() == [2.0, 0.0]
+    assert torch.equal(inputs.old_logprobs[0], batch.old_logprobs[1, :6])
+    assert take_rows(torch.tensor([[1, 2]]), Microbatch(rows=(0,), width=4), per_token=True).tolist() == [[1, 2, 0, 0]]
+    assert token_aligned(torch.tensor([[1.0, 2.0, 3.0]])).tolist() == [[0.0, 1.0, 2.0]]
+
+
+def test_loss_scale_cancels_megatrons_averaging():
+    # schedule: x CP / M; DDP: / (D x CP)  ->  the loss function returns loss_sum x M x D
+    for m, d, cp in ((1, 1, 1), (3, 2, 1), (4, 4, 2)):
+        assert loss_scale(m, d) * cp / m / (d * cp) == 1
