@@ -14,13 +14,13 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-# Curves the PNG summary shows, in order; a metric absent from a run is skipped.
+# Panels of the PNG summary, in order: (metrics drawn as lines, title); absent metrics are skipped.
 SUMMARY_PLOTS = [
-    ("reward/mean", "mean reward"),
-    ("response/length_mean", "response length (tokens)"),
-    ("loss/clip_fraction", "clip fraction"),
-    ("actor/entropy", "entropy (nats/token)"),
-    ("routing/drift", "routing drift (fraction of tokens)"),
+    (("reward/mean",), "mean reward"),
+    (("response/length_mean",), "response length (tokens)"),
+    (("clipfrac_low", "clipfrac_high"), "clip fraction (low, high)"),
+    (("entropy",), "entropy (nats/token)"),
+    (("routing/drift",), "routing drift (fraction of tokens)"),
 ]
 
 
@@ -129,13 +129,16 @@ def plot_summary(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, t
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_jsonl)
-    present = [(key, label) for key, label in SUMMARY_PLOTS if any(key in r for r in rows)]
+    present = [(keys, label) for keys, label in SUMMARY_PLOTS if any(k in r for r in rows for k in keys)]
     if not present:
-        raise ValueError(f"{metrics_jsonl} holds none of the summary metrics {[k for k, _ in SUMMARY_PLOTS]}")
+        raise ValueError(f"{metrics_jsonl} holds none of the summary metrics {[k for keys, _ in SUMMARY_PLOTS for k in keys]}")
     fig, axes = plt.subplots(1, len(present), figsize=(3.6 * len(present), 3.0), squeeze=False)
-    for ax, (key, label) in zip(axes[0], present):
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", linewidth=1.2)
+    for ax, (keys, label) in zip(axes[0], present):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", markersize=3, linewidth=1.0, label=key)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)

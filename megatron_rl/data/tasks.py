@@ -15,9 +15,14 @@ import string
 SYNTHETIC_PREFIX = "synthetic:"
 
 
-def _first_letter(rng: random.Random) -> dict[str, str]:
-    letters = [rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6))]
+def _first_letter(rng: random.Random, alphabet: str = string.ascii_lowercase, lengths: tuple[int, int] = (3, 6)) -> dict[str, str]:
+    letters = [rng.choice(alphabet) for _ in range(rng.randint(*lengths))]
     return {"prompt": f"first letter of {' '.join(letters)} is", "answer": letters[0]}
+
+
+def _first_letter8(rng: random.Random) -> dict[str, str]:
+    """first_letter over four letters from a-h (chance level 1/8; the answer is always 4 letters back)."""
+    return _first_letter(rng, "abcdefgh", (4, 4))
 
 
 def _last_letter(rng: random.Random) -> dict[str, str]:
@@ -30,9 +35,15 @@ def _add_digits(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{a} + {b} =", "answer": str(a + b)}
 
 
-TASKS = {"first_letter": _first_letter, "last_letter": _last_letter, "add": _add_digits}
+TASKS = {"first_letter": _first_letter, "first_letter8": _first_letter8, "last_letter": _last_letter, "add": _add_digits}
 
-ANSWER_ALPHABETS = {"first_letter": string.ascii_lowercase, "last_letter": string.ascii_lowercase, "add": string.digits}
+ANSWER_ALPHABETS = {
+    "first_letter": string.ascii_lowercase,
+    "first_letter8": "abcdefgh",
+    "last_letter": string.ascii_lowercase,
+    "add": string.digits,
+}
+"""The answers each task can have: the demo's format warm-up draws random answers from these."""
 
 
 def parse_synthetic(spec: str) -> tuple[str, int, int]:

@@ -1,0 +1,121 @@
+"""One step of experience: prompts -> engine samples -> rewards -> advantages.
+
+Runs on the rank that holds the rollout engine; the result is broadcast to
+every trainer rank. The stages, in order:
+
+1. take `train.prompts_per_step` prompts and generate `rollout.n_samples` each;
+2. score every sample (reward function, failures isolated and counted) and add
+   DAPO's soft overlong punishment (algorithm.overlong_buffer > 0);
+3. with dynamic sampling, drop groups whose rewards are all equal and generate
+   again until the step holds `prompts_per_step` groups (or fail, saying what
+   to change, after algorithm.max_num_gen_batches);
+4. advantages per group (algorithm.advantage), and overlong filtering
+   (responses cut at the length limit leave the loss).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from megatron_rl.algorithms import DynamicSamplingAccumulator, compute_advantages, overlong_filter_mask, soft_overlong_punishment
+from megatron_rl.data.batch import PaddedRollouts, Rollouts
+from megatron_rl.data.dataset import PromptDataset
+from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.rollout.rewards import compute_rewards
+from megatron_rl.rollout.sampling import SamplingSpec
+
+
+@dataclass(kw_only=True)
+class Experience:
+    """A step's training data. B = groups x n_samples, T = longest prompt + response."""
+
+    rollouts: PaddedRollouts
+    """tokens [B, T], response_mask [B, T] (overlong-filtered), rollout_logprobs [B, T], routed experts."""
+    rewards: torch.Tensor
+    """[B] float32: task reward plus length shaping."""
+    advantages: torch.Tensor
+    """[B] float32: one advantage per sample, shared by its tokens."""
+    group_ids: torch.Tensor
+    """[B] int64: which prompt group each sample belongs to (0..groups-1)."""
+    truncated: torch.Tensor
+    """[B] bool: cut at the length limit (no EOS)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Generation-side numbers for logging."""
+
+
+def step_seed(base_seed: int, step: int, gen_batch: int) -> int:
+    """Sampling seed of one generation batch: distinct per step and per retry, reproducible on resume."""
+    return (base_seed * 1_000_003 + step) * 64 + gen_batch
+
+
+def _score(rollouts: Rollouts, prompts: list, tokenizer: Tokenizer, reward_fn: Callable, max_new_tokens: int, algo: Any):
+    """(rewards [N] float32, truncated [N] bool, reward errors) for one generation batch."""
+    responses = [tokenizer.decode(s.response_token_ids.tolist()) for s in rollouts]
+    answers = [prompts[s.prompt_index].answer for s in rollouts]
+    texts = [prompts[s.prompt_index].text for s in rollouts]
+    result = compute_rewards(reward_fn, responses, answers, texts)
+    rewards = torch.tensor(result.rewards, dtype=torch.float32)
+    lengths = torch.tensor([s.response_length for s in rollouts], dtype=torch.int64)
+    if algo.overlong_buffer > 0:
+        rewards = rewards + soft_overlong_punishment(lengths, max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+    truncated = torch.tensor([s.finish_reason == "length" for s in rollouts], dtype=torch.bool)
+    return rewards, truncated, result
+
+
+def collect_experience(
+    engine,
+    dataset: PromptDataset,
+    tokenizer: Tokenizer,
+    reward_fn: Callable,
+    cfg,
+    step: int,
+) -> Experience:
+    """Generate, score and filter until the step's batch is full (see the module docstring)."""
+    algo, num_groups = cfg.algorithm, cfg.train.prompts_per_step
+    accumulator = DynamicSamplingAccumulator(num_groups, algo.max_num_gen_batches) if algo.dynamic_sampling else None
+    all_rewards, samples, rewards, truncated = [], [], None, None
+    num_errors, gen_batch, generate_s, weight_version = 0, 0, 0.0, 0
+    while True:
+        prompts = dataset.next_batch(num_groups)
+        spec = SamplingSpec.from_config(cfg.rollout, seed=step_seed(cfg.train.seed, step, gen_batch))
+        start = time.perf_counter()
+        rollouts = engine.generate([p.token_ids for p in prompts], spec)
+        generate_s += time.perf_counter() - start
+        weight_version = rollouts.weight_version
+        batch_rewards, batch_truncated, scored = _score(rollouts, prompts, tokenizer, reward_fn, cfg.rollout.max_new_tokens, algo)
+        all_rewards.append(batch_rewards)
+        num_errors += scored.num_errors
+        group_ids = torch.tensor([gen_batch * num_groups + s.prompt_index for s in rollouts], dtype=torch.int64)
+        gen_batch += 1
+        if accumulator is None:
+            samples, rewards, truncated = list(rollouts), batch_rewards, batch_truncated
+            group_ids = group_ids - group_ids.min()
+            break
+        accumulator.add(batch_rewards, group_ids, samples=list(rollouts), truncated=batch_truncated)
+        if accumulator.is_full:
+            kept = accumulator.take()
+            samples, rewards, truncated, group_ids = kept["samples"], kept["rewards"], kept["truncated"], kept["group_ids"]
+            break
+    padded = Rollouts(samples=samples, n_samples=cfg.rollout.n_samples, weight_version=weight_version).to_padded(tokenizer.pad_id)
+    advantages = compute_advantages(rewards, group_ids, algo, group_size=cfg.rollout.n_samples)
+    if algo.overlong_filter:
+        padded.response_mask = overlong_filter_mask(padded.response_mask, truncated)
+    generated = torch.cat(all_rewards)
+    lengths = padded.response_lengths.to(torch.float32)
+    metrics = {
+        "reward/mean": float(generated.mean()),
+        "reward/train_mean": float(rewards.mean()),
+        "reward/errors": float(num_errors),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_fraction": float(truncated.to(torch.float32).mean()),
+        "rollout/generate_s": generate_s,
+        "rollout/gen_batches": float(gen_batch),
+        "rollout/weight_version": float(weight_version),
+        "advantage/abs_mean": float(advantages.abs().mean()),
+    }
+    return Experience(rollouts=padded, rewards=rewards, advantages=advantages, group_ids=group_ids, truncated=truncated, metrics=metrics)

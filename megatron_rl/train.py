@@ -1,0 +1,8 @@
+"""`python -m megatron_rl.train --config <preset> key=value ...` (also under torchrun): same as `megatron-rl train`."""
+
+import sys
+
+from megatron_rl.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,0 +1,290 @@
+"""The RL loop: generate -> reward -> advantages -> old/ref logprobs -> train -> sync -> log -> save.
+
+    megatron-rl train --config configs/tiny-gspo.yaml train.steps=50
+    torchrun --nproc-per-node 2 -m megatron_rl.train --config configs/tiny-gspo-cpu2.yaml
+
+Rank 0 holds the rollout engine (in-process vLLM, or a client of vLLM
+servers); every rank holds its shard of the actor. One step:
+
+1. experience (rank 0): prompts -> samples -> rewards -> advantages, with
+   dynamic sampling and overlong shaping (megatron_rl.experience), then
+   broadcast to every rank;
+2. actor.prepare_batch: old-policy logprobs (recording routes for R2) and
+   reference logprobs when algorithm.beta > 0;
+3. actor.train_step: mini-batches of microbatches through megatron's
+   schedule, the loss normalised by the step's global counts;
+4. weight sync: every rank joins the export of HF-named buckets, rank 0
+   pushes them into the engine (version = step + 1);
+5. metrics (rank 0), evaluation, checkpoint.
+
+With train.off_policy_lag=1, generation of step k+1 runs on a background
+thread while step k trains, using the weights before step k's update; the
+algorithm's importance-sampling correction (algorithm.tis_mode) then
+accounts for the lag.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from megatron_rl.config import RLConfig, load_config, to_dict
+
+logger = logging.getLogger(__name__)
+
+
+def main(config_path: str | None = None, overrides: Sequence[str] = ()) -> dict[str, float]:
+    """Entry point of `megatron-rl train`: load the config, start the parallel context, run."""
+    cfg = load_config(RLConfig, config_path, list(overrides))
+    return run(cfg)
+
+
+def run(cfg: RLConfig) -> dict[str, float]:
+    """Train with `cfg` in this process (one rank of a torchrun job, or alone); returns the last metrics."""
+    from megatron_rl.models import load_hf_config, model_shape
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    shape = model_shape(load_hf_config(cfg.model.path))
+    ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, ctx)
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_parallel(ctx)
+
+
+class Trainer:
+    """State of one run on this rank: data, actor, engine (rank 0), logger, step counters."""
+
+    def __init__(self, cfg: RLConfig, ctx):
+        from megatron_rl.actor import Actor
+        from megatron_rl.data.dataset import PromptDataset
+        from megatron_rl.data.tokenizer import load_tokenizer
+        from megatron_rl.metrics import MetricsLogger
+        from megatron_rl.rollout.rewards import get_reward_fn
+
+        self.cfg, self.ctx = cfg, ctx
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
+        self.dataset = PromptDataset(
+            cfg.data.path,
+            self.tokenizer,
+            prompt_key=cfg.data.prompt_key,
+            answer_key=cfg.data.answer_key,
+            apply_chat_template=cfg.data.apply_chat_template,
+            max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+            long_prompts=cfg.data.long_prompts,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.train.seed,
+        )
+        self.reward_fn = get_reward_fn(cfg.data.reward)
+        self.actor = Actor.from_config(cfg, ctx)
+        self.step, self.weight_version = 0, 0
+        resumed = self._maybe_resume()
+        self.engine = self._start_engine() if ctx.rank == 0 else None
+        self.logger = MetricsLogger(
+            cfg.logging.dir,
+            enabled=ctx.rank == 0,
+            use_wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            use_tensorboard=cfg.logging.tensorboard,
+            progress_total=(cfg.train.steps - self.step) if cfg.logging.progress_bar else None,
+            config=to_dict(cfg),
+            resume=resumed,
+        )
+        if ctx.rank == 0 and self.dataset.num_dropped_long:
+            logger.warning("%d prompts longer than rollout.max_prompt_tokens=%d were dropped", self.dataset.num_dropped_long, cfg.rollout.max_prompt_tokens)
+        # The engine serves exactly the trainer's weights from the first step on (also after a resume).
+        self._sync_weights(self.weight_version)
+        self._executor = ThreadPoolExecutor(max_workers=1) if cfg.train.off_policy_lag else None
+        self._pending: tuple[Future, dict] | None = None
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        cfg, metrics = self.cfg, {}
+        while self.step < cfg.train.steps:
+            start = time.perf_counter()
+            metrics = self.train_one_step(self.step)
+            self.step += 1
+            metrics["time/step_s"] = time.perf_counter() - start
+            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                metrics.update(self.evaluate())
+            self.logger.log(self.step - 1, metrics)
+            done = self.step == cfg.train.steps or self._reached_target(metrics)
+            if (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0) or done:
+                self.save()
+            if done:
+                break
+        return metrics
+
+    def _reached_target(self, metrics: dict[str, float]) -> bool:
+        """train.stop_at_reward: the mean reward of the last 10 steps reached the target (decided on rank 0)."""
+        if not self.cfg.train.stop_at_reward:
+            return False
+        recent = self._recent_rewards = (getattr(self, "_recent_rewards", []) + [metrics.get("reward/mean", 0.0)])[-10:]
+        reached = len(recent) == 10 and sum(recent) / 10 >= self.cfg.train.stop_at_reward
+        return bool(_broadcast(reached, self.ctx))
+
+    def train_one_step(self, step: int) -> dict[str, float]:
+        from megatron_rl.actor import train_batch_from_rollouts
+
+        experience = self._experience(step)
+        batch = train_batch_from_rollouts(experience.rollouts, experience.advantages)
+        batch, metrics = self.actor.prepare_batch(batch)
+        metrics = {**experience.metrics, **metrics, **self.actor.train_step(batch)}
+        if self._pending is not None:  # the next step's generation must finish on the old weights
+            self._pending[0].result()
+        start = time.perf_counter()
+        self._sync_weights(step + 1)
+        metrics["time/weight_sync_s"] = time.perf_counter() - start
+        return metrics
+
+    # -- stages ------------------------------------------------------------------------------------
+
+    def _collect(self, step: int):
+        from megatron_rl.experience import collect_experience
+
+        return collect_experience(self.engine, self.dataset, self.tokenizer, self.reward_fn, self.cfg, step)
+
+    def _experience(self, step: int):
+        """This step's experience on every rank (generated on rank 0, maybe one step ahead)."""
+        experience = None
+        if self.ctx.rank == 0:
+            if self._pending is not None:
+                future, _ = self._pending
+                experience = future.result()
+            else:
+                experience = self._collect(step)
+            self._pending = None
+            if self._executor is not None and step + 1 < self.cfg.train.steps:
+                position = self.dataset.state_dict()  # where the in-flight step starts, for checkpoints
+                self._pending = (self._executor.submit(self._collect, step + 1), position)
+        return _broadcast(experience, self.ctx)
+
+    def _sync_weights(self, version: int) -> None:
+        from megatron_rl.weight_sync import push_weights
+
+        bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+        push_weights(self.engine, self.actor.export_hf_weights(bucket_bytes), version)
+        self.weight_version = version
+
+    def _start_engine(self):
+        from megatron_rl.rollout import make_engine
+
+        return make_engine(self.cfg.model.path, self.cfg.rollout)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward of one sample per prompt on the next train.prompts_per_step prompts of data.eval_path."""
+        from megatron_rl.experience import collect_experience
+
+        if not self.cfg.data.eval_path:
+            return {}
+        if not hasattr(self, "_eval_dataset"):
+            from megatron_rl.data.dataset import PromptDataset
+
+            self._eval_dataset = PromptDataset(self.cfg.data.eval_path, self.tokenizer, shuffle=False, max_prompt_tokens=self.cfg.rollout.max_prompt_tokens)
+        result = None
+        if self.ctx.rank == 0:
+            from megatron_rl.config.core import replace
+
+            cfg = replace(self.cfg, algorithm=replace(self.cfg.algorithm, dynamic_sampling=False))
+            cfg = replace(cfg, rollout=replace(cfg.rollout, n_samples=self.cfg.data.eval_samples))
+            experience = collect_experience(self.engine, self._eval_dataset, self.tokenizer, self.reward_fn, cfg, 10**6 + self.step)
+            result = {"eval/reward_mean": experience.metrics["reward/mean"]}
+        return _broadcast(result, self.ctx)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        from megatron_rl.checkpoint.state import save_checkpoint
+
+        data_position = self._pending[1] if self._pending is not None else self.dataset.state_dict()
+        trainer_state = {
+            "weight_version": self.weight_version,
+            "data": data_position,
+            "scheduler": self.actor.scheduler.state_dict(),
+            "optimizer_steps": self.actor.optimizer_steps,
+            "config": to_dict(self.cfg),
+        }
+        return save_checkpoint(
+            self.cfg.checkpoint.dir, self.step, _actor_sharded_state_dict(self.actor, is_loading=False), trainer_state, keep_last=self.cfg.checkpoint.keep_last
+        )
+
+    def _maybe_resume(self) -> bool:
+        from megatron_rl.checkpoint.state import load_checkpoint, resolve_checkpoint
+
+        path = resolve_checkpoint(self.cfg.checkpoint.resume, self.cfg.checkpoint.dir)
+        if path is None:
+            return False
+        state, trainer_state, _ = load_checkpoint(path, _actor_sharded_state_dict(self.actor, is_loading=True))
+        _load_actor_state(self.actor, state)
+        self.actor.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.actor.optimizer_steps = trainer_state["optimizer_steps"]
+        self.dataset.load_state_dict(trainer_state["data"])
+        self.step, self.weight_version = trainer_state["step"], trainer_state["weight_version"]
+        if self.ctx.rank == 0:
+            logger.warning("resumed from %s at step %d", path, self.step)
+        return True
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self.logger.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.actor.close()
+
+
+def _broadcast(obj: Any, ctx) -> Any:
+    """Rank 0's object on every rank (pickled over the world group)."""
+    if ctx.world_size == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0, group=ctx.world)
+    return holder[0]
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give every parameter an (empty) optimizer state before a checkpoint is loaded into it.
+
+    megatron's distributed optimizer builds its sharded state dict from the
+    inner torch optimizer's state, which holds nothing before the first step
+    (and its `step` counter is read per parameter); the loaded values replace
+    these placeholders in place.
+    """
+    import torch
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _actor_sharded_state_dict(actor, *, is_loading: bool) -> dict:
+    """Model chunks and optimizer as one megatron sharded state dict (reshardable across layouts)."""
+    if is_loading:
+        _init_optimizer_state(actor.optimizer)
+    # megatron's DDP has no sharded_state_dict of its own (the generic one would prefix every
+    # key with "module."), while its load_state_dict goes to the wrapped module: use that module.
+    state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(actor.model)}
+    state["optimizer"] = actor.optimizer.sharded_state_dict(
+        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+    )
+    return state
+
+
+def _load_actor_state(actor, state: dict) -> None:
+    for i, chunk in enumerate(actor.model):
+        chunk.module.load_state_dict(state[f"model{i}"])
+    actor.optimizer.load_state_dict(state["optimizer"])
