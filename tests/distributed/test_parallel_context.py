@@ -121,12 +121,9 @@ def _check(results: list[dict], world: int, layouts: dict) -> None:
         assert out["pg_after_bad_layout"] is False
         assert "not divisible" in out["bad_layout_error"] and str(world) in out["bad_layout_error"]
         for name, layout in layouts.items():
-            kw = dict(
-                tp=layout.get("tensor_parallel", 1),
-                pp=layout.get("pipeline_parallel", 1),
-                ep=layout.get("expert_parallel", 1),
-                etp=layout.get("expert_tensor_parallel", 1),
-            )
+            tp, ep = layout.get("tensor_parallel", 1), layout.get("expert_parallel", 1)
+            # expert TP defaults to TP when EP is 1 (experts replicated like dense layers), else 1
+            kw = dict(tp=tp, pp=layout.get("pipeline_parallel", 1), ep=ep, etp=layout.get("expert_tensor_parallel", tp if ep == 1 else 1))
             want, got = expected_layout(rank, world, **kw), out[name]
             for key in ("sizes", "ranks", "groups", "first", "last"):
                 assert got[key] == want[key], f"{name} rank {rank} {key}: got {got[key]}, expected {want[key]}"
