@@ -76,9 +76,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "output_router_logits": False,
         "router_aux_loss_coef": 0.0,
     },
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+    # vLLM sizes Qwen2 and Llama heads as hidden / heads (ignoring head_dim) and its CPU attention
+    # needs >= 32: 2 heads give 64 / 2 = 32, as head_dim says (2 key/value heads: TP2 splits them).
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_attention_heads": 2, "num_key_value_heads": 2},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False},
-    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+    },
 }
 
 SPECIAL_TOKENS = {"unk": 0, "bos": 1, "eos": 2, "pad": 3}

@@ -1,0 +1,85 @@
+"""Pieces the in-process and server engines share: prompt checks and turning outputs into samples."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_rl.data.batch import RolloutSample
+from megatron_rl.rollout.engine import PromptError, RolloutError
+from megatron_rl.rollout.routing import CaptureIndex, assemble_routes
+
+WORKER_EXTENSION = "megatron_rl.rollout.worker_ext.RolloutWorkerExtension"
+"""Dotted path of the worker extension every engine is started with."""
+
+
+def default_dtype() -> str:
+    """float32 on CPU (engine logprobs match the trainer's to ~1e-6; bf16 differs by ~0.4), bfloat16 on GPU."""
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_model_len: int, vocab_size: int) -> list[list[int]]:
+    """Prompts as lists of ints, or PromptError naming the first bad one."""
+    if not isinstance(prompts, (list, tuple)):
+        raise PromptError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    checked = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            raise PromptError(f"prompt {index} is a string; the engine takes token ids (tokenise it first)")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise PromptError(f"prompt {index} is empty")
+        if len(ids) >= max_model_len:
+            raise PromptError(
+                f"prompt {index} has {len(ids)} tokens but the engine's context is {max_model_len} tokens "
+                "(prompt + response, rollout.max_model_len) and needs room for at least one new token: "
+                "drop or truncate it (data.long_prompts=drop, rollout.max_prompt_tokens)"
+            )
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"prompt {index}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+        checked.append(ids)
+    return checked
+
+
+def make_sample(
+    *,
+    prompt_index: int,
+    sample_index: int,
+    prompt_ids: list[int],
+    response_ids: Sequence[int],
+    logprobs: Sequence[float],
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    weight_version: int,
+) -> RolloutSample:
+    where = f"prompt {prompt_index} sample {sample_index}"
+    if finish_reason not in ("stop", "length"):
+        raise RolloutError(f"{where}: the engine ended it with finish_reason={finish_reason!r} (aborted?)")
+    if len(response_ids) == 0:
+        raise RolloutError(f"{where}: the engine returned an empty response")
+    if len(logprobs) != len(response_ids):
+        raise RolloutError(f"{where}: {len(logprobs)} logprobs for {len(response_ids)} tokens")
+    return RolloutSample(
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+        prompt_token_ids=torch.tensor(prompt_ids, dtype=torch.int64),
+        response_token_ids=torch.tensor(list(response_ids), dtype=torch.int64),
+        rollout_logprobs=torch.tensor(list(logprobs), dtype=torch.float32),
+        finish_reason=finish_reason,  # type: ignore[arg-type]
+        stop_reason=stop_reason,
+        weight_version=weight_version,
+    )
+
+
+def attach_routes(samples: list[RolloutSample], index: CaptureIndex, include_prompt: bool) -> None:
+    """Give every sample its routed-expert rows (RoutedExpertsError names the sample that has none)."""
+    for s in samples:
+        prompt = s.prompt_token_ids.tolist()
+        response = s.response_token_ids.tolist()
+        key = tuple(prompt) + tuple(response[:-1])
+        s.routed_experts = assemble_routes(
+            index.take(key), prompt, response, include_prompt, where=f"prompt {s.prompt_index} sample {s.sample_index}"
+        )
+        s.routed_experts_include_prompt = include_prompt

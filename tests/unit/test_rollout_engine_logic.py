@@ -1,0 +1,146 @@
+"""Engine logic without vLLM: restart-and-retry, prompt checks, sampling translation, batch layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.config import RolloutConfig
+from megatron_rl.data.batch import Rollouts
+from megatron_rl.rollout.common import check_prompts, make_sample
+from megatron_rl.rollout.engine import PromptError, RolloutError, RolloutFailedError, run_with_restarts
+from megatron_rl.rollout.sampling import SamplingSpec, prompt_seed, to_completion_request
+
+
+class EngineDied(RuntimeError):
+    pass
+
+
+def _flaky(failures: int):
+    calls = {"attempts": 0, "restarts": 0}
+
+    def attempt():
+        calls["attempts"] += 1
+        if calls["attempts"] <= failures:
+            raise EngineDied(f"died on attempt {calls['attempts']}")
+        return "batch"
+
+    def restart(error):
+        assert isinstance(error, EngineDied)
+        calls["restarts"] += 1
+
+    return attempt, restart, calls
+
+
+def test_retries_until_success_within_budget():
+    attempt, restart, calls = _flaky(2)
+    result, used = run_with_restarts(attempt, restart, max_restarts=2, is_engine_failure=lambda e: isinstance(e, EngineDied), what="gen")
+    assert (result, used) == ("batch", 2) and calls == {"attempts": 3, "restarts": 2}
+
+
+def test_fails_clearly_after_max_restarts():
+    attempt, restart, calls = _flaky(10)
+    with pytest.raises(RolloutFailedError, match=r"gen failed after 2 engine restart\(s\).*died on attempt 3.*No partial batch") as info:
+        run_with_restarts(attempt, restart, max_restarts=2, is_engine_failure=lambda e: isinstance(e, EngineDied), what="gen")
+    assert isinstance(info.value.__cause__, EngineDied) and calls == {"attempts": 3, "restarts": 2}
+
+
+def test_caller_errors_are_not_retried():
+    def attempt():
+        raise PromptError("prompt 3 is empty")
+
+    with pytest.raises(PromptError):
+        run_with_restarts(attempt, lambda e: pytest.fail("restarted"), max_restarts=5, is_engine_failure=lambda e: not isinstance(e, PromptError), what="x")
+
+
+def test_a_failing_restart_counts_as_a_failure():
+    attempts = []
+
+    def attempt():
+        attempts.append(1)
+        raise EngineDied("dead")
+
+    def restart(error):
+        raise EngineDied("restart failed")
+
+    with pytest.raises(RolloutFailedError, match="restart failed"):
+        run_with_restarts(attempt, restart, max_restarts=3, is_engine_failure=lambda e: isinstance(e, EngineDied), what="x")
+    assert len(attempts) == 1
+
+
+def test_check_prompts():
+    assert check_prompts([[1, 2], (3,)], max_model_len=8, vocab_size=10) == [[1, 2], [3]]
+    with pytest.raises(PromptError, match=r"prompt 1 has 8 tokens but the engine's context is 8"):
+        check_prompts([[1], [1] * 8], max_model_len=8, vocab_size=10)
+    with pytest.raises(PromptError, match="prompt 0 is empty"):
+        check_prompts([[]], 8, 10)
+    with pytest.raises(PromptError, match=r"prompt 0: token id -1"):
+        check_prompts([[1, -1]], 8, 10)
+    with pytest.raises(PromptError, match="string"):
+        check_prompts(["hello"], 8, 10)
+
+
+def test_sampling_spec():
+    cfg = RolloutConfig(n_samples=3, temperature=0.6, top_k=5, stop=["\n"], stop_token_ids=[7], max_new_tokens=9)
+    spec = SamplingSpec.from_config(cfg, seed=11)
+    assert (spec.n, spec.temperature, spec.top_k, spec.stop, spec.stop_token_ids, spec.seed) == (3, 0.6, 5, ["\n"], [7], 11)
+    body = to_completion_request(spec, 2, [1, 2, 3], model="m")
+    assert body["prompt"] == [1, 2, 3] and body["logprobs"] == 0 and body["return_token_ids"] and body["n"] == 3
+    assert body["seed"] == prompt_seed(11, 2) and body["max_tokens"] == 9 and body["stop_token_ids"] == [7]
+    for bad in (dict(n=0), dict(temperature=0.0), dict(top_p=0.0), dict(max_new_tokens=0)):
+        with pytest.raises(ValueError):
+            SamplingSpec(**bad).validate()
+
+
+def test_prompt_seeds_differ_and_leave_room_for_sample_offsets():
+    seeds = [prompt_seed(s, i) for s in range(5) for i in range(200)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= x < 2**62 for x in seeds)
+    assert prompt_seed(None, 3) is None and prompt_seed(4, 3) == prompt_seed(4, 3)
+
+
+def _sample(i, j, prompt, response, version=2):
+    return make_sample(
+        prompt_index=i, sample_index=j, prompt_ids=prompt, response_ids=response,
+        logprobs=[-0.5 * (k + 1) for k in range(len(response))], finish_reason="length", stop_reason=None,
+        weight_version=version,
+    )
+
+
+def test_make_sample_rejects_partial_outputs():
+    with pytest.raises(RolloutError, match="prompt 1 sample 0.*abort"):
+        make_sample(prompt_index=1, sample_index=0, prompt_ids=[1], response_ids=[2], logprobs=[0.0],
+                    finish_reason="abort", stop_reason=None, weight_version=0)
+    with pytest.raises(RolloutError, match="1 logprobs for 2 tokens"):
+        make_sample(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2, 3], logprobs=[0.0],
+                    finish_reason="stop", stop_reason=None, weight_version=0)
+
+
+def test_to_padded_aligns_tokens_logprobs_and_routes():
+    a = _sample(0, 0, [1, 5, 6], [7, 2])
+    b = _sample(0, 1, [1, 5, 6], [8, 9, 10, 2])
+    a.routed_experts = torch.arange(5 * 2 * 2, dtype=torch.int16).view(5, 2, 2)
+    a.routed_experts_include_prompt = True
+    b.routed_experts = torch.ones(4, 2, 2, dtype=torch.int16)  # response-only rows
+    rollouts = Rollouts(samples=[a, b], n_samples=2, weight_version=2)
+    padded = rollouts.to_padded(pad_token_id=3)
+    assert padded.tokens.tolist() == [[1, 5, 6, 7, 2, 3, 3], [1, 5, 6, 8, 9, 10, 2]]
+    assert padded.response_mask.tolist()[0] == [False, False, False, True, True, False, False]
+    assert padded.rollout_logprobs[1, 3:].tolist() == [-0.5, -1.0, -1.5, -2.0]
+    assert padded.routed_experts.shape == (2, 7, 2, 2)
+    assert torch.equal(padded.routed_experts[0, :5], a.routed_experts) and (padded.routed_experts[0, 5:] == -1).all()
+    assert (padded.routed_experts[1, :3] == -1).all() and (padded.routed_experts[1, 3:] == 1).all()
+    assert rollouts.num_prompts == 1 and rollouts.group(0) == [a, b]
+
+
+def test_server_command_line(tmp_path):
+    from megatron_rl.rollout.server_engine import VLLMServer
+
+    config = RolloutConfig(kv_cache_gib=0.5, max_model_len=512, return_routed_experts=True, dtype="float32")
+    cmd = VLLMServer(tmp_path, config, port=8123).command()
+    joined = " ".join(cmd)
+    assert "-m vllm.entrypoints.openai.api_server" in joined and "--port 8123" in joined
+    assert "--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension" in joined
+    assert "--logprobs-mode processed_logprobs" in joined and "--dtype float32" in joined
+    assert f"--kv-cache-memory-bytes {1 << 29}" in joined and "--max-model-len 512" in joined
+    assert "--no-enable-prefix-caching" in cmd  # prompt routes need every prompt token computed
+    assert "--no-enable-prefix-caching" not in VLLMServer(tmp_path, RolloutConfig(), port=1).command()
