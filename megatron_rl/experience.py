@@ -36,7 +36,7 @@ class Experience:
     rollouts: PaddedRollouts
     """tokens [B, T], response_mask [B, T] (overlong-filtered), rollout_logprobs [B, T], routed experts."""
     rewards: torch.Tensor
-    """[B] float32: task reward plus length shaping."""
+    """[B] float32: task reward plus length shaping (what the advantages are computed from)."""
     advantages: torch.Tensor
     """[B] float32: one advantage per sample, shared by its tokens."""
     group_ids: torch.Tensor
@@ -53,17 +53,18 @@ def step_seed(base_seed: int, step: int, gen_batch: int) -> int:
 
 
 def _score(rollouts: Rollouts, prompts: list, tokenizer: Tokenizer, reward_fn: Callable, max_new_tokens: int, algo: Any):
-    """(rewards [N] float32, truncated [N] bool, reward errors) for one generation batch."""
+    """(task rewards [N], shaped rewards [N] (+ overlong punishment), truncated [N] bool, reward errors)."""
     responses = [tokenizer.decode(s.response_token_ids.tolist()) for s in rollouts]
     answers = [prompts[s.prompt_index].answer for s in rollouts]
     texts = [prompts[s.prompt_index].text for s in rollouts]
     result = compute_rewards(reward_fn, responses, answers, texts)
     rewards = torch.tensor(result.rewards, dtype=torch.float32)
-    lengths = torch.tensor([s.response_length for s in rollouts], dtype=torch.int64)
+    shaped = rewards
     if algo.overlong_buffer > 0:
-        rewards = rewards + soft_overlong_punishment(lengths, max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        lengths = torch.tensor([s.response_length for s in rollouts], dtype=torch.int64)
+        shaped = rewards + soft_overlong_punishment(lengths, max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
     truncated = torch.tensor([s.finish_reason == "length" for s in rollouts], dtype=torch.bool)
-    return rewards, truncated, result
+    return rewards, shaped, truncated, result
 
 
 def collect_experience(
@@ -77,7 +78,7 @@ def collect_experience(
     """Generate, score and filter until the step's batch is full (see the module docstring)."""
     algo, num_groups = cfg.algorithm, cfg.train.prompts_per_step
     accumulator = DynamicSamplingAccumulator(num_groups, algo.max_num_gen_batches) if algo.dynamic_sampling else None
-    all_rewards, samples, rewards, truncated = [], [], None, None
+    all_rewards, samples, rewards, shaped, truncated = [], [], None, None, None
     num_errors, gen_batch, generate_s, weight_version = 0, 0, 0.0, 0
     while True:
         prompts = dataset.next_batch(num_groups)
@@ -86,22 +87,24 @@ def collect_experience(
         rollouts = engine.generate([p.token_ids for p in prompts], spec)
         generate_s += time.perf_counter() - start
         weight_version = rollouts.weight_version
-        batch_rewards, batch_truncated, scored = _score(rollouts, prompts, tokenizer, reward_fn, cfg.rollout.max_new_tokens, algo)
+        batch_rewards, batch_shaped, batch_truncated, scored = _score(rollouts, prompts, tokenizer, reward_fn, cfg.rollout.max_new_tokens, algo)
         all_rewards.append(batch_rewards)
         num_errors += scored.num_errors
         group_ids = torch.tensor([gen_batch * num_groups + s.prompt_index for s in rollouts], dtype=torch.int64)
         gen_batch += 1
         if accumulator is None:
-            samples, rewards, truncated = list(rollouts), batch_rewards, batch_truncated
+            samples, rewards, shaped, truncated = list(rollouts), batch_rewards, batch_shaped, batch_truncated
             group_ids = group_ids - group_ids.min()
             break
-        accumulator.add(batch_rewards, group_ids, samples=list(rollouts), truncated=batch_truncated)
+        # DAPO filters groups on the task reward (accuracy), not on the length-shaped one.
+        accumulator.add(batch_rewards, group_ids, samples=list(rollouts), shaped=batch_shaped, truncated=batch_truncated)
         if accumulator.is_full:
             kept = accumulator.take()
-            samples, rewards, truncated, group_ids = kept["samples"], kept["rewards"], kept["truncated"], kept["group_ids"]
+            samples, rewards, shaped, truncated = kept["samples"], kept["rewards"], kept["shaped"], kept["truncated"]
+            group_ids = kept["group_ids"]
             break
     padded = Rollouts(samples=samples, n_samples=cfg.rollout.n_samples, weight_version=weight_version).to_padded(tokenizer.pad_id)
-    advantages = compute_advantages(rewards, group_ids, algo, group_size=cfg.rollout.n_samples)
+    advantages = compute_advantages(shaped, group_ids, algo, group_size=cfg.rollout.n_samples)
     if algo.overlong_filter:
         padded.response_mask = overlong_filter_mask(padded.response_mask, truncated)
     generated = torch.cat(all_rewards)
@@ -109,6 +112,7 @@ def collect_experience(
     metrics = {
         "reward/mean": float(generated.mean()),
         "reward/train_mean": float(rewards.mean()),
+        "reward/overlong_penalty": float((shaped - rewards).mean()),
         "reward/errors": float(num_errors),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
@@ -118,4 +122,4 @@ def collect_experience(
         "rollout/weight_version": float(weight_version),
         "advantage/abs_mean": float(advantages.abs().mean()),
     }
-    return Experience(rollouts=padded, rewards=rewards, advantages=advantages, group_ids=group_ids, truncated=truncated, metrics=metrics)
+    return Experience(rollouts=padded, rewards=shaped, advantages=advantages, group_ids=group_ids, truncated=truncated, metrics=metrics)

@@ -177,9 +177,15 @@ class Trainer:
         self.weight_version = version
 
     def _start_engine(self):
+        from megatron_rl.config.core import replace
         from megatron_rl.rollout import make_engine
 
-        return make_engine(self.cfg.model.path, self.cfg.rollout)
+        rollout = self.cfg.rollout
+        if rollout.multiprocessing is None:
+            # vLLM creates its process groups on the default (trainer's) world when it runs in this
+            # process, and the other trainer ranks would never join them: give it its own process.
+            rollout = replace(rollout, multiprocessing=self.ctx.world_size > 1)
+        return make_engine(self.cfg.model.path, rollout)
 
     def evaluate(self) -> dict[str, float]:
         """Mean reward of one sample per prompt on the next train.prompts_per_step prompts of data.eval_path."""
@@ -248,7 +254,7 @@ def _broadcast(obj: Any, ctx) -> Any:
     if ctx.world_size == 1:
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=0, group=ctx.world)
+    dist.broadcast_object_list(holder, src=0, group=ctx.world_group)
     return holder[0]
 
 

@@ -214,9 +214,11 @@ class RolloutConfig:
     """Capture each token's top-k experts per MoE layer (needed for R3); the engine then runs without prefix caching."""
     routed_experts_include_prompt: bool = True
     """Routed experts cover prompt tokens too (rows [P + R, L, K]), not only the response ([R, L, K])."""
-    multiprocessing: bool = False
+    multiprocessing: bool | None = None
     """In-process engine (engine=vllm): run vLLM's engine core in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1).
-    Slower start (15-40 s vs 3 s on CPU), but vLLM's thread binding stays out of the trainer's process."""
+    Slower start (15-40 s vs 3 s on CPU), but vLLM's thread binding stays out of the trainer's process.
+    None = automatic: in the trainer's process for a single-process run; its own process when the trainer
+    has several ranks (an in-process engine would start its distributed groups on the trainer's world)."""
     max_model_len: int = 0
     """Engine context length in tokens (prompt + response); 0 = the model's max_position_embeddings."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -65,17 +65,23 @@ def _run(cmd: list[str], timeout: float = 300) -> None:
 
 def _check_rows(rows: list[dict], steps: int) -> None:
     assert [r["step"] for r in rows] == list(range(steps))
+    per_step = rows[0]["optimizer_steps"]  # train.mini_batches_per_step optimizer steps per RL step
     for r in rows:
         # the engine sampled with the weights the trainer just pushed: version = step
         assert r["rollout/weight_version"] == r["step"]
         assert r["mismatch/abs_logprob_diff/max"] < 1e-4, r
         assert 0.0 <= r["reward/mean"] <= 1.0
-        assert r["optimizer_steps"] == r["step"] + 1
+        assert per_step >= 1 and r["optimizer_steps"] == per_step * (r["step"] + 1)
+
+
+def odd_length_reward(response: str, answer, *, prompt: str = "") -> float:
+    """A reward whose groups differ even for a random model (DAPO's dynamic sampling keeps only those)."""
+    return float(len(response) % 2)
 
 
 @pytest.mark.parametrize("preset", ["tiny-gspo.yaml", "tiny-dapo.yaml", "tiny-dr_grpo.yaml", "tiny-grpo.yaml"])
 def test_preset_runs_one_process(preset, model_dir, tmp_path):
-    extra = ["algorithm.max_num_gen_batches=50"] if preset == "tiny-dapo.yaml" else []
+    extra = ["data.reward=tests.e2e.test_train_loop:odd_length_reward"] if preset == "tiny-dapo.yaml" else []
     _run(_command(preset, model_dir, tmp_path, "train.steps=2", *extra))
     _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
@@ -114,3 +120,23 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
     assert [r["step"] for r in got] == list(range(steps))
     for mine, theirs in zip(got, want):
         assert _comparable(mine) == _comparable(theirs), f"step {mine['step']} differs after resume"
+
+
+def test_tp2_ep2_trainer_pushes_exact_weights(model_dir, tmp_path):
+    # 4 trainer processes (TP2 x EP2, expert TP 1): after each step's gather + push the
+    # engine's logprobs of its own samples equal the sharded actor's (checked in _check_rows).
+    layout = ("parallel.tensor_parallel=2", "parallel.expert_parallel=2", "cluster.cpu_processes=4")
+    _run(_command("tiny-gspo.yaml", model_dir, tmp_path, "train.steps=2", *layout, nproc=4), timeout=600)
+    _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
+
+
+def test_r3_engine_routes_equal_the_trainer_router(model_dir, tmp_path):
+    # The engine captures each token's top-k experts; the trainer's router, fed the same tokens
+    # and weights, picks the same sets (engine_vs_trainer = 0) and replays them (drift = 0).
+    extra = ("algorithm.routing_replay=R3", "rollout.return_routed_experts=true", "train.steps=2")
+    _run(_command("tiny-gspo.yaml", model_dir, tmp_path, *extra))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    _check_rows(rows, 2)
+    for r in rows:
+        assert r["routing/engine_vs_trainer"] < 0.01, r
+        assert r["routing/drift"] == 0.0, r

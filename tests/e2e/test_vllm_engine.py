@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+import vllm  # noqa: F401,E402  (a required dependency: a broken install must fail, not skip)
 
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import EngineStartError, PromptError, SamplingSpec, VLLMEngine  # noqa: E402
