@@ -1,0 +1,504 @@
+"""The megatron-core 0.16.1 sites the CPU compatibility layer patches, one PatchSite each.
+
+Data only: what each site is, where it lives, the source it relies on and why
+it fails on a CPU torch build. megatron_rl.parallel.cpu_compat applies the
+patches and checks that every target still looks like this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TESTED_MEGATRON_VERSION = "0.16.1"
+
+@dataclass(frozen=True, kw_only=True)
+class PatchSite:
+    """One megatron-core location the CPU layer patches."""
+
+    name: str
+    """Short identifier of the patch."""
+    module: str
+    """Dotted megatron-core module."""
+    target: str
+    """Attribute path inside the module ('' = the module itself, for cuda-shim patches)."""
+    lines: tuple[int, ...]
+    """Line numbers of the failing code in megatron-core 0.16.1 (documentation)."""
+    expects: tuple[str, ...]
+    """Source fragments the patch relies on; the check fails when one is gone."""
+    kind: str
+    """function | method | attribute (replaced/bound in place) | cuda-shim (module-local torch.cuda
+    stand-in) | tensor-cuda / tensor-type (Tensor.cuda()/Tensor.type() as seen by this module)."""
+    why: str
+    """What fails on CPU and what the patch does."""
+    optional: bool = False
+    """The module may be absent or fail to import (inference/resharding extras): skip, don't fail."""
+
+    def describe(self) -> str:
+        where = f"{self.module}:{self.target}" if self.target else self.module
+        lines = ",".join(map(str, self.lines))
+        return f"[{self.name}] {where} (megatron-core {TESTED_MEGATRON_VERSION} line {lines})"
+
+
+_MC = "megatron.core."
+_CUR = "torch.cuda.current_device()"
+
+SITES: tuple[PatchSite, ...] = (
+    # 1. RNG tracker --------------------------------------------------------------------------
+    PatchSite(
+        name="rng-get-state",
+        module=_MC + "tensor_parallel.random",
+        target="_get_cuda_rng_state",
+        lines=(41, 55),
+        expects=("torch.cuda.random.get_rng_state",),
+        kind="function",
+        why="reads the CUDA generator; replaced by torch.get_rng_state() (the CPU generator)",
+    ),
+    PatchSite(
+        name="rng-set-state",
+        module=_MC + "tensor_parallel.random",
+        target="_set_cuda_rng_state",
+        lines=(72, 84),
+        expects=("_cuda_setRNGState",),
+        kind="function",
+        why="writes the CUDA generator; replaced by torch.set_rng_state()",
+    ),
+    PatchSite(
+        name="rng-tracker-add",
+        module=_MC + "tensor_parallel.random",
+        target="CudaRNGStatesTracker.add",
+        lines=(217, 235, 237, 238),
+        expects=("torch.cuda.get_rng_state()", "torch.cuda.manual_seed(seed)"),
+        kind="cuda-shim",
+        why="seeds a named state through the CUDA generator; through the random module's cuda shim "
+        "torch.cuda.get_rng_state/manual_seed are the CPU generator's, so the method runs unchanged",
+    ),
+    PatchSite(
+        name="rng-tracker-fork",
+        module=_MC + "tensor_parallel.random",
+        target="CudaRNGStatesTracker.fork",
+        lines=(242, 250, 264),
+        expects=("_get_cuda_rng_state(", "CPU RNG state changed within GPU RNG context"),
+        kind="method",
+        why="swaps the CUDA generator state and warns whenever the CPU state changed inside; "
+        "replaced by a swap of the CPU generator state (no warning: that *is* the generator now)",
+    ),
+    PatchSite(
+        name="rng-manual-seed",
+        module=_MC + "tensor_parallel.random",
+        target="",
+        lines=(422,),
+        expects=("torch.cuda.manual_seed(data_parallel_seed)",),
+        kind="cuda-shim",
+        why="model_parallel_cuda_manual_seed seeds the default CUDA generator; the shim seeds the CPU one",
+    ),
+    # 2. alltoall token dispatcher ---------------------------------------------------------------
+    PatchSite(
+        name="dispatcher-streams",
+        module=_MC + "transformer.moe.token_dispatcher",
+        target="",
+        lines=(445, 871, 873, 874, 895, 898),
+        expects=("torch.cuda.Stream()", "torch.cuda.current_stream()", "torch.cuda.stream("),
+        kind="cuda-shim",
+        why="MoEAlltoAllTokenDispatcher creates a CUDA side stream and syncs on it; the shim's "
+        "Stream/current_stream/stream/record_event are no-ops on one shared CPU stream",
+    ),
+    PatchSite(
+        name="dispatcher-dtoh",
+        module=_MC + "transformer.moe.token_dispatcher",
+        target="maybe_move_tensor_to_cpu",
+        lines=(876, 879, 882, 885),
+        expects=("tensor.is_cuda", "as_numpy"),
+        kind="function",
+        why="moe_utils.maybe_move_tensor_to_cpu converts the split sizes to numpy only for CUDA tensors; "
+        "on CPU they stayed tensors. The dispatcher's binding is replaced by one that always converts",
+    ),
+    # 3. hard-coded torch.cuda.current_device()/synchronize()/Stream ---------------------------
+    PatchSite(
+        name="rope-device",
+        module=_MC + "models.common.embeddings.rotary_pos_embedding",
+        target="",
+        lines=(162,),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="router-device",
+        module=_MC + "transformer.moe.router",
+        target="",
+        lines=(90, 92),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="TopKRouter.gating moves CPU weights to torch.cuda.current_device() every call",
+    ),
+    PatchSite(
+        name="mappings-device",
+        module=_MC + "tensor_parallel.mappings",
+        target="",
+        lines=(91, 141, 148, 181, 442),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="gather/reduce-scatter/all-to-all outputs are allocated on torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="layers-device",
+        module=_MC + "tensor_parallel.layers",
+        target="",
+        lines=(261, 552, 597, 607, 873, 899, 1197, 1218),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="sequence-parallel all-gather buffers and GPU init allocate on torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="tp-utils-device",
+        module=_MC + "tensor_parallel.utils",
+        target="",
+        lines=(70, 91),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="split/gather helpers allocate on torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="p2p-device",
+        module=_MC + "pipeline_parallel.p2p_communication",
+        target="",
+        lines=(190, 313, 321, 242, 398),
+        expects=(_CUR, "torch.cuda.synchronize()"),
+        kind="cuda-shim",
+        why="pipeline receive buffers on torch.cuda.current_device(); torch.cuda.synchronize() after p2p",
+    ),
+    PatchSite(
+        name="utils-device",
+        module=_MC + "utils",
+        target="",
+        lines=(631, 656, 1207, 1347),
+        expects=(_CUR, 'device="cuda"'),
+        kind="cuda-shim",
+        why="GlobalMemoryBuffer allocates on torch.cuda.current_device(); norm helpers use device='cuda'",
+    ),
+    PatchSite(
+        name="grad-buffer-device",
+        module=_MC + "distributed.param_and_grad_buffer",
+        target="",
+        lines=(417, 422, 768, 783, 800, 806),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="DDP param/grad buffers are allocated on torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="ddp-stream",
+        module=_MC + "distributed.distributed_data_parallel",
+        target="",
+        lines=(230, 588, 611),
+        expects=("torch.cuda.synchronize()",),
+        kind="cuda-shim",
+        why="DDP creates a CUDA communication stream and synchronizes",
+    ),
+    PatchSite(
+        name="experts-device",
+        module=_MC + "transformer.moe.experts",
+        target="",
+        lines=(184, 192),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="GroupedMLP weights allocated on torch.cuda.current_device() (non-CPU init)",
+    ),
+    PatchSite(
+        name="shared-experts-stream",
+        module=_MC + "transformer.moe.shared_experts",
+        target="",
+        lines=(123, 162, 163, 277),
+        expects=("torch.cuda.Stream()",),
+        kind="cuda-shim",
+        why="overlapped shared experts run on a CUDA side stream",
+    ),
+    PatchSite(
+        name="moe-utils-stream",
+        module=_MC + "transformer.moe.moe_utils",
+        target="",
+        lines=(998, 1098),
+        expects=('device="cuda"',),
+        kind="cuda-shim",
+        why="device='cuda' tensor factories and torch.cuda.current_stream() in MoE helpers",
+    ),
+    PatchSite(
+        name="layer-device",
+        module=_MC + "transformer.transformer_layer",
+        target="",
+        lines=(936, 1147),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="TransformerLayer moves tensors to torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="module-device",
+        module=_MC + "transformer.module",
+        target="",
+        lines=(249,),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="MegatronModule buffers on torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="gpt-device",
+        module=_MC + "models.gpt.gpt_model",
+        target="",
+        lines=(415,),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="GPTModel allocates on torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="ckpt-saver-device",
+        module=_MC + "dist_checkpointing.strategies.state_dict_saver",
+        target="",
+        lines=(204, 252),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="dist_checkpointing.save all-reduces a failure flag on torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="ckpt-sync",
+        module=_MC + "dist_checkpointing.strategies.fully_parallel",
+        target="",
+        lines=(272, 281),
+        expects=("torch.cuda.synchronize()",),
+        kind="cuda-shim",
+        why="fully parallel save/load strategies call torch.cuda.synchronize()",
+    ),
+    PatchSite(
+        name="ckpt-fs-sync",
+        module=_MC + "dist_checkpointing.strategies.filesystem_async",
+        target="",
+        lines=(230,),
+        expects=("torch.cuda.synchronize()",),
+        kind="cuda-shim",
+        why="async filesystem writer calls torch.cuda.synchronize()",
+    ),
+    PatchSite(
+        name="ckpt-async-device",
+        module=_MC + "dist_checkpointing.strategies.async_utils",
+        target="",
+        lines=(165, 212, 604),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="async checkpoint queue all-reduces on torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="rerun-device",
+        module=_MC + "rerun_state_machine",
+        target="",
+        lines=(261, 525, 567, 957, 970),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="rerun state machine uses the CUDA device and RNG state",
+    ),
+    # 5. literal device="cuda" ------------------------------------------------------------------
+    PatchSite(
+        name="schedules-device",
+        module=_MC + "pipeline_parallel.schedules",
+        target="",
+        lines=(596, 983, 2138),
+        expects=('device="cuda"',),
+        kind="cuda-shim",
+        why="forward_backward_* count tokens in torch.zeros(..., device='cuda')",
+    ),
+    PatchSite(
+        name="optimizer-device",
+        module=_MC + "optimizer.optimizer",
+        target="",
+        lines=(473, 481, 485, 907, 1141),
+        expects=("device='cuda'",),
+        kind="cuda-shim",
+        why="optimizer overflow/scale buffers are created with device='cuda'",
+    ),
+    PatchSite(
+        name="clip-grads-device",
+        module=_MC + "optimizer.clip_grads",
+        target="",
+        lines=(90, 103, 115, 174, 207),
+        expects=("device='cuda'",),
+        kind="cuda-shim",
+        why="grad-norm and clipping buffers are created with device='cuda'",
+    ),
+    PatchSite(
+        name="distopt-device",
+        module=_MC + "optimizer.distrib_optimizer",
+        target="",
+        lines=(791, 1077),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="distributed optimizer buffers on torch.cuda.current_device()",
+    ),
+    PatchSite(
+        name="causal-mask-device",
+        module=_MC + "transformer.utils",
+        target="",
+        lines=(35, 40),
+        expects=('device="cuda"',),
+        kind="cuda-shim",
+        why="get_default_causal_mask builds the mask with device='cuda'",
+    ),
+    # 4. te_general_gemm NameError without Transformer Engine ------------------------------------
+    PatchSite(
+        name="te-general-gemm",
+        module=_MC + "transformer.moe.moe_utils",
+        target="te_general_gemm",
+        lines=(1192, 1225),
+        expects=("te_general_gemm is not None",),
+        kind="attribute",
+        why="RouterGatingLinearFunction reads te_general_gemm, bound only when TE imports (NameError); bound to None",
+    ),
+    # 6. torch norms with sequence parallel ------------------------------------------------------
+    PatchSite(
+        name="norm-sequence-parallel",
+        module=_MC + "transformer.torch_norm",
+        target="WrappedTorchNorm.__new__",
+        lines=(32,),
+        expects=("assert not config.sequence_parallel",),
+        kind="method",
+        why="the torch norm (used without apex/TE) refuses sequence_parallel, which MoE with TP>1 "
+        "requires (moe_layer.py:379); the patch builds it and marks its parameters sequence_parallel "
+        "so finalize_model_grads all-reduces their grads over TP, as TE's norms do",
+    ),
+    # 7. uneven list all_gather/reduce_scatter on gloo -------------------------------------------
+    PatchSite(
+        name="uneven-all-gather",
+        module=_MC + "tensor_parallel.mappings",
+        target="_gather_along_first_dim",
+        lines=(150,),
+        expects=("torch.distributed.all_gather(output_tensor_list",),
+        kind="function",
+        why="gloo's list all_gather rejects uneven sizes ('invalid tensor size'); emulated by "
+        "padding + all_gather_into_tensor when output_split_sizes is given",
+    ),
+    PatchSite(
+        name="uneven-reduce-scatter",
+        module=_MC + "tensor_parallel.mappings",
+        target="_reduce_scatter_along_first_dim",
+        lines=(193,),
+        expects=("torch.distributed.reduce_scatter(output, input_tensor_list",),
+        kind="function",
+        why="gloo has no list reduce_scatter for uneven sizes; emulated by all_reduce + slice",
+    ),
+    # 8./9. cuda tensor-type checks ------------------------------------------------------------
+    PatchSite(
+        name="clip-grads-type",
+        module=_MC + "optimizer.clip_grads",
+        target="clip_grad_by_total_norm_fp32",
+        lines=(167,),
+        expects=("param.grad.type() == 'torch.cuda.FloatTensor'",),
+        kind="tensor-type",
+        why="asserts grads are torch.cuda.FloatTensor; Tensor.type() reports the cuda type name to this module",
+    ),
+    PatchSite(
+        name="optimizer-type",
+        module=_MC + "optimizer.optimizer",
+        target="Float16OptimizerWithFloat16Params.__init__",
+        lines=(671, 690),
+        expects=("param.type() == 'torch.cuda.FloatTensor'",),
+        kind="tensor-type",
+        why="accepts only cuda tensor types; Tensor.type() reports the cuda type name to this module",
+    ),
+    PatchSite(
+        name="distopt-type",
+        module=_MC + "optimizer.distrib_optimizer",
+        target="DistributedOptimizer._build_model_and_main_param_groups",
+        lines=(361, 420, 582),
+        expects=("model_param.type() == 'torch.cuda.FloatTensor'",),
+        kind="tensor-type",
+        why="accepts only cuda tensor types; Tensor.type() reports the cuda type name to this module",
+    ),
+    PatchSite(
+        name="distopt-torch-adam-step",
+        module=_MC + "optimizer.distrib_optimizer",
+        target="DistributedOptimizer._set_main_param_and_optimizer_states",
+        lines=(938, 2101),
+        expects=("dst_tensors[key].copy_(tensors[key])",),
+        kind="method",
+        why=(
+            "without TE/apex the inner optimizer is torch's Adam, whose per-parameter state holds 'step'; "
+            "loading a fully_reshardable checkpoint skips 'step' in the source (it is restored from the "
+            "param groups) but copies every destination key, so it raises KeyError('step'); the patch "
+            "leaves 'step' as load_state_dict already set it"
+        ),
+    ),
+    # Tensor.cuda() ----------------------------------------------------------------------------
+    PatchSite(
+        name="tensor-cuda-language-module",
+        module=_MC + "models.common.language_module.language_module",
+        target="LanguageModule.setup_embeddings_and_output_layer",
+        lines=(244,),
+        expects=("weight.data = weight.data.cuda()",),
+        kind="tensor-cuda",
+        why="PP>1 with tied embeddings moves the word embedding with .cuda(); a no-op for this module",
+    ),
+    PatchSite(
+        name="tensor-cuda-optimizer",
+        module=_MC + "optimizer.optimizer",
+        target="MegatronOptimizer",
+        lines=(375, 380),
+        expects=("p.data.cuda()",),
+        kind="tensor-cuda",
+        why="optimizer state reload moves tensors with .cuda(); a no-op for this module",
+    ),
+    PatchSite(
+        name="tensor-cuda-distopt",
+        module=_MC + "optimizer.distrib_optimizer",
+        target="DistributedOptimizer",
+        lines=(1089,),
+        expects=("send_tensor.cuda()",),
+        kind="tensor-cuda",
+        why="distributed optimizer state gather moves buffers with .cuda(); a no-op for this module",
+    ),
+    PatchSite(
+        name="tensor-cuda-exchange",
+        module=_MC + "dist_checkpointing.exchange_utils",
+        target="",
+        lines=(336, 499),
+        expects=("all_loaded_tensors[shard_id].cuda()", "local_ten = all_loaded_tensors[shard_id].cuda()"),
+        kind="tensor-cuda",
+        why="checkpoint load exchange moves tensors with .cuda(); a no-op for this module",
+    ),
+    PatchSite(
+        name="tensor-cuda-utils",
+        module=_MC + "utils",
+        target="check_param_hashes_across_dp_replicas",
+        lines=(898,),
+        expects=("torch.stack(local_param_hashes).cuda()",),
+        kind="tensor-cuda",
+        why="parameter-hash check moves hashes with .cuda(); a no-op for this module",
+    ),
+    PatchSite(
+        name="tensor-cuda-data",
+        module=_MC + "tensor_parallel.data",
+        target="broadcast_data",
+        lines=(84,),
+        expects=("data[key].cuda()",),
+        kind="tensor-cuda",
+        why="broadcast_data moves the batch with .cuda(); a no-op for this module",
+    ),
+    # 10./11. inference and resharding (optional modules) -------------------------------------
+    PatchSite(
+        name="static-inference-events",
+        module=_MC + "inference.text_generation_controllers.text_generation_controller",
+        target="",
+        lines=(75, 100, 1163, 1337),
+        expects=("torch.cuda.Event(",),
+        kind="cuda-shim",
+        why="legacy static inference times steps with torch.cuda.Event; the shim's Event uses perf_counter",
+        optional=True,
+    ),
+    PatchSite(
+        name="gloo-copy-stream",
+        module=_MC + "resharding.copy_services.gloo_copy_service",
+        target="",
+        lines=(46, 146),
+        expects=("torch.cuda.Stream()",),
+        kind="cuda-shim",
+        why="swap_model_weights over gloo creates/uses a CUDA stream",
+        optional=True,
+    ),
+)
+
+# Modules whose calls to Tensor.cuda() / Tensor.type() get the CPU-friendly behaviour.
