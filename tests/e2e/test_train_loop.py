@@ -140,3 +140,13 @@ def test_r3_engine_routes_equal_the_trainer_router(model_dir, tmp_path):
     for r in rows:
         assert r["routing/engine_vs_trainer"] < 0.01, r
         assert r["routing/drift"] == 0.0, r
+
+
+def test_one_step_off_policy(model_dir, tmp_path):
+    # Generation of step k+1 overlaps training of step k, so from step 1 on the samples come
+    # from the weights one update behind (version k - 1) and truncated IS corrects for it.
+    extra = ("train.off_policy_lag=1", "algorithm.tis_mode=sequence", "train.steps=3", "data.reward=tests.e2e.test_train_loop:odd_length_reward")
+    _run(_command("tiny-gspo.yaml", model_dir, tmp_path, *extra))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
+    assert rows[2]["mismatch/abs_logprob_diff"] > 1e-4  # the engine's policy lags the trainer's
