@@ -10,6 +10,7 @@ Prompts are token ids (list[list[int]]); tokenising is the data layer's job.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Iterable, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -90,3 +91,22 @@ def run_with_restarts(
             restarts += 1
             last_error = error
             logger.warning("%s: engine failure (%s: %s); restart %d of %d", what, type(error).__name__, error, restarts, max_restarts)
+
+
+def generate_with_restarts(
+    generate_once: Callable[[], Rollouts],
+    restart: Callable[[BaseException], None],
+    *,
+    max_restarts: int,
+    is_engine_failure: Callable[[BaseException], bool],
+    what: str,
+) -> Rollouts:
+    """run_with_restarts for a generate() call, recording generate_s, response_tokens and restarts in its metrics."""
+    start = time.perf_counter()
+    rollouts, restarts = run_with_restarts(generate_once, restart, max_restarts=max_restarts, is_engine_failure=is_engine_failure, what=what)
+    rollouts.metrics.update(
+        generate_s=time.perf_counter() - start,
+        response_tokens=float(sum(s.response_length for s in rollouts.samples)),
+        restarts=float(restarts),
+    )
+    return rollouts

@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
-from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError, run_with_restarts
+from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError, run_with_restarts
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
@@ -329,19 +329,12 @@ class VLLMServerEngine:
         prompts = check_prompts(prompts, self.max_model_len, self.vocab_size)
         if sampling.return_routed_experts and not self.model_info["num_moe_layers"]:
             raise RoutedExpertsError("routed experts were asked for, but the servers' model has no MoE layers")
-        start = time.perf_counter()
         with self._lock:
-            rollouts, restarts = run_with_restarts(
+            return generate_with_restarts(
                 lambda: self._generate_once(prompts, sampling), self._revive,
                 max_restarts=self.config.max_restarts, is_engine_failure=self._is_engine_failure,
                 what=f"generate({len(prompts)} prompts x {sampling.n}) on {len(self.urls)} server(s)",
             )
-        rollouts.metrics.update(
-            generate_s=time.perf_counter() - start,
-            response_tokens=float(sum(s.response_length for s in rollouts.samples)),
-            restarts=float(restarts),
-        )
-        return rollouts
 
     def _complete(self, prompt_index: int, prompt: list[int], sampling: SamplingSpec) -> dict:
         url = self.urls[prompt_index % len(self.urls)]

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterable, Iterator
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
-from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError, RolloutFailedError, run_with_restarts
+from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError, RolloutFailedError, run_with_restarts
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
@@ -301,19 +301,12 @@ class VLLMEngine:
                     "routed experts with prompt rows need an engine started with rollout.return_routed_experts=true "
                     "(prompt tokens served from the prefix cache are never routed; that setting turns the cache off)"
                 )
-        start = time.perf_counter()
         with self._lock:
-            rollouts, restarts = run_with_restarts(
+            return generate_with_restarts(
                 lambda: self._generate_once(prompts, sampling), self._restart,
                 max_restarts=self.config.max_restarts, is_engine_failure=self._is_engine_failure,
                 what=f"generate({len(prompts)} prompts x {sampling.n})",
             )
-        rollouts.metrics.update(
-            generate_s=time.perf_counter() - start,
-            response_tokens=float(sum(s.response_length for s in rollouts.samples)),
-            restarts=float(restarts),
-        )
-        return rollouts
 
     def _generate_once(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
         if self._llm is None or self._engine_core_dead():
