@@ -52,7 +52,7 @@ def step_seed(base_seed: int, step: int, gen_batch: int) -> int:
     return (base_seed * 1_000_003 + step) * 64 + gen_batch
 
 
-def _score(rollouts: Rollouts, prompts: list, tokenizer: Tokenizer, reward_fn: Callable, max_new_tokens: int, algo: Any):
+def score_rollouts(rollouts: Rollouts, prompts: list, tokenizer: Tokenizer, reward_fn: Callable, max_new_tokens: int, algo: Any):
     """(task rewards [N], shaped rewards [N] (+ overlong punishment), truncated [N] bool, reward errors)."""
     responses = [tokenizer.decode(s.response_token_ids.tolist()) for s in rollouts]
     answers = [prompts[s.prompt_index].answer for s in rollouts]
@@ -87,7 +87,7 @@ def collect_experience(
         rollouts = engine.generate([p.token_ids for p in prompts], spec)
         generate_s += time.perf_counter() - start
         weight_version = rollouts.weight_version
-        batch_rewards, batch_shaped, batch_truncated, scored = _score(rollouts, prompts, tokenizer, reward_fn, cfg.rollout.max_new_tokens, algo)
+        batch_rewards, batch_shaped, batch_truncated, scored = score_rollouts(rollouts, prompts, tokenizer, reward_fn, cfg.rollout.max_new_tokens, algo)
         all_rewards.append(batch_rewards)
         num_errors += scored.num_errors
         group_ids = torch.tensor([gen_batch * num_groups + s.prompt_index for s in rollouts], dtype=torch.int64)

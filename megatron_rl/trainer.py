@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
@@ -73,17 +74,23 @@ class Trainer:
 
         self.cfg, self.ctx = cfg, ctx
         self.tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
-        self.dataset = PromptDataset(
-            cfg.data.path,
-            self.tokenizer,
-            prompt_key=cfg.data.prompt_key,
-            answer_key=cfg.data.answer_key,
-            apply_chat_template=cfg.data.apply_chat_template,
-            max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-            long_prompts=cfg.data.long_prompts,
-            shuffle=cfg.data.shuffle,
-            seed=cfg.train.seed,
-        )
+
+        def prompts(path: str, shuffle: bool) -> PromptDataset:
+            return PromptDataset(
+                path,
+                self.tokenizer,
+                prompt_key=cfg.data.prompt_key,
+                answer_key=cfg.data.answer_key,
+                apply_chat_template=cfg.data.apply_chat_template,
+                max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                long_prompts=cfg.data.long_prompts,
+                shuffle=shuffle,
+                seed=cfg.train.seed,
+            )
+
+        self.dataset = prompts(cfg.data.path, cfg.data.shuffle)
+        self.eval_dataset = prompts(cfg.data.eval_path, False) if cfg.data.eval_path else None
+        self._recent_rewards: deque[float] = deque(maxlen=10)  # train.stop_at_reward looks at the last 10 steps
         self.reward_fn = get_reward_fn(cfg.data.reward)
         self.actor = Actor.from_config(cfg, ctx)
         self.step, self.weight_version = 0, 0
@@ -129,8 +136,9 @@ class Trainer:
         """train.stop_at_reward: the mean reward of the last 10 steps reached the target (decided on rank 0)."""
         if not self.cfg.train.stop_at_reward:
             return False
-        recent = self._recent_rewards = (getattr(self, "_recent_rewards", []) + [metrics.get("reward/mean", 0.0)])[-10:]
-        reached = len(recent) == 10 and sum(recent) / 10 >= self.cfg.train.stop_at_reward
+        recent = self._recent_rewards
+        recent.append(metrics.get("reward/mean", 0.0))
+        reached = len(recent) == recent.maxlen and sum(recent) / len(recent) >= self.cfg.train.stop_at_reward
         return bool(_broadcast(reached, self.ctx))
 
     def train_one_step(self, step: int) -> dict[str, float]:
@@ -188,23 +196,20 @@ class Trainer:
         return make_engine(self.cfg.model.path, rollout)
 
     def evaluate(self) -> dict[str, float]:
-        """Mean reward of one sample per prompt on the next train.prompts_per_step prompts of data.eval_path."""
-        from megatron_rl.experience import collect_experience
+        """Mean task reward of data.eval_samples samples on the next train.prompts_per_step prompts of data.eval_path."""
+        from megatron_rl.experience import score_rollouts, step_seed
+        from megatron_rl.rollout.sampling import SamplingSpec
 
-        if not self.cfg.data.eval_path:
+        if self.eval_dataset is None:
             return {}
-        if not hasattr(self, "_eval_dataset"):
-            from megatron_rl.data.dataset import PromptDataset
-
-            self._eval_dataset = PromptDataset(self.cfg.data.eval_path, self.tokenizer, shuffle=False, max_prompt_tokens=self.cfg.rollout.max_prompt_tokens)
         result = None
         if self.ctx.rank == 0:
-            from megatron_rl.config.core import replace
-
-            cfg = replace(self.cfg, algorithm=replace(self.cfg.algorithm, dynamic_sampling=False))
-            cfg = replace(cfg, rollout=replace(cfg.rollout, n_samples=self.cfg.data.eval_samples))
-            experience = collect_experience(self.engine, self._eval_dataset, self.tokenizer, self.reward_fn, cfg, 10**6 + self.step)
-            result = {"eval/reward_mean": experience.metrics["reward/mean"]}
+            prompts = self.eval_dataset.next_batch(self.cfg.train.prompts_per_step)
+            seed = step_seed(self.cfg.train.seed, 10**6 + self.step, 0)  # apart from every training batch's seed
+            spec = SamplingSpec.from_config(self.cfg.rollout, n=self.cfg.data.eval_samples, seed=seed, return_routed_experts=False)
+            rollouts = self.engine.generate([p.token_ids for p in prompts], spec)
+            rewards, *_ = score_rollouts(rollouts, prompts, self.tokenizer, self.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.algorithm)
+            result = {"eval/reward_mean": float(rewards.mean())}
         return _broadcast(result, self.ctx)
 
     # -- checkpoints ---------------------------------------------------------------------------------

@@ -82,8 +82,13 @@ def odd_length_reward(response: str, answer, *, prompt: str = "") -> float:
 @pytest.mark.parametrize("preset", ["tiny-gspo.yaml", "tiny-dapo.yaml", "tiny-dr_grpo.yaml", "tiny-grpo.yaml"])
 def test_preset_runs_one_process(preset, model_dir, tmp_path):
     extra = ["data.reward=tests.e2e.test_train_loop:odd_length_reward"] if preset == "tiny-dapo.yaml" else []
+    if preset == "tiny-gspo.yaml":  # held-out evaluation every step: one sample for each of 4 prompts
+        extra = ["train.eval_every=1", "data.eval_path=synthetic:first_letter8:8:5"]
     _run(_command(preset, model_dir, tmp_path, "train.steps=2", *extra))
-    _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    _check_rows(rows, 2)
+    if preset == "tiny-gspo.yaml":
+        assert all(r["eval/reward_mean"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in rows), rows
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
 
 
