@@ -170,9 +170,8 @@ def test_a_failed_receive_ends_the_broadcast_at_once_and_the_group_forms_again(w
         worker.fail_next = True
         big = [("w", torch.randn(4 << 20))]  # 16 MB: more than loopback buffers hold, so rank 0 waits for the peer
         begin = time.monotonic()
-        with pytest.raises((BroadcastError, RuntimeError), match="refused the bucket") as excinfo:
+        with pytest.raises((BroadcastError, RuntimeError), match="refused the bucket"):
             sender.send(big, [lambda layout: worker.call("receive", layout)])
-        print("ELAPSED", time.monotonic() - begin, repr(excinfo.value)[:300])
         assert time.monotonic() - begin < 30  # not the 60 s group timeout
         assert not sender.connected  # a broken group is closed, not reused
         sender.connect([lambda info: worker.call("join", info)], [1])
