@@ -265,7 +265,7 @@ class RolloutWorkerExtension:
     def mrl_broadcast_leave(self) -> None:
         state = self.__dict__.pop("_mrl_broadcast", None)
         if state is not None:
-            close_group(state["group"])
+            close_group(state["group"], state["timeout_s"])
 
     def mrl_broadcast_receive(self, layout: str | dict) -> int:
         """Take one packed bucket from the trainer's broadcast and stage it (see mrl_stage_weights)."""

@@ -4,7 +4,9 @@
 
 buckets.py: bucketing and the wire format (safetensors bytes);
 manifest.py: what the engine accepts and the whole-push check done before any
-engine weight changes; push.py: push_weights and the engine-side collection.
+engine weight changes; push.py: push_weights and the engine-side collection;
+broadcast.py: buckets broadcast from the pushing rank into every engine worker
+over a group of their own (NCCL on GPU, gloo on CPU).
 The engine side of loading lives in megatron_rl.rollout.worker_ext.
 """
 

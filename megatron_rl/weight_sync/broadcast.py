@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -134,14 +135,26 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str, t
     )
 
 
-def close_group(group: Any) -> None:
-    """Tear a group down (best effort: after a failure its peers may already be gone)."""
+def close_group(group: Any, linger_s: float) -> None:
+    """Tear a group down without blocking the caller.
+
+    Destroying a gloo group whose broadcast never completed (a peer died or never joined) blocks
+    until that operation times out, abort() or not (measured: the full group timeout). So the last
+    reference is handed to a daemon thread that keeps it until the group's operations have timed
+    out; a process exiting meanwhile does not wait for it.
+    """
     for method in ("abort", "shutdown"):
         try:
             getattr(group, method)()
-            return
+            break
         except Exception:  # a broken group may refuse either; it is being dropped anyway
             continue
+
+    def linger(held: list) -> None:
+        time.sleep(linger_s + 5.0)
+        held.clear()
+
+    threading.Thread(target=linger, args=([group],), name="weight-broadcast-close", daemon=True).start()
 
 
 def broadcast_from_root(group: Any, tensor: torch.Tensor, *, abort_if: Callable[[], BaseException | None] | None = None,
@@ -261,7 +274,7 @@ class BroadcastSender:
     def close(self) -> None:
         group, self.group = self.group, None
         if group is not None:
-            close_group(group)
+            close_group(group, self.timeout_s)
 
     def shutdown(self) -> None:
         self.close()
