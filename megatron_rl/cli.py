@@ -1,7 +1,8 @@
-"""The `megatron-rl` command: `train` and `plan`.
+"""The `megatron-rl` command: `train`, `plan` and `serve`.
 
     megatron-rl train --config configs/tiny-gspo.yaml train.steps=5
     megatron-rl plan  --config configs/qwen3-30b-a3b-gspo-4x8h100.yaml parallel.expert_parallel=8
+    megatron-rl serve --config configs/tiny-gspo.yaml --port 8000   # a rollout server (rollout.engine=vllm_server)
 
 Nothing heavy is imported at module level, so `--help` answers at once; each
 subcommand imports what it needs when it runs. Also `python -m megatron_rl.cli`
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rl", description="RL post-training of mixture-of-experts LLMs on megatron-core with vLLM rollouts."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,serve}")
     train = sub.add_parser("train", help="run the RL loop (under torchrun for several processes)")
     _add_config_args(train)
     planner = sub.add_parser("plan", help="check a preset against its cluster and estimate memory per device, no GPU needed")
@@ -37,6 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--launch-env", action="store_true", help="only print NNODES= and NPROC_PER_NODE= for the launch scripts"
     )
+    serve = sub.add_parser(
+        "serve",
+        help="run a vLLM OpenAI server on model.path set up for the trainer (rollout.engine=vllm_server): "
+        "worker extension for weight pushes and routed experts, the preset's rollout settings",
+    )
+    _add_config_args(serve)
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--dry-run", action="store_true", help="print the environment and the command, run nothing")
     return parser
 
 
@@ -70,10 +80,54 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if result.fits else EXIT_DOES_NOT_FIT
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """exec the vLLM server (signals reach it directly), or print what would run."""
+    import os
+    import shlex
+    from pathlib import Path
+
+    from megatron_rl.config.core import ConfigError, load_config
+    from megatron_rl.config.schema import RLConfig
+
+    try:
+        cfg = load_config(RLConfig, args.config, list(args.overrides))
+    except ConfigError as err:
+        print(f"megatron-rl serve: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    model_dir = Path(cfg.model.path)
+    if not (model_dir / "config.json").is_file():
+        print(
+            f"megatron-rl serve: model.path={cfg.model.path!r} is not an HF model directory (no config.json): "
+            "give the directory the trainer's model.path names",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG_ERROR
+    from megatron_rl.rollout.server_engine import VLLMServer
+
+    server = VLLMServer(model_dir, cfg.rollout, host=args.host, port=args.port, seed=cfg.train.seed)
+    command, env = server.command(), server.environment()
+    if args.dry_run:
+        for name, value in env.items():
+            print(f"export {name}={shlex.quote(value)}")
+        print(shlex.join(command))
+        return 0
+    sys.stdout.flush()
+    os.execvpe(command[0], command, {**os.environ, **env})
+    return 0  # not reached
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # key=value overrides may also come after options (`serve --config c.yaml --port 8001 model.path=...`)
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
     if args.command == "train":
         return _train(args)
+    if args.command == "serve":
+        return _serve(args)
     return _plan(args)
 
 

@@ -129,15 +129,21 @@ class VLLMServer:
             cmd.append("--no-enable-prefix-caching")
         return cmd + self.extra_args
 
+    def environment(self) -> dict[str, str]:
+        """Variables the server needs on top of the caller's environment."""
+        # the server imports the worker extension: make this package importable there even when not installed
+        package_root = str(Path(__file__).resolve().parents[2])
+        python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+        env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path}
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))
+        return {**env, **self.env}
+
     def start(self) -> "VLLMServer":
         """Start the server and wait until /health answers (EngineStartError with the log tail if it dies)."""
         if not (self.model_dir / "config.json").is_file():
             raise EngineStartError(f"{self.model_dir}: not a model directory (no config.json)")
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **self.env}
-        # the server imports the worker extension: make this package importable there even when not installed
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(self.config.kv_cache_gib)))))
+        env = {**os.environ, **self.environment()}
         if self.log_path is None:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-server-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,6 +227,7 @@ class VLLMServerEngine:
         self._broadcast: BroadcastSender | None = None
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
         self._lock = threading.RLock()  # generate() and pushes from different threads take turns
+        self._wait_for_servers()
         self._describe()
 
     # ---- HTTP ------------------------------------------------------------------------------------
@@ -242,6 +249,22 @@ class VLLMServerEngine:
         body = {"method": method, "args": [a if isinstance(a, str) else str(a) for a in args]}
         result = self._post(url, "/collective_rpc", body)
         return None if result is None else result["results"][0]
+
+    def _wait_for_servers(self) -> None:
+        """Servers started elsewhere (e.g. `megatron-rl serve` on rollout nodes) may still be loading: wait for /health."""
+        deadline = time.monotonic() + self.config.server_start_timeout_s
+        for url in self.urls:
+            logged = False
+            while not self._healthy(url):
+                if time.monotonic() > deadline:
+                    raise ServerDeadError(
+                        f"vLLM server {url} did not answer /health within rollout.server_start_timeout_s="
+                        f"{self.config.server_start_timeout_s:.0f} s: check that it runs (megatron-rl serve) and is reachable"
+                    )
+                if not logged:
+                    logger.info("waiting for the vLLM server at %s", url)
+                    logged = True
+                time.sleep(1.0)
 
     def _describe(self) -> None:
         import httpx

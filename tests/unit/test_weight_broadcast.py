@@ -20,6 +20,7 @@ from megatron_rl.weight_sync.broadcast import (
     BroadcastError,
     BroadcastSender,
     broadcast_from_root,
+    close_group,
     describe_bucket,
     open_group,
     pack_bucket,
@@ -94,6 +95,8 @@ def _receiver(conn, device: str) -> None:
         try:
             if command == "join":
                 info = json.loads(argument)
+                if group is not None:
+                    close_group(group, 60)
                 group = open_group(info["host"], info["port"], info["rank_offset"], info["world_size"], info["backend"], 60)
                 conn.send(("ok", info["rank_offset"]))
             elif command == "receive":
@@ -129,8 +132,14 @@ class _Worker:
         return value
 
     def stop(self):
-        self.conn.send(("stop", ""))
-        self.process.join(30)
+        try:
+            self.conn.send(("stop", ""))
+        except OSError:  # the process is gone already
+            pass
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,54 @@
+"""`megatron-rl serve` starts a server the trainer's engine can use: it waits for it, pushes, samples.
+
+One server start (~30-60 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import vllm  # noqa: F401  (a required dependency: a broken install must fail, not skip)
+
+from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout import SamplingSpec, VLLMServerEngine
+from megatron_rl.rollout.server_engine import free_port
+from megatron_rl.weight_sync import bucketize, push_weights
+from tests.e2e.vllm_helpers import build_models, hf_state_dict, max_logprob_error
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_served_model_takes_pushes_and_samples(tmp_path):
+    models = build_models(tmp_path / "models")
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.cli", "serve", "--config", "configs/tiny-gspo.yaml",
+         f"model.path={models['moe0']}", "--host", "127.0.0.1", "--port", str(port),
+         "rollout.kv_cache_gib=0.25", "rollout.max_model_len=128"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    engine = None
+    try:
+        # the engine is made while the server is still loading: it waits for /health
+        engine = VLLMServerEngine([f"http://127.0.0.1:{port}"], RolloutConfig(max_model_len=128, server_start_timeout_s=300))
+        assert engine.max_model_len == 128 and engine.weight_transport == "broadcast"
+        push_weights(engine, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=2)
+        rollouts = engine.generate([[1, 5, 6, 7, 8], [1, 9, 10]], SamplingSpec(n=2, max_new_tokens=10, seed=2))
+        assert rollouts.weight_version == 2
+        assert max_logprob_error(models["moe1"], rollouts, 1.0) < 1e-4
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
