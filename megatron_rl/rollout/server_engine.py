@@ -335,11 +335,9 @@ class VLLMServerEngine:
 
         if self._broadcast is None:
             cfg = self.config
-            backend = cfg.weight_broadcast_backend
-            if backend == "auto":  # servers have GPUs of their own: NCCL when there is CUDA here
-                backend = "nccl" if _has_cuda() else "gloo"
             host = cfg.weight_broadcast_host or default_host([urlparse(u).hostname or "" for u in self.urls])
-            self._broadcast = BroadcastSender(backend, host, cfg.request_timeout_s)
+            # backend auto = NCCL when there is CUDA here: servers have GPUs of their own
+            self._broadcast = BroadcastSender(cfg.weight_broadcast_backend, host, cfg.request_timeout_s)
         if not self._broadcast.connected:
             workers = [int(self._rpc(url, "mrl_model_info").get("workers", 1)) for url in self.urls]
             joins = [lambda info, url=url: self._rpc(url, "mrl_broadcast_join", info) for url in self.urls]
@@ -459,9 +457,3 @@ class VLLMServerEngine:
             for server in self.servers:
                 if server is not None:
                     server.stop()
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
