@@ -108,7 +108,10 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
     _run(_command("tiny-gspo.yaml", model_dir, reference, *args))
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_command("tiny-gspo.yaml", model_dir, killed, *args), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        _command("tiny-gspo.yaml", model_dir, killed, *args), cwd=REPO, env=_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
     deadline = time.monotonic() + 240
     metrics = killed / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
@@ -116,7 +119,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
             break
         time.sleep(0.05)
     assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-3000:]}"
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the run and every process it started, as when a node dies
     proc.wait()
     assert 0 < len(read_metrics(metrics)) < steps
 
