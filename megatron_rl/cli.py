@@ -84,7 +84,6 @@ def _serve(args: argparse.Namespace) -> int:
     """exec the vLLM server (signals reach it directly), or print what would run."""
     import os
     import shlex
-    from pathlib import Path
 
     from megatron_rl.config.core import ConfigError, load_config
     from megatron_rl.config.schema import RLConfig
@@ -94,17 +93,15 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"megatron-rl serve: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    model_dir = Path(cfg.model.path)
-    if not (model_dir / "config.json").is_file():
-        print(
-            f"megatron-rl serve: model.path={cfg.model.path!r} is not an HF model directory (no config.json): "
-            "give the directory the trainer's model.path names",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG_ERROR
+    from megatron_rl.rollout.engine import EngineStartError
     from megatron_rl.rollout.server_engine import VLLMServer
 
-    server = VLLMServer(model_dir, cfg.rollout, host=args.host, port=args.port, seed=cfg.train.seed)
+    server = VLLMServer(cfg.model.path, cfg.rollout, host=args.host, port=args.port, seed=cfg.train.seed)
+    try:
+        server.check_model_dir()
+    except EngineStartError as err:
+        print(f"megatron-rl serve: model.path={cfg.model.path!r}: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     command, env = server.command(), server.environment()
     if args.dry_run:
         for name, value in env.items():

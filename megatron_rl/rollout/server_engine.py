@@ -129,6 +129,13 @@ class VLLMServer:
             cmd.append("--no-enable-prefix-caching")
         return cmd + self.extra_args
 
+    def check_model_dir(self) -> None:
+        """EngineStartError unless model_dir is an HF model directory."""
+        if not (self.model_dir / "config.json").is_file():
+            raise EngineStartError(
+                f"{self.model_dir}: not an HF model directory (no config.json); give the directory model.path names"
+            )
+
     def environment(self) -> dict[str, str]:
         """Variables the server needs on top of the caller's environment."""
         # the server imports the worker extension: make this package importable there even when not installed
@@ -141,8 +148,7 @@ class VLLMServer:
 
     def start(self) -> "VLLMServer":
         """Start the server and wait until /health answers (EngineStartError with the log tail if it dies)."""
-        if not (self.model_dir / "config.json").is_file():
-            raise EngineStartError(f"{self.model_dir}: not a model directory (no config.json)")
+        self.check_model_dir()
         env = {**os.environ, **self.environment()}
         if self.log_path is None:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-server-{self.port}.log"
@@ -250,21 +256,24 @@ class VLLMServerEngine:
         result = self._post(url, "/collective_rpc", body)
         return None if result is None else result["results"][0]
 
+    def _wait_healthy(self, url: str, failure: str) -> None:
+        """Wait up to rollout.server_start_timeout_s for `url` to answer /health; else ServerDeadError(failure)."""
+        deadline = time.monotonic() + self.config.server_start_timeout_s
+        while not self._healthy(url):
+            if time.monotonic() > deadline:
+                raise ServerDeadError(failure)
+            time.sleep(1.0)
+
     def _wait_for_servers(self) -> None:
         """Servers started elsewhere (e.g. `megatron-rl serve` on rollout nodes) may still be loading: wait for /health."""
-        deadline = time.monotonic() + self.config.server_start_timeout_s
         for url in self.urls:
-            logged = False
-            while not self._healthy(url):
-                if time.monotonic() > deadline:
-                    raise ServerDeadError(
-                        f"vLLM server {url} did not answer /health within rollout.server_start_timeout_s="
-                        f"{self.config.server_start_timeout_s:.0f} s: check that it runs (megatron-rl serve) and is reachable"
-                    )
-                if not logged:
-                    logger.info("waiting for the vLLM server at %s", url)
-                    logged = True
-                time.sleep(1.0)
+            if not self._healthy(url):
+                logger.info("waiting for the vLLM server at %s", url)
+                self._wait_healthy(
+                    url,
+                    f"vLLM server {url} did not answer /health within rollout.server_start_timeout_s="
+                    f"{self.config.server_start_timeout_s:.0f} s: check that it runs (megatron-rl serve) and is reachable",
+                )
 
     def _describe(self) -> None:
         import httpx
@@ -305,12 +314,8 @@ class VLLMServerEngine:
                 except EngineStartError as error:  # counts as one more failure of the batch
                     raise ServerDeadError(f"restarting the vLLM server at {url} failed: {error}") from error
                 self.urls[index] = server.url
-            else:
-                deadline = time.monotonic() + self.config.server_start_timeout_s
-                while not self._healthy(url):
-                    if time.monotonic() > deadline:
-                        raise ServerDeadError(f"vLLM server {url} is dead and was not started by this process")
-                    time.sleep(1.0)
+            else:  # its supervisor may restart it
+                self._wait_healthy(url, f"vLLM server {url} is dead and was not started by this process")
         if not repush:
             return
         payloads = self._last_payloads
