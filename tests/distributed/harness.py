@@ -98,10 +98,12 @@ def _rank_main(fn: Callable, rank: int, world_size: int, args: tuple, env: dict,
         try:
             _write(out, ("ok", result))
         except Exception as exc:  # noqa: BLE001 - unpicklable result
-            _write(out, ("error", f"rank {rank} returned an unpicklable value: {exc!r}"))
+            _write(out, ("error", (time.time(), f"rank {rank} returned an unpicklable value: {exc!r}")))
             os._exit(1)
     except BaseException:  # noqa: BLE001
-        _write(out, ("error", traceback.format_exc()))
+        # The failure time lets the parent name the rank that failed first (its peers
+        # then fail too, with "connection closed" errors that only echo it).
+        _write(out, ("error", (time.time(), traceback.format_exc())))
         # Exit at once: the peers are killed by the parent, no teardown that could wait on them.
         os._exit(1)
 
@@ -174,6 +176,35 @@ def _read(path: Path) -> Any:
         return pickle.load(fh)
 
 
+FAILURE_GRACE_S = 1.0
+
+
+def _raise_first_failure(procs: list[Any], out_dir: Path, world_size: int, name: str) -> None:
+    """Raise for the rank that failed first, after giving its peers a moment to report too.
+
+    When one rank raises and exits, its peers fail in their next collective with
+    errors that only say the connection closed; reporting whichever file the
+    polling loop happened to read first would often name an echo, not the cause.
+    """
+    deadline = time.monotonic() + FAILURE_GRACE_S
+    while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+        time.sleep(0.02)
+    _kill(procs)
+    failures = []
+    for rank in range(world_size):
+        path = out_dir / f"rank{rank}.pkl"
+        if path.exists():
+            status, value = _read(path)
+            if status == "error":
+                failed_at, text = value
+                failures.append((failed_at, rank, text))
+    failures.sort()
+    _, rank, text = failures[0]
+    others = [r for _, r, _ in failures[1:]]
+    also = f" (ranks {others} failed after it)" if others else ""
+    raise DistributedTestError(f"{name}: rank {rank} of {world_size} failed{also}:\n{text}")
+
+
 def _wait(procs: list[Any], out_dir: Path, world_size: int, timeout: float, name: str) -> list[Any]:
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
@@ -185,8 +216,7 @@ def _wait(procs: list[Any], out_dir: Path, world_size: int, timeout: float, name
             if path.exists():
                 status, value = _read(path)
                 if status == "error":
-                    _kill(procs)
-                    raise DistributedTestError(f"{name}: rank {rank} of {world_size} failed:\n{value}")
+                    _raise_first_failure(procs, out_dir, world_size, name)
                 results[rank] = value
             elif proc.exitcode is not None:
                 if path.exists():
