@@ -189,8 +189,9 @@ def _raise_first_failure(procs: list[Any], out_dir: Path, world_size: int, name:
     deadline = time.monotonic() + FAILURE_GRACE_S
     while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
         time.sleep(0.02)
+    exitcodes = [p.exitcode for p in procs]  # before the kill: None = still running
     _kill(procs)
-    failures = []
+    failures, silent = [], []
     for rank in range(world_size):
         path = out_dir / f"rank{rank}.pkl"
         if path.exists():
@@ -198,10 +199,13 @@ def _raise_first_failure(procs: list[Any], out_dir: Path, world_size: int, name:
             if status == "error":
                 failed_at, text = value
                 failures.append((failed_at, rank, text))
+        elif exitcodes[rank] is not None:
+            silent.append(f"rank {rank} exited with code {exitcodes[rank]} without a result")
     failures.sort()
     _, rank, text = failures[0]
     others = [r for _, r, _ in failures[1:]]
-    also = f" (ranks {others} failed after it)" if others else ""
+    notes = ([f"ranks {others} failed after it"] if others else []) + silent
+    also = f" ({'; '.join(notes)})" if notes else ""
     raise DistributedTestError(f"{name}: rank {rank} of {world_size} failed{also}:\n{text}")
 
 
