@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 -m megatron_rl.train --config configs/tiny-gspo-cpu2.yaml
 
 Rank 0 holds the rollout engine (in-process vLLM, or a client of vLLM
-servers); every rank holds its shard of the actor. One step:
+servers: external ones, or colocated ones hosted by trainer ranks when
+rollout.engines > 1); every rank holds its shard of the actor. One step:
 
 1. experience (rank 0): prompts -> samples -> rewards -> advantages, with
    dynamic sampling and overlong shaping (megatron_rl.experience), then
@@ -95,7 +96,8 @@ class Trainer:
         self.actor = Actor.from_config(cfg, ctx)
         self.step, self.weight_version = 0, 0
         resumed = self._maybe_resume()
-        self.engine = self._start_engine() if ctx.rank == 0 else None
+        self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
+        self.engine = self._start_engine()
         self.logger = MetricsLogger(
             cfg.logging.dir,
             enabled=ctx.rank == 0,
@@ -185,10 +187,28 @@ class Trainer:
         self.weight_version = version
 
     def _start_engine(self):
+        """Rank 0's engine (None elsewhere); with several colocated engines every rank joins their start."""
         from megatron_rl.config.core import replace
-        from megatron_rl.rollout import make_engine
+        from megatron_rl.rollout import VLLMServerEngine, make_engine
+        from megatron_rl.plan.launch import colocated_engines
+        from megatron_rl.rollout.colocated import start_colocated_servers
 
-        rollout = self.cfg.rollout
+        rollout, ctx = self.cfg.rollout, self.ctx
+        engines = colocated_engines(rollout, self.cfg.cluster, ctx.world_size) if rollout.engine == "vllm" else 1
+        if engines > 1:
+            self._colocated = start_colocated_servers(
+                self.cfg.model.path, rollout, engines, rank=ctx.rank, world_size=ctx.world_size,
+                local_rank=ctx.local_rank, group=ctx.world_group, seed=self.cfg.train.seed, log_dir=self.cfg.logging.dir,
+            )
+            if ctx.rank != 0:
+                return None
+            if rollout.weight_broadcast_backend == "auto":
+                # engine 0's first worker shares rank 0's GPU, which NCCL refuses: go through host memory
+                rollout = replace(rollout, weight_broadcast_backend="gloo")
+            servers = [self._colocated.server, *self._colocated.urls[1:]]
+            return VLLMServerEngine(servers, rollout)
+        if ctx.rank != 0:
+            return None
         if rollout.multiprocessing is None:
             # vLLM creates its process groups on the default (trainer's) world when it runs in this
             # process, and the other trainer ranks would never join them: give it its own process.
@@ -251,6 +271,8 @@ class Trainer:
         self.logger.close()
         if self.engine is not None:
             self.engine.shutdown()
+        if self._colocated is not None:
+            self._colocated.stop()
         self.actor.close()
 
 

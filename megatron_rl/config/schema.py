@@ -183,9 +183,14 @@ class RolloutConfig:
     """The vLLM engine and how it samples."""
 
     engine: Literal["vllm", "vllm_server"] = "vllm"
-    """vllm = in-process engine on rank 0; vllm_server = OpenAI-compatible servers at server_urls."""
+    """vllm = colocated with the trainer (an in-process engine on rank 0, or `engines` servers hosted by trainer
+    ranks); vllm_server = OpenAI-compatible servers at server_urls (disaggregated)."""
     server_urls: list[str] = field(default_factory=list)
     """Base URLs of running vLLM servers (engine=vllm_server)."""
+    engines: int = 0
+    """Colocated engines (engine=vllm) the trainer starts; 0 = one per tensor_parallel x pipeline_parallel of the
+    trainer's GPUs, one on CPU. With more than one, each runs as a vLLM server hosted by a trainer rank on that
+    rank's GPUs (megatron_rl.rollout.colocated) and rank 0 spreads prompts and pushes weights over all of them."""
     n_samples: int = 4
     """Samples per prompt (the group size G)."""
     temperature: float = 1.0
@@ -258,6 +263,8 @@ class RolloutConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.engines < 0:
+            raise ConfigError(f"rollout.engines={self.engines}: must be >= 0 (0 = one per rollout.tensor_parallel x pipeline_parallel GPUs)")
         if self.max_restarts < 0 or self.weight_bucket_mb <= 0 or self.kv_cache_gib <= 0:
             raise ConfigError(
                 f"rollout.max_restarts={self.max_restarts}, rollout.weight_bucket_mb={self.weight_bucket_mb}, "

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.layout import check_layout
 from megatron_rl.config.schema import RLConfig
-from megatron_rl.plan.launch import LaunchShape, launch_shape
+from megatron_rl.plan.launch import LaunchShape, colocated_engines, launch_shape
 from megatron_rl.plan.memory import (
     GIB,
     EngineMemory,
@@ -193,6 +193,13 @@ def _check_engine(cfg: RLConfig, spec: ModelSpec, world_gpus: int) -> tuple[int,
                 f"{etp} x {epp} = {etp * epp} GPUs"
             )
         engines = pool // (etp * epp)
+    if rollout.engine == "vllm":
+        engines = colocated_engines(rollout, cluster, cluster.trainer_world_size)
+        if engines == 1 and cluster.gpus_per_node and etp * epp > cluster.gpus_per_node and world_gpus > etp * epp:
+            warnings.append(
+                f"one colocated engine spans {etp * epp} GPUs over nodes (vLLM's multi-node executor): the other "
+                f"{world_gpus - etp * epp} GPUs wait during generation; engines of one node each would use them all"
+            )
     engine = engine_memory(spec, cfg)
     seq_len = rollout.max_prompt_tokens + rollout.max_new_tokens
     if engine.kv_tokens < seq_len:

@@ -6,7 +6,7 @@ something independent of the loop:
 - the engine's logprobs of the sampled tokens equal the megatron actor's
   (two implementations; after every weight push) within 1e-4;
 - the weight version the samples carry advances by one per step (the push
-  reached the engine);
+  reached the engine), also with two engines hosted by the trainer's ranks;
 - after SIGKILL and `checkpoint.resume=auto`, every per-step metric equals the
   uninterrupted run's.
 """
@@ -95,6 +95,17 @@ def test_preset_runs_one_process(preset, model_dir, tmp_path):
 def test_two_processes_expert_parallel(model_dir, tmp_path):
     _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path, "train.steps=2", nproc=2), timeout=400)
     _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
+
+
+def test_two_colocated_engines_hosted_by_the_trainer_ranks(model_dir, tmp_path):
+    # rollout.engines=2: each of the 2 ranks hosts a vLLM server; rank 0 sends the 4 prompts of a
+    # step round-robin (2 each) and pushes every step's weights into both. Samples from either
+    # engine match the actor's logprobs (checked in _check_rows), so both got every push.
+    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path, "train.steps=2", "rollout.engines=2", nproc=2), timeout=500)
+    _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
+    for engine in (0, 1):  # vLLM's own access log: 2 prompts x 2 steps on each engine
+        log = (tmp_path / f"vllm-engine{engine}.log").read_text()
+        assert log.count('"POST /v1/completions HTTP/1.1" 200') == 4, log[-3000:]
 
 
 def _comparable(row: dict) -> dict:

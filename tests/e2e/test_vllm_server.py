@@ -103,3 +103,26 @@ def test_killed_server_is_restarted_with_the_pushed_weights(server_engine, model
     # the restarted server loaded moe0 from its directory; these are moe1's logprobs, so the push was repeated
     assert max_logprob_error(models["moe1"], after, 0.9) < TOL
     assert [s.response_token_ids.tolist() for s in after] == [s.response_token_ids.tolist() for s in before]
+
+
+def test_supervised_server_comes_back_for_an_engine_that_did_not_start_it(server_engine, models):
+    # A colocated engine hosted by another trainer rank: rank 0's engine knows only its URL, the
+    # host's ServerSupervisor restarts it. The engine waits for it, pushes again, and carries on.
+    from megatron_rl.rollout.colocated import ServerSupervisor
+
+    server = server_engine.servers[0]
+    supervisor = ServerSupervisor(server, poll_s=0.2)
+    client = VLLMServerEngine([server.url], server_engine.config)
+    try:
+        assert client.servers == [None]  # an external server to this engine: it waits, never restarts
+        push_weights(client, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=9)
+        spec = SamplingSpec(n=2, max_new_tokens=10, seed=7, temperature=0.9)
+        before = client.generate(PROMPTS, spec)
+        os.killpg(server.process.pid, signal.SIGKILL)
+        after = client.generate(PROMPTS, spec)
+        assert supervisor.restarts == 1 and after.metrics["restarts"] == 1 and after.weight_version == 9
+        assert max_logprob_error(models["moe1"], after, 0.9) < TOL  # moe1 again, not the directory's moe0
+        assert [s.response_token_ids.tolist() for s in after] == [s.response_token_ids.tolist() for s in before]
+    finally:
+        client.shutdown()
+        supervisor.stop(stop_server=False)  # the module's engine stops it

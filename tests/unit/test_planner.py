@@ -195,10 +195,23 @@ def test_impossible_layouts_are_named(overrides, message):
 def test_dedicated_rollout_gpus_shrink_the_trainer_and_free_its_memory():
     plan = plan_preset(
         str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"),
-        ["cluster.rollout_gpus=8", "parallel.expert_parallel=8", "rollout.gpu_memory_utilization=0.9"],
+        ["cluster.rollout_gpus=8", "parallel.expert_parallel=8", "rollout.gpu_memory_utilization=0.9",
+         "rollout.engine=vllm_server", "rollout.server_urls=[http://rollout-1:8000]"],
     )
     assert (plan.launch.nodes, plan.launch.world, plan.data_parallel, plan.engines) == (3, 24, 12, 2)
     assert plan.budget == pytest.approx((80 - 3) * GIB)  # the whole GPU minus the runtime
+
+
+def test_colocated_engines_are_counted_as_the_trainer_starts_them():
+    # 32 GPUs, TP 4 engines: one per 4 GPUs, hosted by ranks 0, 4, ..., 28 (megatron_rl.rollout.colocated)
+    assert plan_preset(str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml")).engines == 8
+    assert plan_preset(str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"), ["rollout.engines=2"]).engines == 2
+    with pytest.raises(ConfigError, match="sets GPUs aside for rollout"):  # an in-process engine cannot reach them
+        plan_preset(str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"), ["cluster.rollout_gpus=8", "parallel.expert_parallel=8"])
+    # TP 8 x PP 2 spans two nodes: rank 0's single engine, and the plan says the rest wait
+    big = plan_preset(str(CONFIGS / "qwen3-235b-a22b-gspo-32x8h100.yaml"))
+    assert big.engines == 1
+    assert any("spans 16 GPUs over nodes" in w and "the other 240 GPUs wait" in w for w in big.warnings), big.warnings
 
 
 def test_launch_env_reads_only_the_cluster(capsys):

@@ -1,0 +1,145 @@
+"""Colocated rollout engines: one vLLM server per group of the trainer's own GPUs.
+
+A colocated engine (rollout.engine=vllm) shares the trainer's GPUs. On a
+cluster of several nodes one engine on rank 0 would leave every other node's
+GPUs idle during generation, so the trainer starts `colocated_engines(...)`
+engines, one per rollout.tensor_parallel x pipeline_parallel GPUs (as
+`megatron-rl plan` counts them), or rollout.engines when set:
+
+- engine i is hosted by trainer rank i * (world / engines): that rank starts a
+  vLLM server (VLLMServer, its own process group) on its node, on its own GPU
+  and the next TP x PP - 1 GPUs of the node (CUDA_VISIBLE_DEVICES), and keeps
+  it alive: a server that dies is restarted by its host (`ServerSupervisor`);
+- the hosts exchange the servers' URLs (all_gather over the trainer's world),
+  and rank 0 drives them all through one VLLMServerEngine: prompts go round-robin,
+  every push is one broadcast into the workers of every engine.
+
+One engine (the default on CPU, and on a single GPU group) keeps the
+in-process VLLMEngine instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.plan.launch import host_ranks
+from megatron_rl.rollout.engine import EngineStartError
+from megatron_rl.rollout.server_engine import VLLMServer
+
+logger = logging.getLogger(__name__)
+
+
+def engine_devices(local_rank: int, size: int, visible: list[str]) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine of `size` GPUs hosted by `local_rank`: its GPU and the next ones of `visible`."""
+    chosen = visible[local_rank : local_rank + size]
+    if len(chosen) < size:
+        raise EngineStartError(
+            f"local rank {local_rank} cannot host an engine of {size} GPUs: this node shows {len(visible)} GPUs "
+            f"({','.join(visible)}); lower rollout.tensor_parallel x pipeline_parallel or rollout.engines"
+        )
+    return ",".join(chosen)
+
+
+def visible_devices() -> list[str]:
+    """This process's GPUs as CUDA_VISIBLE_DEVICES names them (all of the node's when it is unset)."""
+    names = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return names.split(",") if names else [str(i) for i in range(torch.cuda.device_count())]
+
+
+class ServerSupervisor:
+    """Keeps a VLLMServer this rank hosts alive: a daemon thread restarts it when its process exits."""
+
+    def __init__(self, server: VLLMServer, poll_s: float = 1.0):
+        self.server = server
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._poll_s = poll_s
+        self._thread = threading.Thread(target=self._watch, name=f"vllm-server-{server.port}", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            if self.server.alive():
+                continue
+            logger.warning("the vLLM server at %s exited; restarting it", self.server.url)
+            try:
+                self.server.restart()
+                self.restarts += 1
+            except EngineStartError as error:  # the trainer's engine gives up after rollout.max_restarts
+                logger.error("restarting the vLLM server at %s failed: %s", self.server.url, error)
+
+    def stop(self, *, stop_server: bool = True) -> None:
+        """Stop watching (and the server, unless stop_server=False)."""
+        self._stop.set()
+        self._thread.join()
+        if stop_server:
+            self.server.stop()
+
+
+@dataclass
+class ColocatedServers:
+    """What one trainer rank holds of the colocated engines."""
+
+    urls: list[str]
+    """Every engine's URL, in engine order (the same on every rank)."""
+    server: VLLMServer | None
+    """The server this rank hosts (None on ranks that host none)."""
+    supervisor: ServerSupervisor | None
+    """Its restarter, on host ranks other than 0 (rank 0's engine restarts rank 0's server itself)."""
+
+    def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        elif self.server is not None:
+            self.server.stop()
+
+
+def start_colocated_servers(
+    model_dir: str, rollout: RolloutConfig, engines: int, *, rank: int, world_size: int, local_rank: int,
+    group: Any = None, seed: int = 0, log_dir: str | None = None,
+) -> ColocatedServers:
+    """Collective over the trainer's world: each host rank starts its server; every rank gets all URLs.
+
+    The servers listen on 127.0.0.1 when every rank runs on one host, else on
+    this host's address. A host whose server fails to start makes every rank
+    raise EngineStartError naming that rank and the server's log tail.
+    """
+    hosts = host_ranks(engines, world_size)
+    names: list[Any] = [None] * world_size
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    address = "127.0.0.1" if len(set(names)) == 1 else socket.gethostbyname(socket.gethostname())
+    server, outcome = None, ("none", "")
+    if rank in hosts:
+        engine_index = hosts.index(rank)
+        log_path = os.path.join(log_dir, f"vllm-engine{engine_index}.log") if log_dir else None
+        try:
+            env = {}
+            if torch.cuda.is_available():
+                size = rollout.tensor_parallel * rollout.pipeline_parallel
+                env["CUDA_VISIBLE_DEVICES"] = engine_devices(local_rank, size, visible_devices())
+            server = VLLMServer(model_dir, rollout, host=address, seed=seed + engine_index, log_path=log_path, env=env)
+            server.start()
+            outcome = ("ok", server.url)
+        except (EngineStartError, OSError) as error:
+            outcome = ("error", f"{type(error).__name__}: {error}")
+    outcomes: list[Any] = [None] * world_size
+    dist.all_gather_object(outcomes, outcome, group=group)
+    failed = [(r, message) for r, (status, message) in enumerate(outcomes) if status == "error"]
+    if failed:
+        if server is not None:
+            server.stop()
+        r, message = failed[0]
+        raise EngineStartError(f"rank {r} could not start its colocated vLLM engine ({len(failed)} of {engines} failed): {message}")
+    urls = [outcomes[r][1] for r in hosts]
+    supervisor = ServerSupervisor(server) if server is not None and rank != 0 else None
+    return ColocatedServers(urls=urls, server=server, supervisor=supervisor)
+
