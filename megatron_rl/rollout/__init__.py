@@ -6,6 +6,7 @@
 
 engine.py: protocol, errors, bounded restart-and-retry; vllm_engine.py:
 in-process vllm.LLM; server_engine.py: OpenAI-compatible vLLM servers;
+colocated.py: servers hosted by trainer ranks (rollout.engines > 1);
 worker_ext.py: runs inside vLLM's worker (weight pushes, MoE re-pack,
 routed-expert capture); routing.py: matching captures to samples;
 sampling.py: SamplingSpec -> vLLM; rewards.py: reward functions.
