@@ -36,8 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(planner)
     planner.add_argument("--model-config", help="the model's config.json, instead of <model.path>/config.json")
     planner.add_argument(
-        "--launch-env", action="store_true", help="only print NNODES= and NPROC_PER_NODE= for the launch scripts"
+        "--launch-env", action="store_true",
+        help="only print the launch scripts' variables (NNODES, NPROC_PER_NODE, ROLLOUT_NODES, SERVERS_PER_NODE, GPUS_PER_SERVER)",
     )
+    planner.add_argument(
+        "--server-urls", metavar="HOSTS",
+        help="only print the trainer's rollout.server_urls override for the servers the launch script starts on "
+        "these comma-separated rollout hosts",
+    )
+    planner.add_argument("--server-port", type=int, default=8000, help="first port of the servers on a host (default 8000)")
     serve = sub.add_parser(
         "serve",
         help="run a vLLM OpenAI server on model.path set up for the trainer (rollout.engine=vllm_server): "
@@ -64,11 +71,17 @@ def _train(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from megatron_rl.config.core import ConfigError
-    from megatron_rl.plan.launch import launch_env
+    from megatron_rl.config.core import load_config
+    from megatron_rl.config.schema import RLConfig
+    from megatron_rl.plan.launch import launch_env, server_urls_override
 
     try:
         if args.launch_env:
             sys.stdout.write(launch_env(args.config, list(args.overrides)))
+            return 0
+        if args.server_urls is not None:
+            cfg = load_config(RLConfig, args.config, list(args.overrides))
+            print(server_urls_override(cfg, [h for h in args.server_urls.split(",") if h], args.server_port))
             return 0
         from megatron_rl.plan.report import plan_preset, render
 

@@ -186,7 +186,8 @@ class RolloutConfig:
     """vllm = colocated with the trainer (an in-process engine on rank 0, or `engines` servers hosted by trainer
     ranks); vllm_server = OpenAI-compatible servers at server_urls (disaggregated)."""
     server_urls: list[str] = field(default_factory=list)
-    """Base URLs of running vLLM servers (engine=vllm_server)."""
+    """Base URLs of running vLLM servers (engine=vllm_server); launch/slurm.sbatch fills it in for the servers it
+    starts on the nodes cluster.rollout_gpus sets aside."""
     engines: int = 0
     """Colocated engines (engine=vllm) the trainer starts; 0 = one per tensor_parallel x pipeline_parallel of the
     trainer's GPUs, one on CPU. With more than one, each runs as a vLLM server hosted by a trainer rank on that
@@ -270,8 +271,6 @@ class RolloutConfig:
                 f"rollout.max_restarts={self.max_restarts}, rollout.weight_bucket_mb={self.weight_bucket_mb}, "
                 f"rollout.kv_cache_gib={self.kv_cache_gib}: restarts must be >= 0, sizes > 0"
             )
-        if self.engine == "vllm_server" and not self.server_urls:
-            raise ConfigError("rollout.engine=vllm_server needs rollout.server_urls=[http://host:port, ...]")
         if self.weight_transport == "broadcast" and self.engine == "vllm" and self.multiprocessing is False:
             raise ConfigError(
                 "rollout.weight_transport=broadcast needs the engine in another process, but rollout.multiprocessing="

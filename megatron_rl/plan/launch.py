@@ -104,7 +104,53 @@ def host_ranks(engines: int, world_size: int) -> list[int]:
     return [i * (world_size // engines) for i in range(engines)]
 
 
+@dataclass(kw_only=True, frozen=True)
+class RolloutServers:
+    """The vLLM servers launch/slurm.sbatch starts on the nodes cluster.rollout_gpus sets aside."""
+
+    nodes: int
+    """Rollout nodes (after the trainer's in the allocation); 0 = the script starts no servers."""
+    per_node: int
+    """Servers on each rollout node."""
+    gpus_each: int
+    """GPUs of one server (rollout.tensor_parallel x pipeline_parallel), the node's next ones."""
+
+
+def rollout_servers(cfg: RLConfig) -> RolloutServers:
+    """Servers to start: with rollout.engine=vllm_server, GPUs set aside on whole nodes and no server_urls given."""
+    c, r = cfg.cluster, cfg.rollout
+    if r.engine != "vllm_server" or r.server_urls or c.gpus_per_node == 0 or c.rollout_gpus == 0:
+        return RolloutServers(nodes=0, per_node=0, gpus_each=0)
+    launch_shape(cfg)  # whole rollout nodes
+    if c.nodes == 1:
+        raise ConfigError(
+            f"cluster.rollout_gpus={c.rollout_gpus} on one node: launch/slurm.sbatch starts servers on whole nodes; "
+            "start them on this node with `megatron-rl serve` (CUDA_VISIBLE_DEVICES) and give rollout.server_urls"
+        )
+    size = r.tensor_parallel * r.pipeline_parallel
+    if size > c.gpus_per_node or c.gpus_per_node % size:
+        raise ConfigError(
+            f"one server's rollout.tensor_parallel x pipeline_parallel = {size} GPUs do not divide the "
+            f"{c.gpus_per_node} GPUs of a node: the launch script starts servers inside a node; start servers "
+            "spanning nodes yourself (vLLM's --nnodes) and give rollout.server_urls"
+        )
+    return RolloutServers(nodes=c.rollout_gpus // c.gpus_per_node, per_node=c.gpus_per_node // size, gpus_each=size)
+
+
+def server_urls_override(cfg: RLConfig, hosts: list[str], port: int) -> str:
+    """The trainer's override naming the servers the launch script starts on `hosts` (ports port, port + 1, ...)."""
+    servers = rollout_servers(cfg)
+    if len(hosts) != servers.nodes:
+        raise ConfigError(f"{len(hosts)} rollout host(s) given ({','.join(hosts)}) for {servers.nodes} rollout node(s)")
+    urls = [f"http://{host}:{port + j}" for host in hosts for j in range(servers.per_node)]
+    return f"rollout.server_urls=[{', '.join(urls)}]"
+
+
 def launch_env(config_path: str, overrides: list[str] | None = None) -> str:
-    """Shell assignments for the launch scripts: trainer nodes and processes per node."""
-    shape = launch_shape(load_config(RLConfig, config_path, overrides))
-    return f"NNODES={shape.nodes}\nNPROC_PER_NODE={shape.procs_per_node}\n"
+    """Shell assignments for the launch scripts: trainer nodes and processes per node, rollout servers."""
+    cfg = load_config(RLConfig, config_path, overrides)
+    shape, servers = launch_shape(cfg), rollout_servers(cfg)
+    return (
+        f"NNODES={shape.nodes}\nNPROC_PER_NODE={shape.procs_per_node}\n"
+        f"ROLLOUT_NODES={servers.nodes}\nSERVERS_PER_NODE={servers.per_node}\nGPUS_PER_SERVER={servers.gpus_each}\n"
+    )

@@ -13,6 +13,7 @@ sampling.py: SamplingSpec -> vLLM; rewards.py: reward functions.
 Importing this package does not import vLLM.
 """
 
+from megatron_rl.config.core import ConfigError
 from megatron_rl.rollout.engine import (
     EngineStartError,
     PromptError,
@@ -29,6 +30,11 @@ from megatron_rl.rollout.vllm_engine import VLLMEngine
 def make_engine(model_dir, config, **kwargs) -> RolloutEngine:
     """The engine a RolloutConfig names: in-process (engine=vllm) or servers (engine=vllm_server)."""
     if config.engine == "vllm_server":
+        if not config.server_urls:
+            raise ConfigError(
+                "rollout.engine=vllm_server needs rollout.server_urls=[http://host:port, ...] (servers started with "
+                "`megatron-rl serve`), or a launch by launch/slurm.sbatch with cluster.rollout_gpus, which starts them"
+            )
         return VLLMServerEngine(config.server_urls, config, **kwargs)
     return VLLMEngine(model_dir, config, **kwargs)
 

@@ -121,6 +121,51 @@ def test_master_address_comes_from_the_allocation(tmp_path):
     assert "export NCCL_SOCKET_IFNAME=ib0" in out.splitlines()
 
 
+DISAGGREGATED = [  # 4 nodes: 3 train, the 4th runs 2 vLLM servers of TP 4
+    "configs/qwen3-30b-a3b-gspo-4x8h100.yaml", "cluster.rollout_gpus=8", "parallel.expert_parallel=8",
+    "rollout.engine=vllm_server", "rollout.gpu_memory_utilization=0.9", "model.path=/data/Q",
+]
+
+
+def test_slurm_dry_run_starts_rollout_servers_on_the_nodes_set_aside():
+    result = run(SLURM, "--dry-run", *DISAGGREGATED)
+    assert result.returncode == 0, result.stderr
+    args = " ".join(DISAGGREGATED[1:])
+    config = f"--config {DISAGGREGATED[0]} {args}"
+    urls = "'rollout.server_urls=[http://node4:8000, http://node4:8001]'"
+    torchrun = f"--nnodes=3 --nproc-per-node=8 --master-addr=node1 --master-port=29500 -m megatron_rl.cli train {config} {urls}"
+    serve = f"{sys.executable} -m megatron_rl.cli serve {config}"
+    lines = result.stdout.splitlines()
+    assert lines[:2] == [
+        "# 3 node(s) x 8 trainer process(es), master node1:29500",
+        "# 1 rollout node(s) x 2 vLLM server(s) of 4 GPU(s), ports from 8000",
+    ]
+    assert lines[6].startswith("srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=node4 bash -c ")
+    assert lines[6].endswith(f" serve 2 4 8000 {serve} &")
+    assert lines[7].startswith("srun --nodes=3 --ntasks=3 --ntasks-per-node=1 --nodelist=node1,node2,node3 ")
+    assert lines[7].endswith(f"torchrun {torchrun}")
+    assert lines[8:11] == [
+        "# on node4 (rollout):",
+        f"CUDA_VISIBLE_DEVICES=0,1,2,3 {serve} --port 8000",
+        f"CUDA_VISIBLE_DEVICES=4,5,6,7 {serve} --port 8001",
+    ]
+    assert lines[11:] == [line for rank in range(3) for line in (
+        f"# on node{rank + 1} (node rank {rank}):", f"torchrun --node-rank={rank} {torchrun}")]
+
+
+def test_rollout_node_runs_the_printed_servers(tmp_path):
+    """Execute the server srun line's per-node part, with the python replaced by a script that echoes."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/usr/bin/env bash\necho "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*"\n')
+    fake.chmod(0o755)
+    lines = run(SLURM, "--dry-run", *DISAGGREGATED).stdout.splitlines()
+    srun = shlex.split(next(line for line in lines if line.startswith("srun --nodes=1 "))[: -len(" &")])
+    per_node = [str(fake) if word == sys.executable else word for word in srun[srun.index("bash") :]]
+    ran = subprocess.run(per_node, capture_output=True, text=True, timeout=30)
+    printed = lines[lines.index("# on node4 (rollout):") + 1 :][:2]
+    assert sorted(ran.stdout.splitlines()) == [line.replace(sys.executable + " ", "") for line in printed]
+
+
 @pytest.mark.parametrize(
     "script, args, message",
     [
@@ -131,6 +176,9 @@ def test_master_address_comes_from_the_allocation(tmp_path):
         (SLURM, ["configs/qwen3-30b-a3b-gspo-4x8h100.yaml"], "not inside a Slurm allocation"),
         (SLURM, ["--dry-run", "configs/tiny-gspo.yaml", "train.stepz=3"], "train.stepz"),
         (TORCHRUN_SH, [], "torchrun.sh [--dry-run] CONFIG"),
+        (SLURM, ["--dry-run", "--nodes", "3", *DISAGGREGATED], "3 trainer node(s) and 1 rollout node(s) but the allocation has 3"),
+        (SLURM, ["--dry-run", "configs/qwen3-235b-a22b-gspo-32x8h100.yaml", "cluster.rollout_gpus=16", "rollout.engine=vllm_server"],
+         "16 GPUs do not divide the 8 GPUs of a node"),
     ],
 )
 def test_launch_errors_are_clear(script, args, message):

@@ -144,3 +144,11 @@ def test_server_command_line(tmp_path):
     assert f"--kv-cache-memory-bytes {1 << 29}" in joined and "--max-model-len 512" in joined
     assert "--no-enable-prefix-caching" in cmd  # prompt routes need every prompt token computed
     assert "--no-enable-prefix-caching" not in VLLMServer(tmp_path, RolloutConfig(), port=1).command()
+
+
+def test_a_server_engine_without_urls_names_both_ways_to_get_them():
+    from megatron_rl.config import ConfigError
+    from megatron_rl.rollout import make_engine
+
+    with pytest.raises(ConfigError, match=r"needs rollout.server_urls=\[http://host:port, ...\].*launch/slurm.sbatch"):
+        make_engine("unused", RolloutConfig(engine="vllm_server"))
