@@ -80,9 +80,11 @@ class ServerSupervisor:
     def stop(self, *, stop_server: bool = True) -> None:
         """Stop watching (and the server, unless stop_server=False)."""
         self._stop.set()
+        if stop_server:
+            self.server.stop()  # a restart under way then fails fast instead of loading
         self._thread.join()
         if stop_server:
-            self.server.stop()
+            self.server.stop()  # in case the restart had just started a process
 
 
 @dataclass
