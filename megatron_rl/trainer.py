@@ -189,8 +189,8 @@ class Trainer:
     def _start_engine(self):
         """Rank 0's engine (None elsewhere); with several colocated engines every rank joins their start."""
         from megatron_rl.config.core import replace
-        from megatron_rl.rollout import VLLMServerEngine, make_engine
         from megatron_rl.plan.launch import colocated_engines
+        from megatron_rl.rollout import VLLMServerEngine, make_engine
         from megatron_rl.rollout.colocated import start_colocated_servers
 
         rollout, ctx = self.cfg.rollout, self.ctx
