@@ -76,15 +76,14 @@ def colocated_engines(rollout: RolloutConfig, cluster: ClusterConfig, world_size
             "GPUs aside for rollout: serve them with `megatron-rl serve` and set rollout.engine=vllm_server, or set "
             "cluster.rollout_gpus=0"
         )
-    spans_nodes = gpu and size > cluster.gpus_per_node
-    engines = rollout.engines or (max(1, world_size // size) if gpu and not spans_nodes else 1)
+    engines = rollout.engines or (max(1, world_size // size) if gpu and size <= cluster.gpus_per_node else 1)
     if engines < 1 or world_size % engines:
         raise ConfigError(
             f"rollout.engines={engines} does not divide the {world_size} trainer ranks: each colocated engine is "
             "hosted by one rank and uses the GPUs of the ranks after it; choose a divisor of the trainer's world size"
         )
     if gpu and engines > 1:
-        if spans_nodes or cluster.gpus_per_node % size:
+        if cluster.gpus_per_node % size:  # also when an engine is larger than a node
             raise ConfigError(
                 f"rollout.engines={engines}: one engine's rollout.tensor_parallel x pipeline_parallel = {size} GPUs do "
                 f"not divide the {cluster.gpus_per_node} GPUs of a node, and engines hosted by trainer ranks stay inside "
@@ -128,7 +127,7 @@ def rollout_servers(cfg: RLConfig) -> RolloutServers:
             "start them on this node with `megatron-rl serve` (CUDA_VISIBLE_DEVICES) and give rollout.server_urls"
         )
     size = r.tensor_parallel * r.pipeline_parallel
-    if size > c.gpus_per_node or c.gpus_per_node % size:
+    if c.gpus_per_node % size:  # also when a server is larger than a node
         raise ConfigError(
             f"one server's rollout.tensor_parallel x pipeline_parallel = {size} GPUs do not divide the "
             f"{c.gpus_per_node} GPUs of a node: the launch script starts servers inside a node; start servers "

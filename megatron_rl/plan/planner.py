@@ -172,7 +172,6 @@ def _check_engine(cfg: RLConfig, spec: ModelSpec, world_gpus: int) -> tuple[int,
             raise ConfigError(
                 f"rollout.tensor_parallel={etp}, pipeline_parallel={epp}: the CPU engine runs in one process; set both to 1"
             )
-        engines = 1
     else:
         if cluster.gpus_per_node % etp:
             raise ConfigError(
@@ -192,8 +191,9 @@ def _check_engine(cfg: RLConfig, spec: ModelSpec, world_gpus: int) -> tuple[int,
                 f"{pool} {where} are not divisible by one engine's rollout.tensor_parallel x pipeline_parallel = "
                 f"{etp} x {epp} = {etp * epp} GPUs"
             )
-        engines = pool // (etp * epp)
-    if rollout.engine == "vllm":
+    if rollout.engine == "vllm_server":  # servers on the GPUs set aside (rollout_gpus > 0 here)
+        engines = cluster.rollout_gpus // (etp * epp)
+    else:  # as many as the trainer starts
         engines = colocated_engines(rollout, cluster, cluster.trainer_world_size)
         if engines == 1 and cluster.gpus_per_node and etp * epp > cluster.gpus_per_node and world_gpus > etp * epp:
             warnings.append(
