@@ -190,7 +190,7 @@ class Trainer:
         """Rank 0's engine (None elsewhere); with several colocated engines every rank joins their start."""
         from megatron_rl.config.core import replace
         from megatron_rl.plan.launch import colocated_engines
-        from megatron_rl.rollout import VLLMServerEngine, make_engine
+        from megatron_rl.rollout import make_engine
         from megatron_rl.rollout.colocated import start_colocated_servers
 
         rollout, ctx = self.cfg.rollout, self.ctx
@@ -200,15 +200,10 @@ class Trainer:
                 self.cfg.model.path, rollout, engines, rank=ctx.rank, world_size=ctx.world_size,
                 local_rank=ctx.local_rank, group=ctx.world_group, seed=self.cfg.train.seed, log_dir=self.cfg.logging.dir,
             )
-            if ctx.rank != 0:
-                return None
-            if rollout.weight_broadcast_backend == "auto":
-                # engine 0's first worker shares rank 0's GPU, which NCCL refuses: go through host memory
-                rollout = replace(rollout, weight_broadcast_backend="gloo")
-            servers = [self._colocated.server, *self._colocated.urls[1:]]
-            return VLLMServerEngine(servers, rollout)
         if ctx.rank != 0:
             return None
+        if self._colocated is not None:
+            return self._colocated.engine(rollout)
         if rollout.multiprocessing is None:
             # vLLM creates its process groups on the default (trainer's) world when it runs in this
             # process, and the other trainer ranks would never join them: give it its own process.

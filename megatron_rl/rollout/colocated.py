@@ -30,10 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config.core import replace
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.plan.launch import host_ranks
 from megatron_rl.rollout.engine import EngineStartError
-from megatron_rl.rollout.server_engine import VLLMServer
+from megatron_rl.rollout.server_engine import VLLMServer, VLLMServerEngine
+from megatron_rl.weight_sync.broadcast import host_address
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,13 @@ class ColocatedServers:
     supervisor: ServerSupervisor | None
     """Its restarter, on host ranks other than 0 (rank 0's engine restarts rank 0's server itself)."""
 
+    def engine(self, rollout: RolloutConfig) -> VLLMServerEngine:
+        """Rank 0's engine over every server (its own restarted by the engine, the others by their hosts)."""
+        if rollout.weight_broadcast_backend == "auto":
+            # engine 0's first worker shares rank 0's GPU, which NCCL refuses: go through host memory
+            rollout = replace(rollout, weight_broadcast_backend="gloo")
+        return VLLMServerEngine([self.server, *self.urls[1:]], rollout)
+
     def stop(self) -> None:
         if self.supervisor is not None:
             self.supervisor.stop()
@@ -118,7 +127,7 @@ def start_colocated_servers(
     hosts = host_ranks(engines, world_size)
     names: list[Any] = [None] * world_size
     dist.all_gather_object(names, socket.gethostname(), group=group)
-    address = "127.0.0.1" if len(set(names)) == 1 else socket.gethostbyname(socket.gethostname())
+    address = "127.0.0.1" if len(set(names)) == 1 else host_address()
     server, outcome = None, ("none", "")
     if rank in hosts:
         engine_index = hosts.index(rank)

@@ -185,6 +185,11 @@ def default_host(engine_hosts: list[str]) -> str:
     local = {"127.0.0.1", "localhost", "::1", ""}
     if all(h in local for h in engine_hosts):
         return "127.0.0.1"
+    return host_address()
+
+
+def host_address() -> str:
+    """This host's address as other hosts reach it (its hostname resolved)."""
     return socket.gethostbyname(socket.gethostname())
 
 
