@@ -1,4 +1,5 @@
 # make demo: the main job on a laptop CPU.  make test: the whole test suite.
+# make lint: ruff (settings in pyproject.toml) and shellcheck on the shell scripts.
 # Each sets up .venv itself on a fresh machine (torch's CPU wheel first: an
 # unpinned torch requirement would otherwise pull a multi-GB CUDA build).
 PYTHON ?= python3
@@ -29,6 +30,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -ra --timeout=300
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/shellcheck --shell=bash launch/torchrun.sh launch/slurm.sbatch .ci/run
 
 demo: $(STAMP)
 	$(BIN)/python -m megatron_rl.demo

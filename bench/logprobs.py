@@ -112,7 +112,7 @@ def _rank(rank: int, world: int, port: int, dtype_name: str, out_file: str) -> N
             with ctx:
                 logits, run = make(backward)
                 holder = {}
-                peak = _peak_bytes(lambda: holder.setdefault("lp", run()))
+                peak = _peak_bytes(lambda holder=holder, run=run: holder.setdefault("lp", run()))
                 values[(name, phase)] = holder["lp"]
                 del logits, run
                 hidden.grad = None

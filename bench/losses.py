@@ -209,13 +209,13 @@ def worker(name: str, mode: str) -> dict:
         # plain: no reference/rollout/entropy inputs at all (their metrics would be extra work the naive code skips).
         kwargs = dict(ref_logprobs=x["ref"], rollout_logprobs=x["rollout"], entropy=x["entropy"]) if options else {}
         impls = {
-            "megatron_rl": lambda: fn(x["logprobs"], x["old"], x["advantages"], x["mask"], cfg, denom, **kwargs)[0],
-            "per_sequence_loop": lambda: per_sequence_loop(torch, name, x, cfg, n_tok, n_seq, T),
-            "naive_vectorized": lambda: naive_vectorized(torch, name, x, cfg, n_tok, n_seq, T),
+            "megatron_rl": lambda cfg=cfg, kwargs=kwargs: fn(x["logprobs"], x["old"], x["advantages"], x["mask"], cfg, denom, **kwargs)[0],
+            "per_sequence_loop": lambda cfg=cfg: per_sequence_loop(torch, name, x, cfg, n_tok, n_seq, T),
+            "naive_vectorized": lambda cfg=cfg: naive_vectorized(torch, name, x, cfg, n_tok, n_seq, T),
         }
         values, runs = {}, {}
         for impl, loss_fn in impls.items():
-            def run(loss_fn=loss_fn, impl=impl):
+            def run(loss_fn=loss_fn, impl=impl, values=values):
                 loss = loss_fn()
                 loss.backward()
                 values[impl] = (float(loss.detach()), x["logprobs"].grad)

@@ -129,7 +129,7 @@ def measure(mode: str) -> dict:
         "mode": mode,
         "push_s": [round(x, 4) for x in push_s],
         "engine_load_s": [round(x, 4) for x in load_s],
-        "transfer_s_median": round(statistics.median(p - l for p, l in zip(push_s, load_s)), 4),
+        "transfer_s_median": round(statistics.median(push - load for push, load in zip(push_s, load_s)), 4),
         "push_gb_per_s": round(num_bytes / push_best / 1e9, 3),
         "push_gb_per_s_median": round(num_bytes / statistics.median(push_s) / 1e9, 3),
         "plain_copy_s": [round(x, 4) for x in copy_s],

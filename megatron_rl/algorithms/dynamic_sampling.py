@@ -87,7 +87,7 @@ class DynamicSamplingAccumulator:
         members: dict[int, list[int]] = {}
         for i, gid in enumerate(ids_host):
             members.setdefault(gid, []).append(i)
-        for gid, rows in members.items():
+        for rows in members.values():
             self.groups_seen += 1
             if not keep_host[rows[0]]:
                 value = float(rewards_host[rows[0]])

@@ -133,7 +133,6 @@ def compute_loss_denominators(
     for i, mask in enumerate(masks):
         if mask.dtype != torch.bool or mask.dim() != 2:
             raise ValueError(f"response_masks[{i}]: expected a [B, T] bool tensor, got {tuple(mask.shape)} {mask.dtype}")
-    device = masks[0].device
     num_tokens = sum(mask.sum(dtype=torch.int64) for mask in masks).reshape(1)
     if sequence_ids is None:
         num_sequences = sum(mask.any(dim=-1).sum(dtype=torch.int64) for mask in masks).reshape(1)

@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_rl.parallel.compat_sites import SITES, TESTED_MEGATRON_VERSION, PatchSite
+from megatron_rl.parallel.compat_sites import SITES, PatchSite
 
 _PATCH_MARK = "__megatron_rl_cpu_compat__"
 
@@ -249,7 +249,7 @@ def _wrap_norm_new(orig_new: Callable) -> Callable:
             config.sequence_parallel = False
         norm = orig_new(cls, config, hidden_size, *args, **kwargs)
         for param in norm.parameters():
-            setattr(param, "sequence_parallel", sequence_parallel)
+            param.sequence_parallel = sequence_parallel
         return norm
 
     return __new__

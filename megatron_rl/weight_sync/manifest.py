@@ -95,7 +95,7 @@ class PushValidator:
 
     def check_bucket(self, bucket: Iterable[tuple[str, object]]) -> None:
         for name, tensor in bucket:
-            shape = tuple(getattr(tensor, "shape"))
+            shape = tuple(tensor.shape)
             self.manifest.check_tensor(name, shape)
             if name in self.seen:
                 raise WeightPushError(f"weight push refused: tensor {name!r} appears twice in one push. Nothing was loaded.")

@@ -204,7 +204,7 @@ def _checkpoint_roundtrip(ctx, model) -> dict:
 def _check(results: list[dict], cases: list) -> None:
     for rank, out in enumerate(results):
         assert out["uneven"] == {"gather_ok": True, "reduce_scatter_ok": True}, (rank, out["uneven"])
-    for name, layout, dispatcher, microbatches, tie in cases:
+    for name, _layout, _dispatcher, microbatches, _tie in cases:
         for rank, out in enumerate(results):
             r = out[name]
             assert r["update_ok"], f"{name} rank {rank}: optimizer step reported failure"

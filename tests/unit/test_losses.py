@@ -68,7 +68,7 @@ def reference_loss(name, lp, old, adv, mask, cfg, n_tok, n_seq, max_tokens, ref=
         if cfg.tis_mode == "sequence":
             seq_tis = min(math.exp(sum(float(old[i, t] - rollout[i, t]) for t in idx) / n), cfg.tis_cap)
 
-        def tok_tis(t):
+        def tok_tis(t, i=i, seq_tis=seq_tis):
             if cfg.tis_mode == "token":
                 return min(math.exp(float(old[i, t] - rollout[i, t])), cfg.tis_cap)
             return seq_tis
