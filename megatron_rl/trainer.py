@@ -236,12 +236,11 @@ class Trainer:
         trainer_state = {
             "weight_version": self.weight_version,
             "data": data_position,
-            "scheduler": self.actor.scheduler.state_dict(),
-            "optimizer_steps": self.actor.optimizer_steps,
+            **self.actor.schedule_state(),
             "config": to_dict(self.cfg),
         }
         return save_checkpoint(
-            self.cfg.checkpoint.dir, self.step, _actor_sharded_state_dict(self.actor, is_loading=False), trainer_state, keep_last=self.cfg.checkpoint.keep_last
+            self.cfg.checkpoint.dir, self.step, self.actor.state_dict(), trainer_state, keep_last=self.cfg.checkpoint.keep_last
         )
 
     def _maybe_resume(self) -> bool:
@@ -250,10 +249,9 @@ class Trainer:
         path = resolve_checkpoint(self.cfg.checkpoint.resume, self.cfg.checkpoint.dir)
         if path is None:
             return False
-        state, trainer_state, _ = load_checkpoint(path, _actor_sharded_state_dict(self.actor, is_loading=True))
-        _load_actor_state(self.actor, state)
-        self.actor.scheduler.load_state_dict(trainer_state["scheduler"])
-        self.actor.optimizer_steps = trainer_state["optimizer_steps"]
+        state, trainer_state, _ = load_checkpoint(path, self.actor.state_dict(is_loading=True))
+        self.actor.load_state_dict(state)
+        self.actor.load_schedule_state(trainer_state)
         self.dataset.load_state_dict(trainer_state["data"])
         self.step, self.weight_version = trainer_state["step"], trainer_state["weight_version"]
         if self.ctx.rank == 0:
@@ -278,41 +276,3 @@ def _broadcast(obj: Any, ctx) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, src=0, group=ctx.world_group)
     return holder[0]
-
-
-def _init_optimizer_state(optimizer) -> None:
-    """Give every parameter an (empty) optimizer state before a checkpoint is loaded into it.
-
-    megatron's distributed optimizer builds its sharded state dict from the
-    inner torch optimizer's state, which holds nothing before the first step
-    (and its `step` counter is read per parameter); the loaded values replace
-    these placeholders in place.
-    """
-    import torch
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        if opt.init_state_fn is not None:
-            opt.init_state_fn(inner, opt.config)
-        for group in inner.param_groups:
-            for param in group["params"]:
-                inner.state[param].setdefault("step", torch.tensor(0.0))
-
-
-def _actor_sharded_state_dict(actor, *, is_loading: bool) -> dict:
-    """Model chunks and optimizer as one megatron sharded state dict (reshardable across layouts)."""
-    if is_loading:
-        _init_optimizer_state(actor.optimizer)
-    # megatron's DDP has no sharded_state_dict of its own (the generic one would prefix every
-    # key with "module."), while its load_state_dict goes to the wrapped module: use that module.
-    state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(actor.model)}
-    state["optimizer"] = actor.optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
-    )
-    return state
-
-
-def _load_actor_state(actor, state: dict) -> None:
-    for i, chunk in enumerate(actor.model):
-        chunk.module.load_state_dict(state[f"model{i}"])
-    actor.optimizer.load_state_dict(state["optimizer"])

@@ -393,6 +393,40 @@ class Actor:
             dist.broadcast_object_list(result, src=ctx.pp_last_rank, group=ctx.pp_group)
         return dict(result[0])
 
+    # -- state --------------------------------------------------------------------------------------
+
+    def state_dict(self, *, is_loading: bool = False) -> dict:
+        """Model chunks and optimizer as one megatron sharded state dict (dist checkpointing; reshardable).
+
+        Keys: ``model{i}`` per model chunk, ``optimizer``. With is_loading=True every
+        parameter first gets an (empty) optimizer state: megatron's distributed optimizer
+        builds its sharded state from the inner torch optimizer's, which is empty before
+        the first step; the loaded values replace these placeholders in place.
+        """
+        if is_loading:
+            _init_optimizer_state(self.optimizer)
+        # megatron's DDP has no sharded_state_dict of its own (the generic one would prefix every
+        # key with "module."), while its load_state_dict goes to the wrapped module: use that module.
+        state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.model)}
+        state["optimizer"] = self.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        )
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what `state_dict(is_loading=True)` described, after dist checkpointing filled it."""
+        for i, chunk in enumerate(self.model):
+            chunk.module.load_state_dict(state[f"model{i}"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def schedule_state(self) -> dict:
+        """The LR schedule and optimizer-step counter (small, JSON-serialisable; the same on every rank)."""
+        return {"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+
+    def load_schedule_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps = state["optimizer_steps"]
+
     # -- weights --------------------------------------------------------------------------------------
 
     def export_hf_weights(self, bucket_bytes: int, *, dst_rank: int = 0):
@@ -402,6 +436,17 @@ class Actor:
     def close(self) -> None:
         """Release hooks and megatron's global RouterReplay entries of this actor's models."""
         self.routing.close()
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give every parameter an (empty) optimizer state, with its per-parameter `step` counter."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
 
 
 __all__ = ["Actor", "LogprobsWithRoutes"]
