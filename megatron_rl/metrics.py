@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from megatron_rl.extras import import_extra
+
 # Panels of the PNG summary, in order: (metrics drawn as lines, title); absent metrics are skipped.
 SUMMARY_PLOTS = [
     (("reward/mean",), "mean reward"),
@@ -66,12 +68,12 @@ class MetricsLogger:
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self._jsonl = self.jsonl_path.open("a" if resume else "w")
         if use_wandb:
-            import wandb
-
+            wandb = import_extra("wandb", extra="wandb", feature="logging.wandb=true")
             self._wandb = wandb.init(
                 project=wandb_project, dir=str(self.run_dir), config=dict(config or {}), mode=_wandb_mode(), resume="allow" if resume else None
             )
         if use_tensorboard:
+            import_extra("tensorboard", extra="wandb", feature="logging.tensorboard=true")
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))

@@ -22,6 +22,7 @@ import torch
 
 from megatron_rl.data.tasks import SYNTHETIC_PREFIX, synthetic_rows
 from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.extras import import_extra
 
 
 class DatasetError(ValueError):
@@ -51,6 +52,7 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     if not p.is_file():
         raise DatasetError(f"dataset file {spec!r} does not exist: set data.path to a .jsonl/.parquet file or synthetic:<task>")
     if p.suffix == ".parquet":
+        import_extra("pyarrow", extra="data", feature=f"reading {spec}")
         import pyarrow.parquet as pq
 
         return pq.read_table(p).to_pylist()

@@ -10,68 +10,47 @@
 
 Families: llama, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral (hf_config.FAMILIES).
 One mapping (mapping.py) serves loading, export/weight sync and the converters.
-Importing this package does not import megatron-core (build_model does).
+Names are imported on first use: the config parser (hf_config) needs no torch, so
+`megatron-rl plan` runs where torch is not installed; build_model imports megatron-core.
 """
 
-from megatron_rl.models.build import (
-    ModelInfo,
-    build_model,
-    hf_to_transformer_config,
-    model_info,
-    resolve_dtype,
-    use_transformer_engine,
-)
-from megatron_rl.models.export import export_hf_state_dict, export_hf_weights
-from megatron_rl.models.hf_config import (
-    FAMILIES,
-    HFArch,
-    UnsupportedModelError,
-    detect_family,
-    load_hf_config,
-    model_shape,
-    padded_vocab_size,
-    parse_hf_config,
-)
-from megatron_rl.models.loading import SafetensorsCheckpoint, check_checkpoint_names, load_hf_weights
-from megatron_rl.models.mapping import (
-    GlobalNamer,
-    Shard,
-    expected_hf_names,
-    global_mcore_names,
-    hf_to_mcore_names,
-    is_expert_param,
-    mapping_for,
-    unwrap_model,
-)
-from megatron_rl.models.tiny import make_tiny_model_dir
+from importlib import import_module
 
-__all__ = [
-    "FAMILIES",
-    "GlobalNamer",
-    "HFArch",
-    "ModelInfo",
-    "SafetensorsCheckpoint",
-    "Shard",
-    "UnsupportedModelError",
-    "build_model",
-    "check_checkpoint_names",
-    "detect_family",
-    "expected_hf_names",
-    "export_hf_state_dict",
-    "export_hf_weights",
-    "global_mcore_names",
-    "hf_to_mcore_names",
-    "hf_to_transformer_config",
-    "is_expert_param",
-    "load_hf_config",
-    "load_hf_weights",
-    "make_tiny_model_dir",
-    "mapping_for",
-    "model_info",
-    "model_shape",
-    "padded_vocab_size",
-    "parse_hf_config",
-    "resolve_dtype",
-    "unwrap_model",
-    "use_transformer_engine",
-]
+_EXPORTS = {
+    "ModelInfo": "build",
+    "build_model": "build",
+    "hf_to_transformer_config": "build",
+    "model_info": "build",
+    "resolve_dtype": "build",
+    "use_transformer_engine": "build",
+    "export_hf_state_dict": "export",
+    "export_hf_weights": "export",
+    "FAMILIES": "hf_config",
+    "HFArch": "hf_config",
+    "UnsupportedModelError": "hf_config",
+    "detect_family": "hf_config",
+    "load_hf_config": "hf_config",
+    "model_shape": "hf_config",
+    "padded_vocab_size": "hf_config",
+    "parse_hf_config": "hf_config",
+    "SafetensorsCheckpoint": "loading",
+    "check_checkpoint_names": "loading",
+    "load_hf_weights": "loading",
+    "GlobalNamer": "mapping",
+    "Shard": "mapping",
+    "expected_hf_names": "mapping",
+    "global_mcore_names": "mapping",
+    "hf_to_mcore_names": "mapping",
+    "is_expert_param": "mapping",
+    "mapping_for": "mapping",
+    "unwrap_model": "mapping",
+    "make_tiny_model_dir": "tiny",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megatron_rl.models' has no attribute {name!r}")
+    return getattr(import_module(f"megatron_rl.models.{_EXPORTS[name]}"), name)

@@ -18,6 +18,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from megatron_rl.extras import import_extra
+
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., float]
@@ -38,7 +40,8 @@ def math_answer(response: str, answer: Any, *, prompt: str = "") -> float:
     The last \\boxed{...} in the response is checked if present, else the whole
     response; the reference is parsed the same way.
     """
-    from math_verify import parse, verify
+    math_verify = import_extra("math_verify", extra="data", feature="the `math` reward")
+    parse, verify = math_verify.parse, math_verify.verify
 
     boxed = re.findall(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}", response)
     candidate = f"${boxed[-1]}$" if boxed else response

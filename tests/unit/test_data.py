@@ -48,6 +48,7 @@ def _write_jsonl(path, rows):
     return path
 
 
+@pytest.mark.extra("data", "pyarrow")
 def test_jsonl_and_parquet_read_the_same_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -113,6 +114,7 @@ def test_synthetic_task_rows_are_correct():
         synthetic_rows("synthetic:nope")
 
 
+@pytest.mark.extra("data", "math_verify")
 def test_rewards_registry_and_math():
     assert exact_match(" k ", "k") == 1.0 and exact_match("kk", "k") == 0.0
     assert math_answer("so the result is \\boxed{\\frac{1}{2}}", "0.5") == 1.0

@@ -1,4 +1,4 @@
-"""Metric sinks: jsonl contents, tensorboard and wandb files, the PNG summary, rank gating."""
+"""Metric sinks: jsonl contents, the PNG summary, tensorboard and wandb files (the wandb extra), rank gating."""
 
 import json
 
@@ -8,19 +8,27 @@ import torch
 from megatron_rl.metrics import MetricsLogger, plot_summary, read_metrics
 
 
-def test_jsonl_tensorboard_wandb_and_plot(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    logger = MetricsLogger(tmp_path, use_wandb=True, use_tensorboard=True, progress_total=3, config={"a": 1})
+def _log_three_steps(logger):
     for step in range(3):
         logger.log(step, {"reward/mean": torch.tensor(0.25 * step), "response/length_mean": 4.0 + step, "note": "x"})
     logger.close()
+
+
+def test_jsonl_and_plot(tmp_path):
+    _log_three_steps(MetricsLogger(tmp_path, progress_total=3))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["reward/mean"] for r in rows] == [0.0, 0.25, 0.5]
     assert rows[2]["response/length_mean"] == 6.0 and rows[0]["note"] == "x"
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
     png = plot_summary(tmp_path / "metrics.jsonl", tmp_path / "summary.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.extra("wandb", "wandb", "tensorboard")
+def test_tensorboard_and_wandb_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    _log_three_steps(MetricsLogger(tmp_path, use_wandb=True, use_tensorboard=True, config={"a": 1}))
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
 
 
 def test_other_ranks_write_nothing(tmp_path):
