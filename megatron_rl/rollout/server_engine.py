@@ -346,7 +346,7 @@ class VLLMServerEngine:
         if not self._broadcast.connected:
             workers = [int(self._rpc(url, "mrl_model_info").get("workers", 1)) for url in self.urls]
             joins = [lambda info, url=url: self._rpc(url, "mrl_broadcast_join", info) for url in self.urls]
-            self._broadcast.connect(joins, workers)
+            self._broadcast.connect(joins, workers, names=[f"vLLM server {url}" for url in self.urls])
         return self._broadcast
 
     def _load(self, urls: list[str], payloads: list[Any], version: int, repack_moe: bool = True) -> list[dict]:
@@ -359,8 +359,9 @@ class VLLMServerEngine:
         try:
             if broadcast is not None:
                 receives = [lambda layout, url=url: self._rpc(url, "mrl_broadcast_receive", layout) for url in urls]
+                names = [f"vLLM server {url}" for url in urls]
                 for payload in payloads:
-                    broadcast.send(payload, receives)
+                    broadcast.send(payload, receives, names)
             else:
                 for url in urls:
                     for payload in payloads:

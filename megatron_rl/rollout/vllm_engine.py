@@ -282,7 +282,9 @@ class VLLMEngine:
             )
         if not self._broadcast.connected:
             workers = int(self.model_info.get("workers", 1))
-            self._broadcast.connect([lambda info: self._rpc("mrl_broadcast_join", info)], [workers])
+            self._broadcast.connect(
+                [lambda info: self._rpc("mrl_broadcast_join", info)], [workers], names=[f"vLLM engine on {self.model_dir}"]
+            )
         return self._broadcast
 
     def _load(self, payloads: list[Any], version: int, repack_moe: bool = True) -> dict:
@@ -293,7 +295,9 @@ class VLLMEngine:
         try:
             if broadcast is not None:
                 for payload in payloads:
-                    broadcast.send(payload, [lambda layout: self._rpc("mrl_broadcast_receive", layout)])
+                    broadcast.send(
+                        payload, [lambda layout: self._rpc("mrl_broadcast_receive", layout)], [f"vLLM engine on {self.model_dir}"]
+                    )
             else:
                 for payload in payloads:
                     self._rpc("mrl_stage_weights", payload)

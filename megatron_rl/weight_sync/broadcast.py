@@ -11,8 +11,9 @@ One bucket on the wire:
 1. the trainer packs the bucket's tensors into one flat byte buffer
    (offsets aligned to 64 bytes so each tensor is a view of it again) and
    describes it in JSON: name, dtype, shape, offset per tensor;
-2. it sends that JSON to every engine by RPC (`mrl_broadcast_receive`, in a
-   thread per engine: the workers block in the broadcast until rank 0 joins);
+2. it sends that JSON to every engine by RPC (`mrl_broadcast_receive`, on a
+   thread started per engine and call: the workers block in the broadcast
+   until rank 0 joins, so no fixed pool of threads may run them);
 3. it broadcasts the buffer from rank 0; each worker unpacks views of its
    copy and stages them exactly like a bucket that came by RPC (manifest
    check, kept until the push commits).
@@ -30,13 +31,14 @@ import json
 import socket
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 
 from megatron_rl.weight_sync.buckets import Bucket, tensor_bytes
+from megatron_rl.weight_sync.manifest import WeightPushError
 
 ALIGN_BYTES = 64
 """Tensor offsets in a packed bucket are multiples of this (any dtype can view them)."""
@@ -158,12 +160,13 @@ def close_group(group: Any, linger_s: float) -> None:
 
 
 def broadcast_from_root(group: Any, tensor: torch.Tensor, *, abort_if: Callable[[], BaseException | None] | None = None,
-                        timeout_s: float = 600.0) -> None:
+                        timeout_s: float = 600.0, waiting_for: Callable[[], list[str]] | None = None) -> None:
     """Broadcast `tensor` from group rank 0 in place on every rank.
 
     abort_if: polled while the broadcast runs; an exception it returns (e.g. a
     receiving RPC failed before its worker joined the broadcast) is raised
     instead of waiting for peers that will never arrive.
+    waiting_for: on a timeout, the names of the peers still missing (for the error).
     """
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0
@@ -173,9 +176,10 @@ def broadcast_from_root(group: Any, tensor: torch.Tensor, *, abort_if: Callable[
     while not work.is_completed():
         failure = abort_if() if abort_if is not None else None
         if failure is not None:
-            raise BroadcastError(f"weight broadcast abandoned: a receiving engine failed: {failure}") from failure
+            raise BroadcastError(f"weight broadcast abandoned: {failure}") from failure
         if time.monotonic() > deadline:
-            raise BroadcastError(f"weight broadcast of {tensor.numel()} bytes did not finish in {timeout_s:.0f} s")
+            missing = f"; still waiting for {', '.join(waiting_for())}" if waiting_for is not None else ""
+            raise BroadcastError(f"weight broadcast of {tensor.numel()} bytes did not finish in {timeout_s:.0f} s{missing}")
         time.sleep(0.0005)
     work.wait()
 
@@ -208,7 +212,13 @@ class BroadcastSender:
     Each engine is given as two callables that make its workers do something
     (over RPC or HTTP) and return when they are done:
     `join(info_json)` joins the group, `receive(layout_json)` takes part in one
-    bucket's broadcast and stages it.
+    bucket's broadcast and stages it. `names` (one per engine, e.g. its URL)
+    are what errors call the engines; by default `engine 0`, `engine 1`, ...
+
+    Every call runs on a thread of its own, started for it: the calls block
+    until rank 0 joins the same rendezvous or broadcast, so a fixed pool of
+    threads would be exhausted by as many engines as it has threads and rank 0
+    would never get one (any number of engines works this way).
     """
 
     def __init__(self, backend: str = "auto", host: str = "127.0.0.1", timeout_s: float = 600.0):
@@ -218,59 +228,61 @@ class BroadcastSender:
         self.group: Any = None
         self.device = backend_device(self.backend)
         self._buffer: torch.Tensor | None = None  # the packing buffer, reused by every send (grows to the largest bucket)
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weight-broadcast")
 
     @property
     def connected(self) -> bool:
         return self.group is not None
 
-    def connect(self, joins: list[Callable[[str], Any]], workers_per_engine: list[int]) -> None:
+    def connect(self, joins: list[Callable[[str], Any]], workers_per_engine: list[int],
+                names: list[str] | None = None) -> None:
         """Form the group: rank 0 here, then each engine's workers at consecutive ranks."""
         self.close()
+        names = _engine_names(names, len(joins))
+        if len(workers_per_engine) != len(joins):
+            raise ValueError(f"{len(joins)} engines but {len(workers_per_engine)} worker counts")
         world_size = 1 + sum(workers_per_engine)
         listener = listening_socket(self.host)
         port = int(listener.getsockname()[1])
-        futures: list[Future] = []
-        rank_offset = 1
-        for join, workers in zip(joins, workers_per_engine):
+        messages, rank_offset = [], 1
+        for workers in workers_per_engine:
             info = {"host": self.host, "port": port, "rank_offset": rank_offset, "world_size": world_size,
                     "backend": self.backend, "timeout_s": self.timeout_s, "trainer_gpu": _gpu_uuid(self.device)}
-            futures.append(self._pool.submit(join, json.dumps(info)))
+            messages.append(json.dumps(info))
             rank_offset += workers
-        try:
-            # The workers block in the rendezvous until this rank joins: wait on both at once, and
-            # give up as soon as a worker's join call fails (it will never reach the rendezvous).
-            group_future = self._pool.submit(
-                open_group, self.host, port, 0, world_size, self.backend, self.timeout_s, listener
-            )
-            _wait_all([group_future, *futures], self.timeout_s, what=f"forming the weight-broadcast group ({world_size} ranks)")
-            self.group = group_future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+        joined = call_in_threads(joins, messages, "weight-broadcast-join")
+        # The workers block in the rendezvous until this rank joins: wait on both at once, and
+        # give up as soon as a worker's join call fails (it will never reach the rendezvous).
+        (group_future,) = call_in_threads(
+            [lambda _: open_group(self.host, port, 0, world_size, self.backend, self.timeout_s, listener)], [None],
+            "weight-broadcast-open",
+        )
+        wait_for_engines([group_future, *joined], ["this trainer rank (rank 0)", *names], self.timeout_s,
+                         what=f"forming the weight-broadcast group of {len(joins)} engine(s), {world_size} ranks")
+        self.group = group_future.result()
 
-    def send(self, bucket: Bucket, receives: list[Callable[[str], Any]]) -> list[Any]:
+    def send(self, bucket: Bucket, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
         """Broadcast one bucket to every engine; returns each engine's answer to its receive call."""
         if self.group is None:
             raise BroadcastError("the weight-broadcast group is not formed (connect first)")
+        names = _engine_names(names, len(receives))
         layout = describe_bucket(bucket)
         if self._buffer is None or self._buffer.numel() < layout["nbytes"]:
             self._buffer = None  # free the old one first
             self._buffer = torch.empty(int(layout["nbytes"]), dtype=torch.uint8, device=self.device)
         flat = pack_bucket(bucket, layout, self.device, out=self._buffer)
-        message = json.dumps(layout)
-        futures = [self._pool.submit(receive, message) for receive in receives]
+        futures = call_in_threads(receives, [json.dumps(layout)] * len(receives), "weight-broadcast-receive")
 
         def failed_receive() -> BaseException | None:
-            for future in futures:
+            for name, future in zip(names, futures):
                 if future.done() and future.exception() is not None:
-                    return future.exception()
+                    return BroadcastError(f"{name} failed: {future.exception()}")
             return None
 
+        what = f"a weight broadcast of {layout['nbytes']} bytes to {len(receives)} engine(s)"
         try:
-            broadcast_from_root(self.group, flat, abort_if=failed_receive, timeout_s=self.timeout_s)
-            _wait_all(futures, self.timeout_s, what="engines staging a broadcast bucket")
+            broadcast_from_root(self.group, flat, abort_if=failed_receive, timeout_s=self.timeout_s,
+                                waiting_for=lambda: [n for n, f in zip(names, futures) if not f.done()])
+            wait_for_engines(futures, names, self.timeout_s, what=what)
         except BaseException:
             self.close()
             raise
@@ -284,17 +296,54 @@ class BroadcastSender:
     def shutdown(self) -> None:
         self.close()
         self._buffer = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _wait_all(futures: list[Future], timeout_s: float, *, what: str) -> None:
-    """Wait for every future; raise the first failure at once (not after the others time out)."""
+def _engine_names(names: list[str] | None, count: int) -> list[str]:
+    if names is None:
+        return [f"engine {i}" for i in range(count)]
+    if len(names) != count:
+        raise ValueError(f"{count} engines but {len(names)} names")
+    return [str(n) for n in names]
+
+
+def call_in_threads(calls: list[Callable[[Any], Any]], arguments: list[Any], name: str) -> list[Future]:
+    """Run calls[i](arguments[i]) each on a new daemon thread; a future per call.
+
+    Daemon threads: a call stuck on a dead engine never keeps the process from exiting.
+    """
+    futures: list[Future] = []
+    for index, (call, argument) in enumerate(zip(calls, arguments)):
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+
+        def run(call=call, argument=argument, future=future) -> None:
+            try:
+                future.set_result(call(argument))
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(error)
+
+        threading.Thread(target=run, name=f"{name}-{index}", daemon=True).start()
+        futures.append(future)
+    return futures
+
+
+def wait_for_engines(futures: list[Future], names: list[str], timeout_s: float, *, what: str) -> None:
+    """Wait for every call; at the first failure raise BroadcastError naming its engine (not after the others
+    time out); after timeout_s name the engines that have not answered."""
     done, pending = wait(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
-    for future in done:
-        if future.exception() is not None:
-            raise future.exception()  # type: ignore[misc]
+    for name, future in zip(names, futures):
+        if future in done and future.exception() is not None:
+            error = future.exception()
+            if isinstance(error, WeightPushError):  # the push's fault, not the engine's: keep its type
+                error.add_note(f"refused by {name}")
+                raise error
+            raise BroadcastError(f"{what}: {name} failed: {type(error).__name__}: {error}") from error
     if pending:
-        raise BroadcastError(f"{what}: no answer after {timeout_s:.0f} s")
+        slow = [name for name, future in zip(names, futures) if future in pending]
+        raise BroadcastError(
+            f"{what}: no answer after {timeout_s:.0f} s from {', '.join(slow)} "
+            f"({len(slow)} of {len(futures)}); a slow engine needs a larger rollout.request_timeout_s"
+        )
 
 
 def _gpu_uuid(device: torch.device) -> str:
