@@ -165,6 +165,9 @@ def _rope(cfg: dict, source: str) -> tuple[float, tuple[str, float] | None]:
     base = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     merged = {**scaling, **params}
+    partial = merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise _fail(source, f"partial_rotary_factor={partial} is not supported: megatron_rl's families rotate the whole head (1.0)")
     if rope_type == "default":
         return float(base), None
     if rope_type == "linear":
@@ -193,6 +196,15 @@ def _moe_fields(family: str, cfg: dict, num_layers: int, source: str) -> dict:
     topk = _int(cfg, "num_experts_per_tok", source)
     if topk > num_experts:
         raise _fail(source, f"num_experts_per_tok={topk} exceeds the number of experts {num_experts}")
+    if topk == 1 and (family == "mixtral" or cfg.get("norm_topk_prob")):
+        # Renormalising one weight makes it exactly 1.0: the router would get no gradient.
+        renormalised = "mixtral renormalises the top-k weights" if family == "mixtral" else "with norm_topk_prob=true"
+        fix = "" if family == "mixtral" else ", or norm_topk_prob=false (top-1 weight = the softmax probability)"
+        raise _fail(
+            source,
+            f"num_experts_per_tok=1 ({renormalised}) is not supported: each token's expert weight would be exactly 1.0, "
+            f"leaving the router no gradient; supported: num_experts_per_tok >= 2{fix}",
+        )
     if family == "mixtral":
         if cfg.get("router_jitter_noise", 0.0):
             raise _fail(source, f"router_jitter_noise={cfg['router_jitter_noise']} is not supported: set it to 0.0")
@@ -239,6 +251,10 @@ def parse_hf_config(hf_config: dict, source: str = "config.json") -> HFArch:
         raise _fail(source, "mlp_bias=true is not supported: megatron_rl builds bias-free MLPs")
     if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
         raise _fail(source, f"sliding-window attention (sliding_window={cfg.get('sliding_window')}) is not supported by megatron's local attention")
+    layer_types = cfg.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        kinds = sorted(set(layer_types))
+        raise _fail(source, f"layer_types with {kinds} is not supported: megatron_rl builds 'full_attention' layers only")
     hidden = _int(cfg, "hidden_size", source)
     heads = _int(cfg, "num_attention_heads", source)
     groups = cfg.get("num_key_value_heads") or heads

@@ -87,6 +87,12 @@ def test_dense_layers_from_mlp_only_layers_and_sparse_step():
         (tiny_hf_config("llama", num_key_value_heads=3), "num_key_value_heads=3"),
         (tiny_hf_config("qwen3_moe", num_experts_per_tok=9), "num_experts_per_tok=9"),
         (tiny_hf_config("qwen3_moe", num_experts=0), "num_experts / num_local_experts=0"),
+        (tiny_hf_config("mixtral", num_experts_per_tok=1), r"num_experts_per_tok=1 \(mixtral renormalises.*supported: num_experts_per_tok >= 2$"),
+        (tiny_hf_config("qwen3_moe", num_experts_per_tok=1, norm_topk_prob=True), r"num_experts_per_tok=1 \(with norm_topk_prob=true\).*or norm_topk_prob=false"),
+        (tiny_hf_config("qwen2_moe", num_experts_per_tok=1, norm_topk_prob=True), r"num_experts_per_tok=1 \(with norm_topk_prob=true\)"),
+        (tiny_hf_config("llama", partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 .*whole head"),
+        (tiny_hf_config("qwen3", rope_parameters={"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.25}), "partial_rotary_factor=0.25"),
+        (tiny_hf_config("qwen3", layer_types=["full_attention", "sliding_attention"]), r"layer_types with \['full_attention', 'sliding_attention'\]"),
         ([1, 2], "expected a JSON object"),
     ],
 )
@@ -171,6 +177,17 @@ def test_transformer_config_per_family():
     assert not _transformer_config("mixtral").moe_router_pre_softmax
     assert _transformer_config("qwen3_moe").moe_router_load_balancing_type == "none"  # no aux loss by default
     assert _transformer_config("llama", ModelConfig(recompute_activations=True)).recompute_granularity == "full"
+
+
+def test_top1_routing_is_built_or_refused_in_the_config_s_own_terms():
+    # HF top-1 without renormalisation: weight = softmax probability of the chosen expert = megatron's pre-softmax top-1.
+    config = _transformer_config("qwen3_moe", num_experts_per_tok=1, norm_topk_prob=False)
+    assert config.moe_router_topk == 1 and config.moe_router_pre_softmax
+    # With renormalisation the weight is 1.0, which megatron-core refuses with its own command-line flag.
+    for family, extra in (("mixtral", {}), ("qwen3_moe", {"norm_topk_prob": True})):
+        with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=1") as err:
+            _transformer_config(family, num_experts_per_tok=1, **extra)
+        assert "--moe" not in str(err.value) and "moe_router" not in str(err.value)
 
 
 def test_moe_with_tp_needs_sequence_parallel():

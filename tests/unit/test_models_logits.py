@@ -26,6 +26,8 @@ VARIANTS = {
         dict(vocab_size=200, num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=True, max_shard_size="100KB"),
     ),
     "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True, vocab_size=300)),
+    # Top-1 without renormalisation: the weight is the chosen expert's softmax probability.
+    "qwen3_moe_top1": ("qwen3_moe", dict(num_experts_per_tok=1, norm_topk_prob=False)),
 }
 
 
