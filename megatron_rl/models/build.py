@@ -174,10 +174,19 @@ class ModelInfo:
 
 
 def layer_spec(config, use_te: bool):
-    """The decoder block spec of this pipeline stage (dense and MoE layers as config.moe_layer_freq says)."""
+    """The decoder block spec of this pipeline stage (dense and MoE layers as config.moe_layer_freq says).
+
+    The local spec's core attention is megatron_rl's LocalCoreAttention (packed THD sequences and
+    context parallelism, which megatron's local DotProductAttention refuses); TE's spec is as is.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if use_te:
+        return spec
+    from megatron_rl.models.attention import with_local_core_attention
+
+    return with_local_core_attention(spec)
 
 
 def build_model(
