@@ -10,7 +10,8 @@
 train_step, per mini-batch (one optimizer step):
   1. plan: this rank's microbatches (actor.plan), the same count M on every DP rank;
   2. the step's global token / sequence counts: ONE all-reduce over DP x CP
-     (algorithms.compute_loss_denominators), before the first microbatch;
+     (algorithms.compute_loss_denominators), before the first microbatch,
+     without the tokens an importance-sampling correction drops;
   3. megatron's forward_backward_func over the M microbatches: forward (with
      routing replay set per microbatch), vocab-parallel logprobs, the loss from
      the algorithms registry times M x D (see actor.step for why), backward;
@@ -46,6 +47,7 @@ from megatron_rl.algorithms import (
     finalize_metrics,
     get_policy_loss,
     merge_metrics,
+    rejection_response_mask,
 )
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.core import ConfigError
@@ -285,9 +287,20 @@ class Actor:
                      fix=f"the {which} model's forward produced NaN/inf: its weights or activations diverged (lower the lr, check the checkpoint)")
 
     def prepare_batch(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
-        """Fill old_logprobs (+ old_routed_experts under R2, + ref_logprobs when beta > 0); returns (batch, metrics)."""
+        """Fill old_logprobs (+ old_routed_experts under R2, + ref_logprobs when beta > 0); returns (batch, metrics).
+
+        With algorithm.bypass_mode the engine's logprobs are the old policy and no forward runs for it.
+        """
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
+        if self.algorithm.bypass_mode:
+            if batch.rollout_logprobs is None:
+                raise BatchError("algorithm.bypass_mode needs batch.rollout_logprobs (the engine's logprobs serve as the old policy)")
+            batch = batch.replace(old_logprobs=batch.rollout_logprobs)
+            if self.reference is not None:
+                batch = batch.replace(ref_logprobs=self.compute_ref_logprobs(batch))
+            metrics["time/old_logprobs_s"] = time.perf_counter() - t0
+            return batch, metrics
         record = self.routing.num_moe_layers > 0 and (
             self.algorithm.routing_replay == "R2" or self.train_cfg.routing_drift_metrics or batch.routed_experts is not None
         )
@@ -349,9 +362,13 @@ class Actor:
         ctx = self.ctx
         items = [microbatch_inputs(batch, mb, lengths, ctx.device, with_loss_inputs=True) for mb in microbatches]
         # The step's global counts: one all-reduce over DP x CP, before the first microbatch.
-        denom = compute_loss_denominators(
-            [item.response_mask for item in items], group=ctx.dp_cp_group, max_response_tokens=self.max_response_tokens
-        )
+        algo = self.algorithm
+        masks = [
+            item.response_mask if algo.tis_mode == "none"
+            else rejection_response_mask(algo, item.old_logprobs, item.rollout_logprobs, item.response_mask)
+            for item in items
+        ]
+        denom = compute_loss_denominators(masks, group=ctx.dp_cp_group, max_response_tokens=self.max_response_tokens)
         scale = loss_scale(len(items), ctx.dp_size)
         routing = self.routing
 

@@ -9,6 +9,7 @@ One step, as the trainer and actor use it::
     rewards = rewards + soft_overlong_punishment(lengths, L_max, cfg.overlong_buffer, cfg.overlong_penalty)
     advantages = compute_advantages(rewards, group_ids, cfg, group_size=n_samples)
     check_finite_logprobs(mask, old_logprobs=old, rollout_logprobs=rollout)       # host check, once
+    masks = [rejection_response_mask(cfg, old_mb, rollout_mb, mask_mb) ...]   # IS options that drop tokens
     denom = compute_loss_denominators(masks, group=dp_cp_group, max_response_tokens=L_max)
     for mb in microbatches:
         loss_sum, metrics = get_policy_loss(cfg.loss)(logprobs, old, adv, mask, cfg, denom, ...)
@@ -22,7 +23,13 @@ from megatron_rl.algorithms.dynamic_sampling import (
     DynamicSamplingExhausted,
     groups_with_reward_variance,
 )
-from megatron_rl.algorithms.importance import rollout_mismatch_metrics, truncated_is_weights
+from megatron_rl.algorithms.importance import (
+    IS_CORRECTIONS,
+    get_is_correction,
+    importance_weights,
+    rejection_response_mask,
+    rollout_mismatch_metrics,
+)
 from megatron_rl.algorithms.kl import KL_ESTIMATORS, kl_estimate, kl_penalty
 from megatron_rl.algorithms.losses import (
     DEFAULT_CLIP_RANGE,
@@ -47,6 +54,7 @@ from megatron_rl.algorithms.validation import NonFiniteLogprobsError, check_fini
 __all__ = [
     "ADVANTAGES",
     "DEFAULT_CLIP_RANGE",
+    "IS_CORRECTIONS",
     "DynamicSamplingAccumulator",
     "DynamicSamplingExhausted",
     "KL_ESTIMATORS",
@@ -65,15 +73,17 @@ __all__ = [
     "compute_policy_loss",
     "finalize_metrics",
     "framework_loss_scale",
+    "get_is_correction",
     "get_policy_loss",
     "group_index",
+    "importance_weights",
     "groups_with_reward_variance",
     "kl_estimate",
     "kl_penalty",
     "merge_metrics",
     "overlong_filter_mask",
+    "rejection_response_mask",
     "require_whole_sequences",
     "rollout_mismatch_metrics",
     "soft_overlong_punishment",
-    "truncated_is_weights",
 ]

@@ -34,8 +34,12 @@ Options shared by all losses:
   (only a metric is computed if they are passed).
 * ``entropy_coeff > 0``: - entropy_coeff * H_t (the entropy of pi_theta at each
   position, passed with grad as ``entropy``), aggregated like the policy term.
-* ``tis_mode``: the policy term is multiplied by a truncated importance weight
-  against ``rollout_logprobs`` (`importance.truncated_is_weights`).
+* ``tis_mode``: an importance-sampling correction against ``rollout_logprobs``
+  (`importance.IS_CORRECTIONS`: truncated, masked, IcePop, ...): the policy term
+  is multiplied by its detached weight, and the tokens (or sequences) it drops
+  leave the loss like non-finite tokens do, except that they must also leave
+  the step's denominators (the caller builds them from
+  `importance.rejection_response_mask`). Metrics ``is/...``.
 
 Clip range defaults (``eps_low``/``eps_high`` None in the config): the papers'
 values, `DEFAULT_CLIP_RANGE`.
@@ -63,7 +67,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_rl.algorithms._registry import Registry
-from megatron_rl.algorithms.importance import rollout_mismatch_metrics, truncated_is_weights
+from megatron_rl.algorithms.importance import get_is_correction, importance_metrics, importance_weights, rollout_mismatch_metrics
 from megatron_rl.algorithms.kl import MAX_LOG_RATIO, kl_estimate
 from megatron_rl.algorithms.metrics import Metrics, fraction_metric, max_metric, mean_metric, min_metric, sum_metric
 from megatron_rl.algorithms.normalization import LossDenominators, require_whole_sequences
@@ -216,7 +220,7 @@ class _Batch:
     lengths: torch.Tensor  # [B] |y_i| = valid tokens of the row, at least 1 (for division)
     has_tokens: torch.Tensor  # [B] bool: the row has valid response tokens
     row_tokens: torch.Tensor  # [B] int64 valid tokens per row
-    tis_weight: torch.Tensor | None  # [B, T] or [B, 1], detached
+    is_weight: torch.Tensor | None  # [B, T] or [B, 1] importance-sampling weight, detached (0 where dropped)
     kl: torch.Tensor | None  # [B, T] KL estimate (with grad when beta > 0), 0 where not valid
     entropy: torch.Tensor | None  # [B, T] entropy (with grad), 0 where not valid; None unless entropy_coeff > 0
     metrics: Metrics
@@ -250,8 +254,14 @@ def _check_options(name, cfg, denom, ref_logprobs, rollout_logprobs, entropy) ->
         )
     if cfg.entropy_coeff and entropy is None:
         raise ValueError(f"{name}: algorithm.entropy_coeff={cfg.entropy_coeff} needs the per-token entropy (entropy=...)")
-    if cfg.tis_mode != "none" and rollout_logprobs is None:
-        raise ValueError(f"{name}: algorithm.tis_mode={cfg.tis_mode!r} needs rollout_logprobs from the rollout engine")
+    if cfg.tis_mode != "none":
+        if rollout_logprobs is None:
+            raise ValueError(f"{name}: algorithm.tis_mode={cfg.tis_mode!r} needs rollout_logprobs from the rollout engine")
+        if name == "gspo" and get_is_correction(cfg.tis_mode).level == "token":
+            raise ValueError(
+                f"gspo: algorithm.tis_mode={cfg.tis_mode!r} is a per-token correction and GSPO's term is per sequence; "
+                "use tis_mode=sequence, sequence_mask or sequence_mask_tis (or loss=gspo_token)"
+            )
 
 
 def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom, ref_logprobs, rollout_logprobs, entropy,
@@ -274,6 +284,13 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
         if used:
             finite = torch.isfinite(tensor)
             extra_valid = finite if extra_valid is None else extra_valid & finite
+    is_weights = num_finite = None
+    if cfg.tis_mode != "none":
+        # Ratios over the tokens with finite inputs; the correction's drops then leave `valid` as well.
+        finite_valid = response_mask & torch.isfinite(logprobs.detach() - old) & extra_valid
+        is_weights = importance_weights(cfg, old, rollout_logprobs.detach().to(logprobs.dtype), finite_valid)
+        num_finite = finite_valid.sum()
+        extra_valid = extra_valid & is_weights.keep
     log_ratio, valid = _SanitisedLogRatio.apply(logprobs, old, response_mask, extra_valid)
     num_valid = valid.sum()
     valid_weight = valid.to(logprobs.dtype)
@@ -290,15 +307,13 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
 
     metrics: Metrics = {
         "tokens/sum": num_valid.to(torch.float64),
-        "nonfinite_tokens/sum": (response_mask.sum() - num_valid).to(torch.float64),
+        "nonfinite_tokens/sum": (response_mask.sum() - (num_valid if num_finite is None else num_finite)).to(torch.float64),
         "sequences/sum": has_tokens.sum().to(torch.float64),
     }
-    tis_weight = None
-    if cfg.tis_mode != "none":
-        tis_weight = truncated_is_weights(old, rollout_logprobs, valid, lengths, cfg.tis_mode, cfg.tis_cap)
-        weight_tokens = tis_weight.expand_as(valid)
-        metrics["tis/weight"] = mean_metric(weight_tokens, valid_weight, num_valid)
-        metrics["tis/truncated"] = fraction_metric(((weight_tokens >= cfg.tis_cap) & valid).sum(), num_valid)
+    is_weight = None
+    if is_weights is not None:
+        is_weight = is_weights.weight
+        metrics.update(importance_metrics(is_weights, old, rollout_logprobs.detach().to(logprobs.dtype), finite_valid))
     if rollout_logprobs is not None:
         metrics.update(rollout_mismatch_metrics(old, rollout_logprobs, response_mask))
     kl = None
@@ -317,7 +332,7 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
     elif entropy is not None:  # metric only
         entropy_valid = valid & torch.isfinite(entropy)
         metrics["entropy"] = mean_metric(torch.where(entropy_valid, entropy.detach(), 0.0), entropy_valid)
-    return _Batch(valid, valid_weight, num_valid, log_ratio, token_adv, sequence_advantages, lengths, has_tokens, row_tokens, tis_weight,
+    return _Batch(valid, valid_weight, num_valid, log_ratio, token_adv, sequence_advantages, lengths, has_tokens, row_tokens, is_weight,
                   kl, entropy_s, metrics)
 
 
@@ -404,7 +419,7 @@ def _token_ratio_loss(name: str, aggregate: Aggregate, logprobs, old_logprobs, a
     # w_t = exp(log pi_theta - sg[log pi_old]): 1 when pi_theta = pi_old, yet its gradient is w_t grad log pi_theta.
     pg, ratio, low, high, dual = clipped_surrogate_from_log_ratio(b.log_ratio, b.token_advantages, eps_low, eps_high, cfg.dual_clip_c)
     # Every factor is finite, so masking is a multiply (where() is slower and keeps more for backward).
-    pg = pg * (b.valid_weight if b.tis_weight is None else b.tis_weight * b.valid_weight)
+    pg = pg * (b.valid_weight if b.is_weight is None else b.is_weight * b.valid_weight)
     pg_loss = aggregate(pg, b, denom)
     extra, option_metrics = _option_terms(b, cfg, aggregate, denom)
     metrics = {**_ratio_metrics(ratio, b.valid, b.valid_weight, b.num_valid), **_clip_metrics(b, low, high, dual), **option_metrics}
@@ -472,20 +487,16 @@ def gspo_loss(logprobs, old_logprobs, advantages, response_mask, cfg, denom, *,
         L   = (1/N_seq) sum_i l(s_i, A_i)      (+ beta KL, - entropy bonus as sequence means of token means)
 
     Default clip range 3e-4 / 4e-4 (GSPO Sec. 5.1). Each row must hold a whole
-    sequence. TIS must be sequence-level here (the term is per sequence).
+    sequence. An IS correction must be sequence-level here (the term is per sequence).
     """
-    if cfg.tis_mode == "token":
-        raise ValueError(
-            "gspo: algorithm.tis_mode='token' does not apply to a per-sequence term; use tis_mode=sequence (or loss=gspo_token)"
-        )
     b = _prepare("gspo", logprobs, old_logprobs, advantages, response_mask, cfg, denom, ref_logprobs, rollout_logprobs, entropy)
     eps_low, eps_high = clip_range(cfg, "gspo")
     # A_i is 0 for rows without valid tokens, so their term is 0.
     pg, seq_ratio, low, high, dual = clipped_surrogate_from_log_ratio(
         _sequence_log_ratio(b), b.sequence_advantages, eps_low, eps_high, cfg.dual_clip_c
     )
-    if b.tis_weight is not None:
-        pg = pg * b.tis_weight.squeeze(-1)
+    if b.is_weight is not None:
+        pg = pg * b.is_weight.squeeze(-1)
     pg_loss = pg.sum() / denom.sequences
     extra, option_metrics = _option_terms(b, cfg, _sequence_mean_token_mean, denom)
     metrics = {
@@ -515,7 +526,7 @@ def gspo_token_loss(logprobs, old_logprobs, advantages, response_mask, cfg, deno
     # gradient of log pi_theta (0 where not valid), so s_it has the value s_i.
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (b.log_ratio - b.log_ratio.detach())
     pg, _, low, high, dual = clipped_surrogate_from_log_ratio(token_log_ratio, b.token_advantages, eps_low, eps_high, cfg.dual_clip_c)
-    pg = pg * (b.valid_weight if b.tis_weight is None else b.tis_weight * b.valid_weight)
+    pg = pg * (b.valid_weight if b.is_weight is None else b.is_weight * b.valid_weight)
     pg_loss = _sequence_mean_token_mean(pg, b, denom)
     extra, option_metrics = _option_terms(b, cfg, _sequence_mean_token_mean, denom)
     metrics = {

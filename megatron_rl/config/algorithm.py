@@ -15,6 +15,10 @@ POLICY_LOSS_NAMES = ("dapo", "dr_grpo", "grpo", "gspo", "gspo_token")
 """The names megatron_rl.algorithms.POLICY_LOSSES registers (a test keeps the two in step)."""
 ADVANTAGE_NAMES = ("dr_grpo", "grpo", "rloo")
 """The names megatron_rl.algorithms.ADVANTAGES registers."""
+IS_CORRECTION_NAMES = ("icepop", "sequence", "sequence_mask", "sequence_mask_tis", "token", "token_mask")
+"""The names megatron_rl.algorithms.IS_CORRECTIONS registers (a test keeps the two in step)."""
+TOKEN_LEVEL_IS_CORRECTIONS = ("icepop", "token", "token_mask")
+"""Those whose weight is per token (not applicable to gspo's per-sequence term)."""
 
 
 @dataclass(kw_only=True)
@@ -47,11 +51,24 @@ class AlgorithmConfig:
     """Entropy bonus coefficient (the loss subtracts coeff x mean entropy)."""
     max_response_tokens: int = 0
     """Dr. GRPO's constant MAX_TOKENS in tokens (the loss divides by sequences x this); 0 = rollout.max_new_tokens."""
-    tis_mode: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance sampling against the rollout engine's logprobs: per token, or per sequence with
-    the geometric mean of the token ratios (gspo needs sequence)."""
-    tis_cap: float = 2.0
-    """Cap C of the truncated importance weight min(pi_old / pi_rollout, C)."""
+    tis_mode: str = "none"
+    """Importance-sampling correction against the rollout engine's logprobs, by registered name
+    (megatron_rl.algorithms.importance): token / sequence (truncated IS, min(rho, C)), token_mask /
+    sequence_mask (masked IS: drop tokens / whole sequences whose ratio leaves [is_lower, is_upper]),
+    icepop (token masking outside a two-sided band), sequence_mask_tis (sequence masking, truncated
+    sequence weight), or none. Sequence ratios are geometric means of token ratios; gspo needs a
+    sequence-level one."""
+    tis_cap: float | None = None
+    """Cap C of truncated weights min(rho, C); None = the correction's default (2)."""
+    is_lower: float | None = None
+    """Lower end of the masking band of the ratio pi_old / pi_rollout; None = the correction's default
+    (token_mask / sequence_mask 0, icepop 0.5, sequence_mask_tis 0.5)."""
+    is_upper: float | None = None
+    """Upper end of the masking band; None = the correction's default (icepop 5, the others 2)."""
+    bypass_mode: bool = False
+    """Use the engine's logprobs as the old policy and skip the trainer's old-policy forward (one forward
+    less per step; the PPO ratio then also corrects the engine/trainer mismatch). Excludes tis_mode and
+    routing_replay=R2, which need the trainer's old logprobs / routes."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and generate more until the batch is full (DAPO)."""
     max_num_gen_batches: int = 10
@@ -92,9 +109,36 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.dual_clip_c={self.dual_clip_c}: must be > 1 (about 3), or 0 to disable")
         if self.beta < 0:
             raise ConfigError(f"algorithm.beta={self.beta}: must be >= 0")
-        if self.loss == "gspo" and self.tis_mode == "token":
-            raise ConfigError("algorithm.tis_mode=token with algorithm.loss=gspo: GSPO's term is per sequence; use tis_mode=sequence")
-        if self.tis_mode != "none" and self.tis_cap <= 0:
-            raise ConfigError(f"algorithm.tis_cap={self.tis_cap}: must be > 0 when tis_mode={self.tis_mode!r}")
+        self._validate_importance_sampling()
         if self.max_num_gen_batches < 1:
             raise ConfigError(f"algorithm.max_num_gen_batches={self.max_num_gen_batches}: must be >= 1")
+
+    def _validate_importance_sampling(self) -> None:
+        if self.tis_mode != "none" and self.tis_mode not in IS_CORRECTION_NAMES:
+            raise ConfigError(
+                f"algorithm.tis_mode={self.tis_mode!r} is not an importance-sampling correction; "
+                f"valid names: none, {', '.join(IS_CORRECTION_NAMES)}"
+            )
+        if self.loss == "gspo" and self.tis_mode in TOKEN_LEVEL_IS_CORRECTIONS:
+            raise ConfigError(
+                f"algorithm.tis_mode={self.tis_mode} with algorithm.loss=gspo: GSPO's term is per sequence; "
+                "use tis_mode=sequence, sequence_mask or sequence_mask_tis (or loss=gspo_token)"
+            )
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"algorithm.tis_cap={self.tis_cap}: must be > 0")
+        lower, upper = self.is_lower, self.is_upper
+        if (lower is not None and lower < 0) or (upper is not None and upper <= 0) or (
+            lower is not None and upper is not None and lower > upper
+        ):
+            raise ConfigError(f"algorithm.is_lower={lower}, algorithm.is_upper={upper}: need 0 <= is_lower <= is_upper and is_upper > 0")
+        if self.bypass_mode and self.tis_mode != "none":
+            raise ConfigError(
+                f"algorithm.bypass_mode with algorithm.tis_mode={self.tis_mode}: in bypass mode the engine's logprobs are the "
+                "old policy, so pi_old / pi_rollout is 1 and the correction does nothing; set tis_mode=none (the PPO ratio "
+                "pi_theta / pi_rollout corrects the mismatch) or bypass_mode=false"
+            )
+        if self.bypass_mode and self.routing_replay == "R2":
+            raise ConfigError(
+                "algorithm.bypass_mode with algorithm.routing_replay=R2: R2 replays the routes of the old-policy forward, "
+                "which bypass mode skips; use routing_replay=R3 (the engine's routes) or none"
+            )

@@ -67,6 +67,19 @@ def _errors(rank: int, world_size: int, model_dir: str) -> dict:
         expect("no_old", lambda: actor.train_step(batch))
         expect("r2_without_routes", lambda: actor.train_step(batch.replace(old_logprobs=old)))
         actor.close()
+        bypass = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(), train=TrainConfig(),
+                       algorithm=AlgorithmConfig(loss="grpo", bypass_mode=True))
+        expect("bypass_without_rollout", lambda: bypass.prepare_batch(batch))
+
+        def no_forward(*args, **kwargs):
+            raise AssertionError("bypass mode ran the old-policy forward")
+
+        bypass.compute_logprobs = no_forward
+        engine_logprobs = torch.where(batch.response_mask, old - 0.01, 0.0)
+        prepared, _ = bypass.prepare_batch(batch.replace(rollout_logprobs=engine_logprobs))
+        messages["bypass_old_is_engine"] = prepared.old_logprobs is engine_logprobs
+        messages["bypass_trains"] = bypass.train_step(prepared)["tokens/sum"]
+        bypass.close()
     finally:
         destroy_parallel(ctx, keep_world=True)
     return messages
@@ -84,4 +97,6 @@ def test_bad_batches_are_refused_with_the_sample_and_the_fix(tmp_path):
     assert "sample 1 has 600 tokens" in m["too_long"] and "max_position_embeddings=512" in m["too_long"], m["too_long"]
     assert "compute_logprobs" in m["no_old"], m["no_old"]
     assert "R2" in m["r2_without_routes"] and "record_routes=True" in m["r2_without_routes"], m["r2_without_routes"]
+    assert "bypass_mode needs batch.rollout_logprobs" in m["bypass_without_rollout"], m["bypass_without_rollout"]
+    assert m["bypass_old_is_engine"] and m["bypass_trains"] == int(_batch().response_mask.sum())
     assert "R3" in m["r3_without_routes"] and "return_routed_experts" in m["r3_without_routes"], m["r3_without_routes"]

@@ -14,7 +14,8 @@ result must equal the gradient of the single-process whole-batch loss within
 metrics merged over microbatches and all-reduced over ranks must equal the
 whole batch's.
 
-Each D is launched once; the ranks loop over every loss, option set and M.
+Each D is launched once; the ranks loop over every loss, option set (including every
+importance-sampling correction, whose dropped tokens leave the denominators) and M.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ OPTION_SETS = {
     "plain": dict(),
     "kl_k3+entropy+tis_token+dual_clip": dict(beta=0.1, kl_estimator="k3", entropy_coeff=0.01, tis_mode="token", tis_cap=1.05, dual_clip_c=1.5),
     "kl_k2+tis_sequence": dict(beta=0.05, kl_estimator="k2", tis_mode="sequence", tis_cap=1.02),
+    "icepop+kl_k3+entropy": dict(beta=0.05, entropy_coeff=0.01, tis_mode="icepop", is_lower=0.96, is_upper=1.04),
+    "sequence_mask_tis": dict(tis_mode="sequence_mask_tis", is_lower=0.99, is_upper=1.01, tis_cap=1.002),
+    "token_mask": dict(tis_mode="token_mask", is_upper=1.03),
+    "sequence_mask": dict(tis_mode="sequence_mask", is_lower=0.985, is_upper=1.01),
 }
+TOKEN_LEVEL = ("token", "token_mask", "icepop")
 B, T, K = 26, 10, 4
 NUM_EMPTY = 4  # rows 0..3 have no response tokens
 DT = torch.float64
@@ -110,6 +116,7 @@ def _worker(rank: int, world_size: int) -> list[dict]:
         finalize_metrics,
         get_policy_loss,
         merge_metrics,
+        rejection_response_mask,
     )
     from megatron_rl.config import AlgorithmConfig
 
@@ -120,13 +127,14 @@ def _worker(rank: int, world_size: int) -> list[dict]:
         for name in LOSSES:
             fn = get_policy_loss(name)
             for option_name, options in OPTION_SETS.items():
-                if name == "gspo" and options.get("tis_mode") == "token":
-                    options = {**options, "tis_mode": "sequence"}
+                if name == "gspo" and options.get("tis_mode") in TOKEN_LEVEL:
+                    options = {**options, "tis_mode": "sequence" if options["tis_mode"] == "token" else "sequence_mask"}
                 cfg = AlgorithmConfig(loss=name, eps_low=0.05, eps_high=0.08, **options)
                 for token_advantages in ([False, True] if name == "gspo_token" else [False]):
                     # The single-process whole-batch computation.
                     theta = torch.zeros(K, dtype=DT, requires_grad=True)
-                    whole_denom = compute_loss_denominators([batch["mask"]], max_response_tokens=T)
+                    whole_kept = rejection_response_mask(cfg, batch["old"], batch["rollout"], batch["mask"])
+                    whole_denom = compute_loss_denominators([whole_kept], max_response_tokens=T)
                     args, kwargs = _inputs(batch, theta, list(range(B)), T, token_advantages)
                     whole_loss, whole_metrics = fn(*args, cfg, whole_denom, **kwargs)
                     (whole_grad,) = torch.autograd.grad(whole_loss, theta)
@@ -134,7 +142,10 @@ def _worker(rank: int, world_size: int) -> list[dict]:
                     for num_microbatches in (1, 2, 3):
                         rows_per_mb = _layout(world_size, num_microbatches)[rank]
                         widths = [max([1] + [int(batch["lengths"][r]) for r in rows]) for rows in rows_per_mb]
-                        masks = [batch["mask"][rows, :w] for rows, w in zip(rows_per_mb, widths)]
+                        masks = [
+                            rejection_response_mask(cfg, batch["old"][rows, :w], batch["rollout"][rows, :w], batch["mask"][rows, :w])
+                            for rows, w in zip(rows_per_mb, widths)
+                        ]
                         denom = compute_loss_denominators(masks, group=dist.group.WORLD, max_response_tokens=T)
                         theta = torch.zeros(K, dtype=DT, requires_grad=True)
                         local_loss = torch.zeros((), dtype=DT)
@@ -164,6 +175,7 @@ def _worker(rank: int, world_size: int) -> list[dict]:
                             "same_keys": final.keys() == whole_final.keys(),
                             "tokens": denom.global_num_tokens,
                             "whole_tokens": whole_denom.global_num_tokens,
+                            "masked_tokens": whole_final.get("is/masked_tokens/sum", 0.0),
                         })
         return results
     finally:
@@ -185,3 +197,8 @@ def test_gradient_of_split_batch_equals_whole_batch(world_size):
     assert not failures, "\n".join(str(f) for f in failures)
     # The batch must exercise the gradient (a vacuous all-clipped batch would pass trivially).
     assert all(r["grad_scale"] > 1e-4 for r in results), [r for r in results if r["grad_scale"] <= 1e-4]
+    # The masking options must drop some tokens, and not all (both would make their cases vacuous).
+    masking = [r for r in results if "mask" in r["case"] or "icepop" in r["case"]]
+    assert masking and not [r for r in masking if not 0 < r["masked_tokens"] < r["whole_tokens"] + r["masked_tokens"]], [
+        (r["case"], r["masked_tokens"], r["whole_tokens"]) for r in masking if not 0 < r["masked_tokens"] < r["whole_tokens"] + r["masked_tokens"]
+    ]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.algorithms import ADVANTAGES, POLICY_LOSSES, NonFiniteLogprobsError, check_finite_logprobs, check_step_metrics
+from megatron_rl.algorithms import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES, NonFiniteLogprobsError, check_finite_logprobs, check_step_metrics
 from megatron_rl.config import AlgorithmConfig, ConfigError, from_dict
-from megatron_rl.config.algorithm import ADVANTAGE_NAMES, POLICY_LOSS_NAMES
+from megatron_rl.config.algorithm import ADVANTAGE_NAMES, IS_CORRECTION_NAMES, POLICY_LOSS_NAMES, TOKEN_LEVEL_IS_CORRECTIONS
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl" / "algorithms"
 
@@ -38,6 +38,18 @@ def test_imports_nothing_of_the_project_and_no_megatron_or_vllm():
 def test_config_names_match_the_registries():
     assert list(POLICY_LOSS_NAMES) == POLICY_LOSSES.names()
     assert list(ADVANTAGE_NAMES) == ADVANTAGES.names()
+    assert list(IS_CORRECTION_NAMES) == IS_CORRECTIONS.names()
+    assert sorted(TOKEN_LEVEL_IS_CORRECTIONS) == sorted(n for n in IS_CORRECTIONS.names() if IS_CORRECTIONS.get(n).level == "token")
+    with pytest.raises(ConfigError, match="valid names: none, icepop, sequence"):
+        from_dict(AlgorithmConfig, {"tis_mode": "tis"})
+    with pytest.raises(ConfigError, match="use tis_mode=sequence"):
+        from_dict(AlgorithmConfig, {"loss": "gspo", "tis_mode": "icepop"})
+    with pytest.raises(ConfigError, match="is_lower=3.0, algorithm.is_upper=2.0"):
+        from_dict(AlgorithmConfig, {"loss": "dapo", "tis_mode": "icepop", "is_lower": 3.0, "is_upper": 2.0})
+    with pytest.raises(ConfigError, match="set tis_mode=none"):
+        from_dict(AlgorithmConfig, {"bypass_mode": True, "tis_mode": "sequence"})
+    with pytest.raises(ConfigError, match="routing_replay=R3"):
+        from_dict(AlgorithmConfig, {"bypass_mode": True, "routing_replay": "R2"})
     with pytest.raises(ConfigError, match="valid names: dapo, dr_grpo, grpo, gspo, gspo_token"):
         from_dict(AlgorithmConfig, {"loss": "ppo"})
     with pytest.raises(ConfigError, match="use tis_mode=sequence"):

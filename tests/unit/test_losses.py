@@ -421,9 +421,9 @@ def test_rollout_mismatch_and_tis_metrics():
     k3 = [math.exp(d) - d - 1 for d in (float(old[i, t] - rollout[i, t]) for i, t in idx)]
     assert final["mismatch/kl_k3"] == pytest.approx(sum(k3) / len(k3), rel=1e-10)
     weights = [min(math.exp(float(old[i, t] - rollout[i, t])), 1.1) for i, t in idx]
-    assert final["tis/weight"] == pytest.approx(sum(weights) / len(weights), rel=1e-12)
-    assert final["tis/truncated"] == pytest.approx(sum(w == 1.1 for w in weights) / len(weights))
-    assert 0 < final["tis/truncated"] < 1
+    assert final["is/weight"] == pytest.approx(sum(weights) / len(weights), rel=1e-12)
+    assert final["is/truncated"] == pytest.approx(sum(w == 1.1 for w in weights) / len(weights))
+    assert 0 < final["is/truncated"] < 1
 
 
 def test_sequence_tis_uses_geometric_mean_not_product():
@@ -435,7 +435,7 @@ def test_sequence_tis_uses_geometric_mean_not_product():
     mask = torch.ones(1, T, dtype=torch.bool)
     cfg = AlgorithmConfig(loss="dapo", tis_mode="sequence", tis_cap=2.0)
     _, metrics = run("dapo", cfg, lp, old, torch.ones(1, dtype=DT), mask, None, rollout, None)
-    assert finalize_metrics(metrics)["tis/weight"] == pytest.approx(math.exp(0.01), rel=1e-12)
+    assert finalize_metrics(metrics)["is/weight"] == pytest.approx(math.exp(0.01), rel=1e-12)
 
 
 def test_errors_name_what_is_wrong():
