@@ -383,3 +383,29 @@ class RLConfig:
     """Metrics sinks."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Machines the run is planned for."""
+
+    def validate(self) -> None:
+        """Checks that span sections (each section validates itself first)."""
+        self._validate_sampling_truncation()
+
+    def _validate_sampling_truncation(self) -> None:
+        """Top-p / top-k sampling with an importance-sampling option is refused.
+
+        With truncation the engine's logprobs are renormalised over the kept tokens
+        (vLLM's processed_logprobs) while the trainer's are over the whole
+        vocabulary, so pi_old / pi_rollout is biased below 1 on every token by the
+        mass the truncation removed: masks and weights would act on that bias, not
+        on the mismatch they exist to correct (and bypass mode would use the
+        renormalised logprobs as the old policy).
+        """
+        rollout, algo = self.rollout, self.algorithm
+        truncates = rollout.top_p < 1.0 or rollout.top_k > 0
+        uses_engine_logprobs = algo.tis_mode != "none" or algo.bypass_mode
+        if truncates and uses_engine_logprobs:
+            option = f"algorithm.tis_mode={algo.tis_mode}" if algo.tis_mode != "none" else "algorithm.bypass_mode=true"
+            raise ConfigError(
+                f"rollout.top_p={rollout.top_p}, rollout.top_k={rollout.top_k} with {option}: the engine's logprobs are "
+                "renormalised over the top-p/top-k set while the trainer's cover the whole vocabulary, so their ratio "
+                "measures the truncation, not the engine/trainer mismatch; sample with top_p=1 and top_k=-1, or turn the "
+                "option off (algorithm.tis_mode=none, algorithm.bypass_mode=false)"
+            )

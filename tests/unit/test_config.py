@@ -71,3 +71,14 @@ def test_every_field_has_a_docstring():
 def test_parallel_sizes_must_be_positive():
     with pytest.raises(ConfigError, match="tensor_parallel=0"):
         from_dict(ParallelConfig, {"tensor_parallel": 0})
+
+
+def test_sampling_truncation_with_importance_sampling_is_refused():
+    from megatron_rl.config import RLConfig, from_dict
+
+    for rollout, algorithm in (({"top_p": 0.9}, {"loss": "dapo", "tis_mode": "icepop"}), ({"top_k": 20}, {"bypass_mode": True})):
+        with pytest.raises(ConfigError, match=r"renormalised over the top-p/top-k set.*top_p=1 and top_k=-1"):
+            from_dict(RLConfig, {"rollout": rollout, "algorithm": algorithm})
+    # Truncation alone, or IS without truncation, is fine.
+    assert from_dict(RLConfig, {"rollout": {"top_p": 0.9}}).rollout.top_p == 0.9
+    assert from_dict(RLConfig, {"algorithm": {"tis_mode": "sequence_mask"}}).algorithm.tis_mode == "sequence_mask"
