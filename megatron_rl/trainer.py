@@ -49,8 +49,11 @@ def main(config_path: str | None = None, overrides: Sequence[str] = ()) -> dict[
 def run(cfg: RLConfig) -> dict[str, float]:
     """Train with `cfg` in this process (one rank of a torchrun job, or alone); returns the last metrics."""
     from megatron_rl.models import load_hf_config, model_shape
+    from megatron_rl.models.tiny import ensure_tiny_model_dir
     from megatron_rl.parallel import destroy_parallel, init_parallel
 
+    if cfg.model.make_tiny_if_missing:
+        ensure_tiny_model_dir(cfg.model.path, cfg.model.make_tiny_if_missing, seed=cfg.model.init_seed)
     shape = model_shape(load_hf_config(cfg.model.path))
     ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
     trainer = None

@@ -85,6 +85,9 @@ class ModelConfig:
     """Seed for random initialisation when no weights are loaded."""
     load_weights: bool = True
     """Load the safetensors weights in `path` (False: random init from the config)."""
+    make_tiny_if_missing: Literal["", "llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"] = ""
+    """When `path` does not exist, first build a tiny random model of this family there (megatron_rl.models.tiny,
+    seed `init_seed`), as the CPU demo does: the tiny presets run from a fresh clone. Empty: a missing path is an error."""
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ AutoTokenizer encodes exactly as sentencepiece does).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -233,3 +234,22 @@ def make_tiny_model_dir(
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return out_dir
+
+
+def ensure_tiny_model_dir(out_dir: str | os.PathLike, family: str, *, seed: int = 0) -> bool:
+    """Build a tiny model at `out_dir` unless it exists; True when this call built it.
+
+    Every rank of a job may call this at once: one builds under a lock file beside
+    the directory while the others wait, then find the finished directory (the
+    build renames a complete temporary directory into place).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        return False
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out_dir.exists():
+            return False
+        make_tiny_model_dir(out_dir, family, seed=seed)
+    return True

@@ -187,22 +187,18 @@ def spec_from_hf_config(config: dict[str, Any], where: str = "config.json") -> M
     return ModelSpec(arch=parse_hf_config(config, where))
 
 
-TINY_FAMILY = "qwen3_moe"
-"""Family of the CPU demo's tiny model (megatron_rl.models.tiny)."""
-
-
-def read_hf_config(model_path: str) -> dict[str, Any]:
+def read_hf_config(model_path: str, make_tiny_if_missing: str = "") -> dict[str, Any]:
     """`<model_path>/config.json` as a dict, or a ConfigError saying what is missing.
 
-    A model built at run time (the CPU demo's tiny model, under outputs/) has no
-    directory yet when a preset is planned: for a missing directory whose name
-    starts with `tiny`, megatron_rl.models.tiny supplies the config.json it will
-    write (its vocabulary is the sentencepiece model's, at most the 256 assumed here).
+    A tiny model built at run time (model.make_tiny_if_missing) has no directory
+    yet when a preset is planned: megatron_rl.models.tiny supplies the config.json
+    it will write (its vocabulary is the sentencepiece model's, at most the 256
+    assumed here).
     """
-    if model_path and not Path(model_path).exists() and Path(model_path).name.startswith("tiny"):
+    if model_path and make_tiny_if_missing and not Path(model_path).exists():
         from megatron_rl.models.tiny import tiny_hf_config
 
-        return tiny_hf_config(TINY_FAMILY)
+        return tiny_hf_config(make_tiny_if_missing)
     try:
         return load_hf_config(model_path)
     except ConfigError as err:

@@ -22,7 +22,8 @@ def load_spec(cfg: RLConfig, model_config: str | None = None) -> ModelSpec:
             return spec_from_hf_config(json.loads(path.read_text()), str(path))
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path} is not valid JSON: {err}") from None
-    return spec_from_hf_config(read_hf_config(cfg.model.path), f"{cfg.model.path}/config.json")
+    hf_config = read_hf_config(cfg.model.path, cfg.model.make_tiny_if_missing)
+    return spec_from_hf_config(hf_config, f"{cfg.model.path}/config.json")
 
 
 def plan_preset(config_path: str, overrides: list[str] | None = None, model_config: str | None = None) -> Plan:

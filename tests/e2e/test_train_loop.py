@@ -92,9 +92,11 @@ def test_preset_runs_one_process(preset, model_dir, tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
 
 
-def test_two_processes_expert_parallel(model_dir, tmp_path):
-    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path, "train.steps=2", nproc=2), timeout=400)
-    _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
+def test_two_processes_expert_parallel_on_a_tiny_model_the_preset_builds(tmp_path):
+    model_dir = tmp_path / "models" / "tiny-moe"  # absent: both ranks start at once and one of them builds it
+    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path / "run", "train.steps=2", nproc=2), timeout=400)
+    _check_rows(read_metrics(tmp_path / "run" / "metrics.jsonl"), 2)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-moe.lock", "tiny-moe"]  # no half-built copy
 
 
 def test_two_colocated_engines_hosted_by_the_trainer_ranks(model_dir, tmp_path):

@@ -132,3 +132,25 @@ def test_rollout_engine_sizes_are_validated():
         load_config(RLConfig, None, ["rollout.tensor_parallel=0"])
     with pytest.raises(ConfigError, match="gpu_memory_utilization=1.5"):
         load_config(RLConfig, None, ["rollout.gpu_memory_utilization=1.5"])
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_every_preset_s_model_ships_with_the_repository_or_is_built_on_first_use(preset):
+    model = load_config(RLConfig, preset).model
+    shipped = Path(model.path).is_absolute() and (Path(model.path) / "config.json").is_file()
+    assert shipped or model.make_tiny_if_missing, f"{preset.name}: model.path={model.path} exists only after another command has run"
+
+
+def test_a_missing_tiny_model_is_built_once_when_ranks_start_together(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_rl.models import load_hf_config, parse_hf_config
+    from megatron_rl.models.tiny import ensure_tiny_model_dir, tiny_hf_config
+
+    model_dir = tmp_path / "outputs" / "tiny-moe"
+    with ThreadPoolExecutor(3) as pool:  # a lock file is per open(), so threads contend as processes do
+        built = list(pool.map(lambda _: ensure_tiny_model_dir(model_dir, "qwen3_moe", seed=0), range(3)))
+    assert sorted(built) == [False, False, True]
+    # The planner plans a missing tiny model from tiny_hf_config: the one built has that shape.
+    assert parse_hf_config(load_hf_config(model_dir)) == parse_hf_config(tiny_hf_config("qwen3_moe"))
+    assert sorted(p.name for p in model_dir.parent.iterdir()) == [".tiny-moe.lock", "tiny-moe"]
