@@ -72,7 +72,8 @@ from megatron_rl.config.layout import check_layout
 from megatron_rl.config.schema import ParallelConfig
 from megatron_rl.models.hf_config import UnsupportedModelError, load_hf_config, model_shape, parse_hf_config
 from megatron_rl.models.loading import SafetensorsCheckpoint, check_checkpoint_names
-from megatron_rl.models.mapping import Shard, mapping_for
+from megatron_rl.models.families import get_family
+from megatron_rl.models.mapping import Shard, mapping_for, named_weights
 
 __all__ = [
     "ConversionError",
@@ -194,7 +195,7 @@ def check_target_layout(hf_config: dict, layout: ParallelConfig) -> None:
     has_dense = not arch.moe_layers or not all(arch.moe_layers)
     widths = [
         ("intermediate_size", arch.ffn_hidden_size if has_dense else 0, tp, "tensor_parallel"),
-        ("intermediate_size" if arch.family == "mixtral" else "moe_intermediate_size", arch.moe_ffn_hidden_size, etp, "expert_tensor_parallel"),
+        (get_family(arch.family).expert_width_key, arch.moe_ffn_hidden_size, etp, "expert_tensor_parallel"),
         ("shared_expert_intermediate_size", arch.shared_expert_size, tp, "tensor_parallel"),
     ]
     for key, width, size, knob in widths:
@@ -338,7 +339,7 @@ def convert_hf_to_mcore(
             model = build_meta_model(hf_config, ctx)
             layout = checkpoint_layout(model)
             padded = model.hf_info.padded_vocab_size
-            params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+            params = {name: tuple(p.shape) for name, p in named_weights(model)}
             dtypes = _planned_dtypes(arch, reader, layout, params, padded, out_dtype)
             total = sum(_nbytes(p, dtypes[key]) for key, pieces in layout.pieces.items() for p in pieces)
             with atomic_output_dir(out_dir, overwrite=overwrite) as tmp, _progress(total, "hf -> megatron", progress) as bar:
@@ -465,7 +466,7 @@ def convert_mcore_to_hf(
         layout = checkpoint_layout(model)
         padded = model.hf_info.padded_vocab_size
         stored = match_stored_tensors(layout, stored_tensors(ckpt_dir), str(ckpt_dir), arch.vocab_size)
-        params = dict(model.named_parameters())
+        params = dict(named_weights(model))
         order = list(layout.entries)  # model order; the HF files follow it
         specs, sizes = [], {}
         for name in order:

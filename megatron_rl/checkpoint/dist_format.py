@@ -156,7 +156,9 @@ def checkpoint_layout(model) -> CheckpointLayout:
     """Pieces of every parameter of the single-rank `model`, from megatron's sharded_state_dict."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-    params = dict(model.named_parameters())
+    from megatron_rl.models.mapping import named_weights
+
+    params = dict(named_weights(model))
     layout = CheckpointLayout()
     pieces: dict[str, list[Piece]] = defaultdict(list)
     for name, entry in model.sharded_state_dict().items():

@@ -8,8 +8,8 @@
     for bucket in export_hf_weights(chunks, ctx, bucket_bytes=512 << 20):
         ...                                                        # HF-named tensors on rank 0
 
-Families: llama, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral (hf_config.FAMILIES).
-One mapping (mapping.py) serves loading, export/weight sync and the converters.
+Families: one module each under families/, registered by HF model_type (families.FAMILIES).
+One mapping (mapping.py, with each family's layer names) serves loading, export/weight sync and the converters.
 Names are imported on first use: the config parser (hf_config) needs no torch, so
 `megatron-rl plan` runs where torch is not installed; build_model imports megatron-core.
 """
@@ -25,7 +25,10 @@ _EXPORTS = {
     "use_transformer_engine": "build",
     "export_hf_state_dict": "export",
     "export_hf_weights": "export",
-    "FAMILIES": "hf_config",
+    "FAMILIES": "families",
+    "Family": "families",
+    "family_of": "families",
+    "get_family": "families",
     "HFArch": "hf_config",
     "UnsupportedModelError": "hf_config",
     "detect_family": "hf_config",

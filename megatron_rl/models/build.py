@@ -74,10 +74,12 @@ def hf_to_transformer_config(
     `overrides` replace TransformerConfig fields (e.g. calculate_per_token_loss=True,
     variable_seq_lengths=True); an unknown field is an error.
     """
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
+    from megatron_rl.models.families import get_family
+
     arch = parse_hf_config(hf_config)
+    family = get_family(arch.family)
     tp, ep = parallel_cfg.tensor_parallel, parallel_cfg.expert_parallel
     sequence_parallel = parallel_cfg.use_sequence_parallel()
     if arch.num_experts and tp > 1 and not sequence_parallel:
@@ -89,17 +91,6 @@ def hf_to_transformer_config(
     moe: dict[str, Any] = {}
     if arch.num_experts:
         moe = dict(
-            num_moe_experts=arch.num_experts,
-            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-            moe_router_topk=arch.moe_topk,
-            # Softmax over all experts then top-k (no renormalisation) is megatron's pre-softmax
-            # mode; top-k over logits then softmax over the k equals softmax -> top-k -> renormalise.
-            moe_router_pre_softmax=not arch.norm_topk_prob,
-            moe_router_score_function="softmax",
-            moe_router_dtype="fp32",
-            moe_layer_freq=[int(m) for m in arch.moe_layers],
-            moe_shared_expert_intermediate_size=arch.shared_expert_size or None,
-            moe_shared_expert_gate=arch.shared_expert_gate,
             moe_token_dispatcher_type=model_cfg.token_dispatcher,
             moe_router_load_balancing_type=model_cfg.moe_load_balancing_type if model_cfg.moe_aux_loss_coeff else "none",
             moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
@@ -112,19 +103,7 @@ def hf_to_transformer_config(
     if model_cfg.recompute_activations:
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     fields = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_query_groups,
-        kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
+        **family.transformer_fields(arch),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(hf_config.get("initializer_range", 0.02)),
@@ -151,12 +130,13 @@ def hf_to_transformer_config(
         **moe,
         **recompute,
     )
-    valid = {f.name for f in dataclasses.fields(TransformerConfig)}
+    config_class = family.config_class()
+    valid = {f.name for f in dataclasses.fields(config_class)}
     unknown = sorted(set(overrides) - valid)
     if unknown:
         raise ConfigError(f"unknown TransformerConfig field(s) {unknown} in overrides")
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    return config_class(**fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,22 +151,6 @@ class ModelInfo:
     """Rows of megatron's embedding/output layer (vocab padded to a multiple of 128 x TP)."""
     use_te: bool
     """Built with the Transformer Engine spec."""
-
-
-def layer_spec(config, use_te: bool):
-    """The decoder block spec of this pipeline stage (dense and MoE layers as config.moe_layer_freq says).
-
-    The local spec's core attention is megatron_rl's LocalCoreAttention (packed THD sequences and
-    context parallelism, which megatron's local DotProductAttention refuses); TE's spec is as is.
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-    if use_te:
-        return spec
-    from megatron_rl.models.attention import with_local_core_attention
-
-    return with_local_core_attention(spec)
 
 
 def build_model(
@@ -220,6 +184,7 @@ def build_model(
     """
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_rl.models.families import get_family
     from megatron_rl.models.loading import load_hf_weights
     from megatron_rl.parallel import seed_all
 
@@ -230,25 +195,19 @@ def build_model(
     config = hf_to_transformer_config(hf_config, model_cfg, ctx.config, dtype=dtype, **(config_overrides or {}))
     use_te = use_transformer_engine(model_cfg)
     info = ModelInfo(arch=arch, hf_config=hf_config, padded_vocab_size=padded_vocab_size(arch.vocab_size, ctx.tp_size), use_te=use_te)
-    rope: dict[str, Any] = {}
-    if arch.rope_scaling and arch.rope_scaling[0] == "llama3":
-        rope = dict(rope_scaling=True, rope_scaling_factor=arch.rope_scaling[1])
-    elif arch.rope_scaling:
-        rope = dict(seq_len_interpolation_factor=arch.rope_scaling[1])
+    family = get_family(arch.family)
 
     seed_all(model_cfg.init_seed)  # same draws on every rank: CPU init makes TP shards of one full tensor
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, use_te),
+        transformer_layer_spec=family.layer_spec(config, use_te),
         vocab_size=info.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=ctx.is_pipeline_first_stage(),
         post_process=ctx.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(arch.rope_base) if float(arch.rope_base).is_integer() else arch.rope_base,
-        **rope,
+        **family.gpt_model_kwargs(arch),
     )
     model.hf_info = info
     if ctx.device.type == "cuda":

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models.build import model_info
-from megatron_rl.models.mapping import GlobalNamer, VocabPadded, is_expert_param, mapping_for, unwrap_model
+from megatron_rl.models.mapping import GlobalNamer, named_weights, VocabPadded, is_expert_param, mapping_for, unwrap_model
 
 
 @dataclass
@@ -79,7 +79,7 @@ def _holder_shards(model_chunks: list, ctx, arch, padded_vocab: int) -> dict[tup
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         to_global = GlobalNamer(model, ctx.ep_rank, num_local_experts)
-        for local_name, param in model.named_parameters():
+        for local_name, param in named_weights(model):
             name = to_global(local_name)
             mapping = mapping_for(arch, name, padded_vocab)
             if isinstance(mapping, VocabPadded) and mapping.export_name is None:

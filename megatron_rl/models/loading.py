@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from megatron_rl.models.hf_config import UnsupportedModelError, load_hf_config, parse_hf_config
-from megatron_rl.models.mapping import GlobalNamer, Shard, check_split_dim, expected_hf_names, is_expert_param, mapping_for, unwrap_model
+from megatron_rl.models.families import get_family
+from megatron_rl.models.mapping import GlobalNamer, named_weights, Shard, check_split_dim, expected_hf_names, is_expert_param, mapping_for, unwrap_model
 
 # Buffers transformers sometimes saves that megatron recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -91,7 +92,8 @@ class SafetensorsCheckpoint:
 def check_checkpoint_names(arch, names: list[str], where: str) -> None:
     """Error naming missing or unexpected tensors (a tied model may still carry lm_head.weight)."""
     expected = set(expected_hf_names(arch))
-    present = {n for n in names if not n.endswith(_IGNORED_SUFFIXES)}
+    family = get_family(arch.family)
+    present = {n for n in names if not n.endswith(_IGNORED_SUFFIXES) and not family.hf_name_ignored(arch, n)}
     if arch.tie_word_embeddings:
         present.discard("lm_head.weight")
     missing, extra = sorted(expected - present), sorted(present - expected)
@@ -131,7 +133,7 @@ def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike, ctx) -> None:
         for chunk in model_chunks:
             model = unwrap_model(chunk)
             to_global = GlobalNamer(model, ctx.ep_rank, num_local_experts)
-            for local_name, param in model.named_parameters():
+            for local_name, param in named_weights(model):
                 global_name = to_global(local_name)
                 mapping = mapping_for(arch, global_name, info.padded_vocab_size)
                 check_split_dim(global_name, mapping, param, strict=not info.use_te)

@@ -176,20 +176,52 @@ class GatedFC1:
         return [(self.gate, gate), (self.up, up)]
 
 
-Mapping = Direct | VocabPadded | QKV | GatedFC1
-
-
 @dataclass(frozen=True)
-class _Names:
-    """Where a family keeps its MoE block and what it calls an expert's three matrices."""
+class RopeRows:
+    """Rows in blocks of `block` whose last `rope` rows are rotary dimensions in halves; megatron's MLA wants pairs.
 
-    moe: str = "mlp"
-    gate: str = "gate_proj"
-    up: str = "up_proj"
-    down: str = "down_proj"
+    megatron-core's multi-latent attention reads rotary dimensions as interleaved
+    pairs (x0, x1), (x2, x3), ... (rope_utils: t[..., 0::2], t[..., 1::2]), as
+    DeepSeek's checkpoints store them (rope_interleave=true: copied as they are,
+    use Direct). A checkpoint with rope_interleave=false rotates halves
+    (x_i, x_{i + rope/2}): its rows are put in pair order on load,
+    [h_0, h_{r/2}, h_1, h_{r/2 + 1}, ...], and back on export. TP splits rows (dim 0) contiguously.
+    """
+
+    hf_name: str
+    block: int
+    rope: int
+    tp_dim: int = 0
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf_name,)
+
+    def _reordered(self, full: torch.Tensor, inverse: bool) -> torch.Tensor:
+        rest = tuple(full.shape[1:])
+        blocks = full.reshape((-1, self.block) + rest)
+        half = self.rope // 2
+        order = torch.stack([torch.arange(half), torch.arange(half, self.rope)], dim=1).reshape(-1)  # 0, r/2, 1, r/2 + 1, ...
+        if inverse:
+            order = torch.argsort(order)
+        head = self.block - self.rope
+        rope = blocks[:, head:].index_select(1, order)
+        return torch.cat([blocks[:, :head], rope], dim=1).reshape((-1,) + rest)
+
+    def load(self, reader: HFReader, shard: Shard) -> torch.Tensor:
+        full = self._reordered(reader.read(self.hf_name), inverse=False)
+        if shard.dim is None or shard.size == 1:
+            return full
+        start, stop = shard.bounds(full.shape[0])
+        return full[start:stop]
+
+    def export(self, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=0)
+        return [(self.hf_name, self._reordered(full, inverse=True))]
 
 
-_FAMILY_NAMES = {"mixtral": _Names(moe="block_sparse_moe", gate="w1", up="w3", down="w2")}
+Mapping = Direct | VocabPadded | QKV | GatedFC1 | RopeRows
+
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
@@ -197,6 +229,8 @@ _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc
 
 def mapping_for(arch: HFArch, global_name: str, padded_vocab: int) -> Mapping:
     """The mapping of one megatron parameter (by global name) of a model described by `arch`."""
+    from megatron_rl.models.families import get_family
+
     vocab = arch.vocab_size
     if global_name == "embedding.word_embeddings.weight":
         return VocabPadded("model.embed_tokens.weight", vocab, padded_vocab)
@@ -207,78 +241,35 @@ def mapping_for(arch: HFArch, global_name: str, padded_vocab: int) -> Mapping:
     if global_name == "decoder.final_layernorm.weight":
         return Direct("model.norm.weight")
     match = _LAYER.fullmatch(global_name)
-    mapping = _layer_mapping(arch, int(match.group(1)), match.group(2)) if match else None
+    mapping = get_family(arch.family).layer_mapping(arch, int(match.group(1)), match.group(2)) if match else None
     if mapping is None:
         raise UnsupportedModelError(
             f"megatron parameter {global_name!r} has no Hugging Face counterpart in the {arch.family} mapping "
-            "(megatron_rl/models/mapping.py): the model was built with a feature the mapping does not cover"
+            f"(megatron_rl/models/families/{arch.family}.py): the model was built with a feature the mapping does not cover"
         )
     return mapping
 
 
-def _layer_mapping(arch: HFArch, layer: int, rest: str) -> Mapping | None:
-    names = _FAMILY_NAMES.get(arch.family, _Names())
-    hf = f"model.layers.{layer}"
-    attn = f"{hf}.self_attn"
-    simple: dict[str, Mapping] = {
-        "input_layernorm.weight": Direct(f"{hf}.input_layernorm.weight"),
-        "self_attention.linear_qkv.layer_norm_weight": Direct(f"{hf}.input_layernorm.weight"),  # TE spec
-        "pre_mlp_layernorm.weight": Direct(f"{hf}.post_attention_layernorm.weight"),
-        "mlp.linear_fc1.layer_norm_weight": Direct(f"{hf}.post_attention_layernorm.weight"),  # TE spec, dense
-        "self_attention.linear_proj.weight": Direct(f"{attn}.o_proj.weight", tp_dim=1),
-        "self_attention.q_layernorm.weight": Direct(f"{attn}.q_norm.weight"),
-        "self_attention.k_layernorm.weight": Direct(f"{attn}.k_norm.weight"),
-        "mlp.linear_fc1.weight": GatedFC1(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"),
-        "mlp.linear_fc2.weight": Direct(f"{hf}.mlp.down_proj.weight", tp_dim=1),
-        "mlp.router.weight": Direct(f"{hf}.{names.moe}.gate.weight"),
-        "mlp.shared_experts.linear_fc1.weight": GatedFC1(
-            f"{hf}.mlp.shared_expert.gate_proj.weight", f"{hf}.mlp.shared_expert.up_proj.weight"
-        ),
-        "mlp.shared_experts.linear_fc2.weight": Direct(f"{hf}.mlp.shared_expert.down_proj.weight", tp_dim=1),
-        "mlp.shared_experts.gate_weight": Direct(f"{hf}.mlp.shared_expert_gate.weight"),
-    }
-    if rest in simple:
-        return simple[rest]
-    for kind in ("weight", "bias"):
-        if rest == f"self_attention.linear_qkv.{kind}":
-            return QKV(
-                f"{attn}.q_proj.{kind}",
-                f"{attn}.k_proj.{kind}",
-                f"{attn}.v_proj.{kind}",
-                arch.num_attention_heads,
-                arch.num_query_groups,
-                arch.head_dim,
-            )
+def expert_mapping(rest: str, hf_experts: str, matrices: tuple[str, str, str]) -> Mapping | None:
+    """A routed expert's linear_fc1 / linear_fc2 (`rest` after decoder.layers.<i>.) <-> `hf_experts`.<e>.<gate|up|down>."""
     expert = _EXPERT.fullmatch(rest)
-    if expert:
-        prefix = f"{hf}.{names.moe}.experts.{expert.group(1)}"
-        if expert.group(2) == "linear_fc1":
-            return GatedFC1(f"{prefix}.{names.gate}.weight", f"{prefix}.{names.up}.weight")
-        return Direct(f"{prefix}.{names.down}.weight", tp_dim=1)
-    return None
+    if not expert:
+        return None
+    gate, up, down = matrices
+    prefix = f"{hf_experts}.{expert.group(1)}"
+    if expert.group(2) == "linear_fc1":
+        return GatedFC1(f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight")
+    return Direct(f"{prefix}.{down}.weight", tp_dim=1)
 
 
 def global_mcore_names(arch: HFArch) -> list[str]:
-    """Every parameter of the single-rank megatron model of `arch`, in model order (local spec names)."""
+    """Every parameter (and mapped buffer) of the single-rank megatron model of `arch`, in model order (local spec names)."""
+    from megatron_rl.models.families import get_family
+
+    family = get_family(arch.family)
     names = ["embedding.word_embeddings.weight"]
     for layer in range(arch.num_layers):
-        p = f"decoder.layers.{layer}"
-        names += [f"{p}.input_layernorm.weight", f"{p}.self_attention.linear_qkv.weight"]
-        if arch.qkv_bias:
-            names.append(f"{p}.self_attention.linear_qkv.bias")
-        if arch.qk_norm:
-            names += [f"{p}.self_attention.q_layernorm.weight", f"{p}.self_attention.k_layernorm.weight"]
-        names += [f"{p}.self_attention.linear_proj.weight", f"{p}.pre_mlp_layernorm.weight"]
-        if arch.moe_layers and arch.moe_layers[layer]:
-            names.append(f"{p}.mlp.router.weight")
-            for e in range(arch.num_experts):
-                names += [f"{p}.mlp.experts.local_experts.{e}.linear_fc1.weight", f"{p}.mlp.experts.local_experts.{e}.linear_fc2.weight"]
-            if arch.shared_expert_size:
-                names += [f"{p}.mlp.shared_experts.linear_fc1.weight", f"{p}.mlp.shared_experts.linear_fc2.weight"]
-                if arch.shared_expert_gate:
-                    names.append(f"{p}.mlp.shared_experts.gate_weight")
-        else:
-            names += [f"{p}.mlp.linear_fc1.weight", f"{p}.mlp.linear_fc2.weight"]
+        names += family.layer_names(arch, layer)
     names.append("decoder.final_layernorm.weight")
     if not arch.tie_word_embeddings:
         names.append("output_layer.weight")
@@ -335,6 +326,17 @@ class GlobalNamer:
         if expert:
             name = f"{expert.group(1)}{int(expert.group(2)) + self._expert_offset}{expert.group(3)}"
         return name
+
+
+MAPPED_BUFFERS = ("router.expert_bias",)
+"""Buffers that are model weights too (the sigmoid router's expert bias: HF e_score_correction_bias)."""
+
+
+def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A model's parameters plus the buffers HF checkpoints hold as weights (MAPPED_BUFFERS), local names."""
+    weights: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    weights += [(name, buffer) for name, buffer in model.named_buffers() if buffer is not None and name.endswith(MAPPED_BUFFERS)]
+    return weights
 
 
 def is_expert_param(global_name: str) -> bool:

@@ -41,55 +41,18 @@ _COMMON: dict[str, Any] = {
     "dtype": "float32",
 }
 
-FAMILIES: dict[str, dict[str, Any]] = {
-    "qwen3_moe": {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 64,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "attention_bias": False,
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.0,
-    },
-    "mixtral": {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.0,
-    },
-    # Qwen1.5/Qwen2-MoE: q/k/v biases, no renormalisation, a sigmoid-gated shared expert.
-    "qwen2_moe": {
-        "architectures": ["Qwen2MoeForCausalLM"],
-        "model_type": "qwen2_moe",
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 64,
-        "shared_expert_intermediate_size": 96,
-        "norm_topk_prob": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.0,
-    },
-    # vLLM sizes Qwen2 and Llama heads as hidden / heads (ignoring head_dim) and its CPU attention
-    # needs >= 32: 2 heads give 64 / 2 = 32, as head_dim says (2 key/value heads: TP2 splits them).
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_attention_heads": 2, "num_key_value_heads": 2},
-    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False},
-    "llama": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-    },
-}
+
+def _tiny_configs() -> dict[str, dict[str, Any]]:
+    from megatron_rl.models.families import FAMILIES as REGISTERED
+
+    return {
+        name: {"architectures": [family.architectures[0]], "model_type": name, **family.tiny_config}
+        for name, family in REGISTERED.items()
+    }
+
+
+FAMILIES: dict[str, dict[str, Any]] = _tiny_configs()
+"""Family (HF model_type) -> config.json keys of its tiny model beyond the common sizes (from each family's tiny_config)."""
 
 SPECIAL_TOKENS = {"unk": 0, "bos": 1, "eos": 2, "pad": 3}
 
@@ -222,6 +185,10 @@ def make_tiny_model_dir(
         config = AutoConfig.for_model(**config_dict)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        from megatron_rl.models.families import get_family
+
+        with torch.no_grad():
+            get_family(family).randomise_tiny(model, torch.Generator().manual_seed(seed))
         shard_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
         model.save_pretrained(tmp_dir, safe_serialization=True, **shard_kwargs)
         GenerationConfig(

@@ -123,6 +123,15 @@ SITES: tuple[PatchSite, ...] = (
         why="RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device()",
     ),
     PatchSite(
+        name="yarn-rope-device",
+        module=_MC + "models.common.embeddings.yarn_rotary_pos_embedding",
+        target="",
+        lines=(122, 126),
+        expects=(_CUR,),
+        kind="cuda-shim",
+        why="YarnRotaryEmbedding (multi-latent attention with YaRN) moves its frequencies to torch.cuda.current_device()",
+    ),
+    PatchSite(
         name="router-device",
         module=_MC + "transformer.moe.router",
         target="",
@@ -348,6 +357,17 @@ SITES: tuple[PatchSite, ...] = (
         expects=("te_general_gemm is not None",),
         kind="attribute",
         why="RouterGatingLinearFunction reads te_general_gemm, bound only when TE imports (NameError); bound to None",
+    ),
+    PatchSite(
+        name="mla-te-stubs",
+        module=_MC + "transformer.multi_latent_attention",
+        target="HAVE_TE",
+        lines=(62, 184),
+        expects=("HAVE_TE\n            and isinstance(self.linear_proj, TELinear)",),
+        kind="attribute",
+        why="without Transformer Engine megatron's TE extension binds TELinear to a stub object, MLA's import "
+        "of it succeeds and sets HAVE_TE, then isinstance(self.linear_proj, TELinear) raises TypeError; "
+        "HAVE_TE is set to False",
     ),
     # 6. torch norms with sequence parallel ------------------------------------------------------
     PatchSite(

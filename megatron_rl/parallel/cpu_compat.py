@@ -469,6 +469,11 @@ def _set_none_if_missing(site: PatchSite, module: types.ModuleType) -> None:
         setattr(module, site.target, None)
 
 
+def _set_attribute(site: PatchSite, module: types.ModuleType, value: Any) -> None:
+    _ORIGINALS.setdefault((site.module, site.target), getattr(module, site.target, None))
+    setattr(module, site.target, value)
+
+
 def _norm_patch(site: PatchSite, module: types.ModuleType) -> None:
     cls = module.WrappedTorchNorm
     old = vars(cls)["__new__"]
@@ -501,6 +506,7 @@ _REPLACERS: dict[str, Callable[[PatchSite, types.ModuleType], None]] = {
     "rng-tracker-fork": lambda s, m: _patch_attr(s, m, lambda old: _cpu_tracker_fork),
     "dispatcher-dtoh": lambda s, m: _patch_attr(s, m, lambda old: _cpu_move_tensor_to_cpu),
     "te-general-gemm": _set_none_if_missing,
+    "mla-te-stubs": lambda s, m: _set_attribute(s, m, False),
     "norm-sequence-parallel": _norm_patch,
     "uneven-all-gather": lambda s, m: _patch_attr(s, m, _wrap_gather),
     "uneven-reduce-scatter": lambda s, m: _patch_attr(s, m, _wrap_reduce_scatter),

@@ -94,8 +94,8 @@ class StageMemory:
 
 def _per_rank_layer_dense(spec: ModelSpec, moe: bool, tp: int) -> float:
     """Non-expert weights of one layer on one TP rank: linear weights split, norms and router replicated."""
-    replicated = 2 * spec.hidden_size + (2 * spec.head_dim if spec.qk_norm else 0)
-    split = spec.attention_params() - (2 * spec.head_dim if spec.qk_norm else 0)
+    replicated = 2 * spec.hidden_size + spec.attention_replicated_params()
+    split = spec.attention_params() - spec.attention_replicated_params()
     if moe:
         replicated += spec.router_params()
         split += spec.shared_expert_params()
@@ -238,8 +238,7 @@ def engine_memory(spec: ModelSpec, cfg: RLConfig) -> EngineMemory:
     prec = precision_for(cfg)
     etp, epp = rollout.tensor_parallel, rollout.pipeline_parallel
     weights = spec.total_params() * prec.param / (etp * epp)
-    kv_heads = -(-spec.num_kv_heads // etp)  # vLLM replicates KV heads when TP > kv heads
-    kv_per_token = 2 * (spec.num_layers / epp) * kv_heads * spec.head_dim * prec.param
+    kv_per_token = (spec.num_layers / epp) * spec.kv_cache_values_per_token(etp) * prec.param
     if cluster.gpus_per_node > 0:
         reserved = rollout.gpu_memory_utilization * cluster.gpu_memory_gib * GIB
         kv_space = reserved - weights - ENGINE_OVERHEAD_GIB["gpu"] * GIB

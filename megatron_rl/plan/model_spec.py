@@ -8,10 +8,11 @@ under a second on any machine.
 
 Parameters per layer (h hidden, a query heads, g KV heads, d head width,
 f dense MLP width, E experts of width f_e, k of them active per token):
-    attention   q h x a d, k and v h x g d, o a d x h (+ q/k/v biases, + q/k norms 2d)
+    attention   as the family counts it (models/families); GQA: q h x a d, k and v h x g d,
+                o a d x h (+ q/k/v biases, + q/k norms 2d)
     norms       2h
     dense MLP   SwiGLU 3 h f
-    MoE         router h E + E x 3 h f_e (k x 3 h f_e active) + shared expert 3 h f_s (+ gate h)
+    MoE         router h E (+ expert bias E) + E x 3 h f_e (k x 3 h f_e active) + shared expert 3 h f_s (+ gate h)
 plus embeddings V h (twice when the output layer is untied) and the final norm h.
 """
 
@@ -23,7 +24,9 @@ from typing import Any
 
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.layout import ModelShape
+from megatron_rl.models.families import get_family
 from megatron_rl.models.hf_config import HFArch, load_hf_config, parse_hf_config
+
 
 @dataclass(kw_only=True, frozen=True)
 class ModelSpec:
@@ -125,14 +128,16 @@ class ModelSpec:
     # ---- parameter counts (the Hugging Face checkpoint's weights, published vocabulary) ----
 
     def attention_params(self) -> int:
-        """q, k, v, o projections (+ q/k/v biases, + q/k norms) of one layer."""
-        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        params = h * q + 2 * h * kv + q * h
-        if self.arch.qkv_bias:
-            params += q + 2 * kv
-        if self.qk_norm:
-            params += 2 * self.head_dim
-        return params
+        """One layer's attention weights, as its family counts them (GQA: q, k, v, o (+ biases, + q/k norms))."""
+        return get_family(self.arch.family).attention_params(self.arch)
+
+    def attention_replicated_params(self) -> int:
+        """The part of `attention_params` that tensor parallelism does not split (norms inside attention)."""
+        return get_family(self.arch.family).attention_replicated_params(self.arch)
+
+    def kv_cache_values_per_token(self, tensor_parallel: int) -> float:
+        """KV-cache values of one token in one layer on one engine rank, as the family lays its cache out."""
+        return get_family(self.arch.family).kv_cache_values_per_token(self.arch, tensor_parallel)
 
     def dense_mlp_params(self) -> int:
         """SwiGLU gate, up and down projections of a dense layer: 3 h f."""
@@ -143,8 +148,8 @@ class ModelSpec:
         return 3 * self.hidden_size * self.moe_ffn_hidden_size
 
     def router_params(self) -> int:
-        """Router (gate) h x E of one MoE layer."""
-        return self.hidden_size * self.num_experts
+        """Router (gate) h x E of one MoE layer (+ E for a sigmoid router's expert bias)."""
+        return self.hidden_size * self.num_experts + (self.num_experts if self.arch.router_expert_bias else 0)
 
     def shared_expert_params(self) -> int:
         """Shared expert 3 h f_s plus its sigmoid gate h x 1, per MoE layer."""

@@ -76,7 +76,7 @@ def test_dense_layers_from_mlp_only_layers_and_sparse_step():
     "config, message",
     [
         ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, r"model_type='gpt2'.*supported families: llama"),
-        ({"architectures": ["DeepseekV3ForCausalLM"]}, r"DeepseekV3ForCausalLM.*qwen3_moe \(Qwen3MoeForCausalLM\)"),
+        ({"architectures": ["Gemma2ForCausalLM"]}, r"Gemma2ForCausalLM.*qwen3_moe \(Qwen3MoeForCausalLM\)"),
         (tiny_hf_config("llama", hidden_act="gelu"), "hidden_act='gelu'"),
         (tiny_hf_config("llama", attention_bias=True), "attention_bias=true"),
         (tiny_hf_config("llama", mlp_bias=True), "mlp_bias=true"),

@@ -28,6 +28,21 @@ VARIANTS = {
     "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True, vocab_size=300)),
     # Top-1 without renormalisation: the weight is the chosen expert's softmax probability.
     "qwen3_moe_top1": ("qwen3_moe", dict(num_experts_per_tok=1, norm_topk_prob=False)),
+    # Multi-latent attention, sigmoid router with a random expert bias, 2 expert groups, routed scaling,
+    # a shared expert, dense layer 0; init std 0.1 so routing is far from uniform (logits up to ~3).
+    "deepseek_v3": ("deepseek_v3", dict(init_std=0.1)),
+    # Rotary rows stored in halves, queries without a latent, YaRN scaling, no groups.
+    "deepseek_v3_variant": (
+        "deepseek_v3",
+        dict(
+            init_std=0.1,
+            rope_interleave=False,
+            q_lora_rank=None,
+            n_group=1,
+            topk_group=1,
+            rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        ),
+    ),
 }
 
 

@@ -116,7 +116,16 @@ def _hf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 def _shape_of(name: str, arch) -> tuple[int, ...]:
     h, d, hq, g = arch.hidden_size, arch.head_dim, arch.num_attention_heads, arch.num_query_groups
     expert_width = arch.moe_ffn_hidden_size
+    nope, rope, r_q, r_kv = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.q_lora_rank, arch.kv_lora_rank
     table = {
+        # multi-latent attention (transformers' DeepseekV3Attention)
+        "q_a_proj.weight": (r_q, h),
+        "q_a_layernorm.weight": (r_q,),
+        "q_b_proj.weight": (hq * (nope + rope), r_q),
+        "kv_a_proj_with_mqa.weight": (r_kv + rope, h),
+        "kv_a_layernorm.weight": (r_kv,),
+        "kv_b_proj.weight": (hq * (nope + d), r_kv),
+        "e_score_correction_bias": (arch.num_experts,),
         "embed_tokens.weight": (arch.vocab_size, h),
         "lm_head.weight": (arch.vocab_size, h),
         "q_proj.weight": (hq * d, h),
@@ -131,12 +140,14 @@ def _shape_of(name: str, arch) -> tuple[int, ...]:
         "gate.weight": (arch.num_experts, h),
         "shared_expert_gate.weight": (1, h),
     }
+    if arch.kv_lora_rank:  # multi-latent attention without a query latent: q_proj of nope + rope per head
+        table["q_proj.weight"] = (hq * (nope + rope), h)
     for suffix, shape in table.items():
         if name.endswith(suffix):
             return shape
     if name.endswith("norm.weight"):
         return (h,)
-    width = arch.shared_expert_size if "shared_expert." in name else expert_width if ".experts." in name else arch.ffn_hidden_size
+    width = arch.shared_expert_size if ("shared_expert." in name or "shared_experts." in name) else expert_width if ".experts." in name else arch.ffn_hidden_size
     if name.endswith(("down_proj.weight", "w2.weight")):
         return (h, width)
     return (width, h)
