@@ -8,8 +8,8 @@ servers: external ones, or colocated ones hosted by trainer ranks when
 rollout.engines > 1); every rank holds its shard of the actor. One step:
 
 1. experience (rank 0): prompts -> samples -> rewards -> advantages, with
-   dynamic sampling and overlong shaping (megatron_rl.experience), then
-   broadcast to every rank;
+   dynamic sampling and overlong shaping (megatron_rl.experience); then
+   actor.distribute sends each rank only its DP rank's rows (over gloo);
 2. actor.prepare_batch: old-policy logprobs (recording routes for R2) and
    reference logprobs when algorithm.beta > 0;
 3. actor.train_step: mini-batches of microbatches through megatron's
@@ -31,9 +31,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch.distributed as dist
+from typing import Sequence
 
 from megatron_rl.config import RLConfig, load_config, to_dict
 
@@ -144,15 +142,20 @@ class Trainer:
         recent = self._recent_rewards
         recent.append(metrics.get("reward/mean", 0.0))
         reached = len(recent) == recent.maxlen and sum(recent) / len(recent) >= self.cfg.train.stop_at_reward
-        return bool(_broadcast(reached, self.ctx))
+        from megatron_rl.actor.distribute import broadcast_object
+
+        return bool(broadcast_object(reached, self.ctx))
 
     def train_one_step(self, step: int) -> dict[str, float]:
         from megatron_rl.actor import train_batch_from_rollouts
 
-        experience = self._experience(step)
-        batch = train_batch_from_rollouts(experience.rollouts, experience.advantages)
+        experience = self._experience(step)  # rank 0 only
+        whole = train_batch_from_rollouts(experience.rollouts, experience.advantages) if experience is not None else None
+        batch = self.actor.distribute(whole)  # this rank's rows only
+        del whole
         batch, metrics = self.actor.prepare_batch(batch)
-        metrics = {**experience.metrics, **metrics, **self.actor.train_step(batch)}
+        metrics = {**(experience.metrics if experience is not None else {}), **metrics, **self.actor.train_step(batch)}
+        metrics["batch/share_bytes"] = float(self.actor.last_share_bytes)
         if self._pending is not None:  # the next step's generation must finish on the old weights
             self._pending[0].result()
         start = time.perf_counter()
@@ -168,7 +171,7 @@ class Trainer:
         return collect_experience(self.engine, self.dataset, self.tokenizer, self.reward_fn, self.cfg, step)
 
     def _experience(self, step: int):
-        """This step's experience on every rank (generated on rank 0, maybe one step ahead)."""
+        """This step's experience on rank 0 (None elsewhere; generated maybe one step ahead)."""
         experience = None
         if self.ctx.rank == 0:
             if self._pending is not None:
@@ -180,7 +183,7 @@ class Trainer:
             if self._executor is not None and step + 1 < self.cfg.train.steps:
                 position = self.dataset.state_dict()  # where the in-flight step starts, for checkpoints
                 self._pending = (self._executor.submit(self._collect, step + 1), position)
-        return _broadcast(experience, self.ctx)
+        return experience
 
     def _sync_weights(self, version: int) -> None:
         from megatron_rl.weight_sync import push_weights
@@ -215,6 +218,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Mean task reward of data.eval_samples samples on the next train.prompts_per_step prompts of data.eval_path."""
+        from megatron_rl.actor.distribute import broadcast_object
         from megatron_rl.experience import score_rollouts, step_seed
         from megatron_rl.rollout.sampling import SamplingSpec
 
@@ -228,7 +232,7 @@ class Trainer:
             rollouts = self.engine.generate([p.token_ids for p in prompts], spec)
             rewards, *_ = score_rollouts(rollouts, prompts, self.tokenizer, self.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.algorithm)
             result = {"eval/reward_mean": float(rewards.mean())}
-        return _broadcast(result, self.ctx)
+        return broadcast_object(result, self.ctx)
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
@@ -270,12 +274,3 @@ class Trainer:
         if self._colocated is not None:
             self._colocated.stop()
         self.actor.close()
-
-
-def _broadcast(obj: Any, ctx) -> Any:
-    """Rank 0's object on every rank (pickled over the world group)."""
-    if ctx.world_size == 1:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0, group=ctx.world_group)
-    return holder[0]

@@ -1,7 +1,7 @@
 """The actor: a megatron-core policy on any TP/PP/EP/DP layout, its optimizer, and one RL training step.
 
     actor = Actor.from_config(cfg, ctx)               # model (+ frozen reference when beta > 0), optimizer, LR schedule
-    batch = train_batch_from_rollouts(padded, advantages)
+    batch = actor.distribute(train_batch_from_rollouts(padded, advantages) if rank == 0 else None)
     batch, metrics = actor.prepare_batch(batch)       # old logprobs (+ R2 routes, + reference logprobs)
     metrics |= actor.train_step(batch)                # mini-batches x microbatches -> optimizer steps
     for bucket in actor.export_hf_weights(512 << 20): # weight sync, HF names
@@ -18,8 +18,11 @@ train_step, per mini-batch (one optimizer step):
      finalize_model_grads reduces gradients over DP;
   4. LR schedule step, optimizer step (gradient clipping inside), metrics.
 
-Every rank passes the same TrainBatch; results (logprobs, metrics) come back
-identical on every rank.
+Data: rank 0 holds the step's batch; `actor.distribute` gives every rank only
+its DP rank's rows (actor.distribute), and logprobs and routes come back as
+that share's [B/D, T] tensors (summed over its TP x PP group only); metrics are
+small reductions, identical on every rank. A whole batch given to every rank
+also works (each rank trains its rows; results are assembled over DP).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
+from megatron_rl.actor.distribute import scatter_shares
 from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config
 from megatron_rl.actor.plan import Microbatch, plan_step
 from megatron_rl.actor.routing import RoutingControl
@@ -117,6 +121,8 @@ class Actor:
                 chunk.requires_grad_(False)
         self.settings = LogprobSettings(ctx.tp_group, ctx.tp_rank, self.arch.vocab_size, temperature)
         self.optimizer_steps = 0
+        self.last_share_bytes = 0
+        """Bytes of the last batch share this rank received (`distribute`)."""
 
     @classmethod
     def from_config(cls, cfg, ctx) -> "Actor":
@@ -146,11 +152,12 @@ class Actor:
         )
         return batch.lengths()
 
-    def _plan(self, lengths: torch.Tensor, mini_batches: int) -> list[list[list[Microbatch]]]:
+    def _step_plan(self, step_lengths: torch.Tensor) -> list[list[list[Microbatch]]]:
+        """plan[mini_batch][dp_rank]: the step's microbatches, rows indexed in the step's batch."""
         ctx = self.ctx
         return plan_step(
-            lengths.tolist(),
-            mini_batches=mini_batches,
+            step_lengths.tolist(),
+            mini_batches=self.train_cfg.mini_batches_per_step,
             dp_size=ctx.dp_size,
             micro_batch_size=self.train_cfg.micro_batch_size,
             max_tokens_per_microbatch=self.train_cfg.max_tokens_per_microbatch,
@@ -158,6 +165,50 @@ class Actor:
             equal_shapes_across_dp=self.model_cfg.token_dispatcher == "allgather" and ctx.ep_size > 1,
             uniform_shapes=self._uniform_shapes,
         )
+
+    def distribute(self, batch: TrainBatch | None) -> TrainBatch:
+        """This rank's share of the step's batch: rank 0 passes the step's batch, every other rank None.
+
+        Rows go to DP ranks as the plan assigns them (balanced by tokens per mini-batch);
+        only rank 0 ever holds the whole step (actor.distribute). The bytes this rank
+        received are in `last_share_bytes`.
+        """
+
+        def assign(whole: TrainBatch) -> list[list[int]]:
+            plan = self._step_plan(self.validate(whole))
+            return [sorted(r for mini in plan for mb in mini[d] for r in mb.rows if r >= 0) for d in range(self.ctx.dp_size)]
+
+        share, self.last_share_bytes = scatter_shares(batch, self.ctx, assign)
+        return share
+
+    def _my_microbatches(self, batch: TrainBatch) -> list[list[Microbatch]]:
+        """This rank's microbatches per mini-batch, rows indexed in `batch` (a share or the whole step)."""
+        if batch.row_ids is None:
+            return [mini[self.ctx.dp_rank] for mini in self._step_plan(batch.lengths())]
+        if batch.step_lengths is None:
+            raise BatchError("batch.row_ids is set without batch.step_lengths: make shares with actor.distribute")
+        plan = self._step_plan(batch.step_lengths)
+        local_of = {int(g): i for i, g in enumerate(batch.row_ids.tolist())}
+        mine = [[mb for mb in mini[self.ctx.dp_rank]] for mini in plan]
+        planned = {r for mini in mine for mb in mini for r in mb.rows if r >= 0}
+        if planned != set(local_of):
+            raise BatchError(
+                f"this share holds step rows {sorted(local_of)[:8]}..., but DP rank {self.ctx.dp_rank}'s plan trains rows "
+                f"{sorted(planned)[:8]}...: the share was made for another rank or another plan; make shares with "
+                "actor.distribute on the same actor settings"
+            )
+        return [[Microbatch(tuple(local_of[r] if r >= 0 else -1 for r in mb.rows), mb.width) for mb in mini] for mini in mine]
+
+    def _assemble(self, batch: TrainBatch, values: torch.Tensor) -> torch.Tensor:
+        """Values of this rank's rows, written on one rank of its model-parallel group, on every rank that
+        needs them: summed over TP x PP (the share's rows, O(B/D)); for a whole batch also over DP."""
+        ctx = self.ctx
+        values = values.to(ctx.device)
+        if ctx.tp_size * ctx.pp_size > 1:
+            dist.all_reduce(values, group=ctx.model_parallel_group)
+        if batch.row_ids is None and ctx.dp_size > 1:
+            dist.all_reduce(values, group=ctx.dp_group)
+        return values.cpu()
 
     def _replay_source(self, batch: TrainBatch) -> torch.Tensor | None:
         mode = self.algorithm.routing_replay
@@ -196,12 +247,10 @@ class Actor:
         return self.ctx.is_pipeline_last_stage() and self.ctx.tp_rank == 0
 
     @torch.no_grad()
-    def _forward_logprobs(self, batch: TrainBatch, lengths: torch.Tensor, *, reference_model: bool, record: bool, replay, drift_reference):
-        """Forward-only pass over the whole batch; (logprobs [B, T], recorded routes or None) on every rank."""
-        ctx = self.ctx
+    def _forward_logprobs(self, batch: TrainBatch, *, reference_model: bool, record: bool, replay, drift_reference):
+        """Forward-only pass over this rank's rows; (logprobs [B, T], recorded routes or None) aligned with `batch`."""
         chunks = self.reference if reference_model else self.model
-        microbatches = self._plan(lengths, 1)[0][ctx.dp_rank]
-        items = [microbatch_inputs(batch, mb, lengths, ctx.device, with_loss_inputs=False) for mb in microbatches]
+        lengths = batch.lengths()
         routing = None if reference_model else self.routing
         recorded = None
         if record and routing is not None and routing.num_moe_layers:
@@ -220,28 +269,27 @@ class Actor:
 
         for chunk in chunks:
             chunk.eval()
-        try:
-            outputs = self._run_schedule(chunks, items, forward_step, forward_only=True)
-        finally:
-            if routing is not None:
-                routing.reset()
         logprobs = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
-        if self._is_logprob_owner():
-            for inputs, out in zip(items, outputs):
-                values = out["logprobs"].float().cpu()
-                for i, row in enumerate(inputs.mb.rows):
-                    if row >= 0:
-                        span = min(inputs.mb.width, batch.seq_len, int(lengths[row]))
-                        logprobs[row, :span] = values[i, :span]
-        # Each row was written on exactly one rank (its DP rank's last stage, TP rank 0): a sum assembles them.
-        logprobs = logprobs.to(ctx.device)
-        dist.all_reduce(logprobs, group=ctx.world_group)
+        for microbatches in self._my_microbatches(batch):  # one schedule per mini-batch: shapes agree within one
+            items = [microbatch_inputs(batch, mb, lengths, self.ctx.device, with_loss_inputs=False) for mb in microbatches]
+            try:
+                outputs = self._run_schedule(chunks, items, forward_step, forward_only=True)
+            finally:
+                if routing is not None:
+                    routing.reset()
+            if self._is_logprob_owner():
+                for inputs, out in zip(items, outputs):
+                    values = out["logprobs"].float().cpu()
+                    for i, row in enumerate(inputs.mb.rows):
+                        if row >= 0:
+                            span = min(inputs.mb.width, batch.seq_len, int(lengths[row]))
+                            logprobs[row, :span] = values[i, :span]
+        # Each row was written on one rank of its model-parallel group (last stage, TP rank 0).
+        logprobs = self._assemble(batch, logprobs)
         routes = None
         if recorded is not None:
-            recorded = recorded.to(ctx.device)
-            dist.all_reduce(recorded, group=ctx.world_group)
-            routes = recorded.cpu().to(torch.int16) - 1
-        return logprobs.cpu(), routes
+            routes = self._assemble(batch, recorded).to(torch.int16) - 1
+        return logprobs, routes
 
     def compute_logprobs(self, batch: TrainBatch, *, record_routes: bool = False):
         """log pi_theta of every token under the current policy, no gradient ([B, T], on every rank).
@@ -255,13 +303,13 @@ class Actor:
         engine's) and ``routing/engine_vs_trainer_used`` (the same for the experts
         the forward used: 0 under R3 replay).
         """
-        lengths = self.validate(batch)
+        self.validate(batch)
         replay = batch.routed_experts if self.algorithm.routing_replay == "R3" else None
         if replay is None and self.algorithm.routing_replay == "R3":
             self._replay_source(batch)  # raises with the fix
         drift_reference = batch.routed_experts if record_routes else None
         logprobs, routes = self._forward_logprobs(
-            batch, lengths, reference_model=False, record=record_routes and replay is None, replay=replay, drift_reference=drift_reference
+            batch, reference_model=False, record=record_routes and replay is None, replay=replay, drift_reference=drift_reference
         )
         self._check_model_output(batch, logprobs, "policy")
         if not record_routes:
@@ -277,8 +325,8 @@ class Actor:
         """log pi_ref of every token under the frozen reference model ([B, T], every rank); needs algorithm.beta > 0."""
         if self.reference is None:
             raise ConfigError("compute_ref_logprobs: there is no reference model (algorithm.beta=0 skips it)")
-        lengths = self.validate(batch)
-        logprobs, _ = self._forward_logprobs(batch, lengths, reference_model=True, record=False, replay=None, drift_reference=None)
+        self.validate(batch)
+        logprobs, _ = self._forward_logprobs(batch, reference_model=True, record=False, replay=None, drift_reference=None)
         self._check_model_output(batch, logprobs, "reference")
         return logprobs
 
@@ -330,7 +378,6 @@ class Actor:
         ``routing/drift_own`` (the router's own top-k instead of the used experts).
         """
         t0 = time.perf_counter()
-        ctx = self.ctx
         if batch.old_logprobs is None:
             raise BatchError("batch.old_logprobs is missing: compute them with actor.compute_logprobs(batch) (actor.prepare_batch)")
         if self.algorithm.beta > 0 and batch.ref_logprobs is None:
@@ -339,7 +386,7 @@ class Actor:
         replay = self._replay_source(batch)
         drift_reference = batch.old_routed_experts if batch.old_routed_experts is not None else batch.routed_experts
         loss_metrics, step_metrics = [], {"grad_norm": [], "lr": [], "microbatches": []}
-        for microbatches in (plan[ctx.dp_rank] for plan in self._plan(lengths, self.train_cfg.mini_batches_per_step)):
+        for microbatches in self._my_microbatches(batch):
             metrics, grad_norm = self._optimizer_step(batch, lengths, microbatches, replay, drift_reference)
             loss_metrics.append(metrics)
             step_metrics["grad_norm"].append(grad_norm)

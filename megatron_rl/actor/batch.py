@@ -23,10 +23,12 @@ class BatchError(ValueError):
 
 @dataclass(kw_only=True)
 class TrainBatch:
-    """One RL step's sequences (B rows, right-padded to T tokens), identical on every rank.
+    """One RL step's sequences (B rows, right-padded to T tokens): the whole step, or one DP rank's share.
 
-    The actor splits rows over data-parallel ranks, mini-batches and microbatches
-    itself; every rank must be given the same batch.
+    The trainer gives each rank its share (`Actor.distribute`: rows balanced by
+    token count, `row_ids` set). A whole batch (row_ids None) given to every rank
+    also works: each rank then takes its own rows, and results are assembled
+    over DP (tests and tools that hold the whole batch anyway).
     """
 
     tokens: torch.Tensor
@@ -51,6 +53,12 @@ class TrainBatch:
     old_routed_experts: torch.Tensor | None = None
     """[B, T, L, K] int16: the trainer's own top-k experts in the old-policy forward (R2 source),
     from ``Actor.compute_logprobs(batch, record_routes=True)``."""
+    row_ids: torch.Tensor | None = None
+    """[B] int64: for a data-parallel rank's share (`Actor.distribute`), each row's index in the
+    step's batch; None = the whole step's batch (then every rank must hold the same one)."""
+    step_lengths: torch.Tensor | None = None
+    """[B_step] int64: with row_ids, the lengths of every row of the step (the plan is computed from
+    them, so microbatch counts and shapes agree across DP ranks)."""
 
     @property
     def batch_size(self) -> int:

@@ -85,6 +85,9 @@ class ParallelContext:
 
     world_group: ProcessGroup = field(repr=False)
     """The default (world) group."""
+    host_group: ProcessGroup = field(repr=False)
+    """The world on gloo (CPU tensors, pickled objects): the step's batch is sent over it, so ranks
+    waiting for their share during a long generation sit in no NCCL collective (no watchdog)."""
     tp_group: ProcessGroup = field(repr=False)
     """Tensor-parallel group."""
     pp_group: ProcessGroup = field(repr=False)
@@ -322,6 +325,7 @@ def _context_from_mpu(
         expert_dp_size=mpu.get_expert_data_parallel_world_size(),
         expert_dp_rank=mpu.get_expert_data_parallel_rank(),
         world_group=dist.group.WORLD,
+        host_group=dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo"),
         tp_group=tp_group,
         pp_group=pp_group,
         dp_group=dp_group,

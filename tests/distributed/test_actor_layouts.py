@@ -9,7 +9,10 @@ on TP2, PP2, EP2 (allgather dispatcher, token-budget packing), DP2 x 3
 microbatches, TP2xEP2 and TP2xPP2xEP2 (packing) must equal the single-rank run
 on the whole batch in ONE microbatch within 1e-5 relative; the microbatches of
 the split layouts hold different numbers of tokens. TP2's logprobs must equal
-the single rank's within 1e-5.
+the single rank's within 1e-5. Three more layouts (TP2xPP2, DP2xTP2, DP4: D = 1,
+2, 4) get the batch as the trainer gives it: only rank 0 holds it and
+actor.distribute sends each rank its DP rank's rows; the bytes each rank
+receives must shrink as 1/D.
 
 The chain is anchored outside megatron_rl: the single-rank logprobs and the
 gspo and dapo gradients are checked against transformers' model and the
@@ -20,6 +23,7 @@ One launch per world size (1, 2, 4); layouts switch in-process.
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import pytest
@@ -45,6 +49,10 @@ WORLD2 = {
 WORLD4 = {
     "TP2xEP2": ({"tensor_parallel": 2, "expert_parallel": 2}, {"micro_batch_size": 2}, "alltoall"),
     "TP2xPP2xEP2": ({"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2}, {"max_tokens_per_microbatch": 120}, "alltoall"),
+    # Shares: rank 0 alone holds the batch and actor.distribute sends each rank its DP rank's rows (D = 1, 2, 4).
+    "TP2xPP2/shares": ({"tensor_parallel": 2, "pipeline_parallel": 2}, {"micro_batch_size": 3}, "alltoall"),
+    "DP2xTP2/shares": ({"tensor_parallel": 2}, {"micro_batch_size": 2, "mini_batches_per_step": 1}, "alltoall"),
+    "DP4/shares": ({"expert_parallel": 4}, {"max_tokens_per_microbatch": 64}, "alltoall"),
 }
 
 
@@ -84,6 +92,7 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
     out = {}
     for name, (layout, train, dispatcher) in cases.items():
         ctx = init_parallel(ParallelConfig(timeout_s=120, **layout), shape=shape)
+        shares = name.endswith("/shares")
         try:
             case = {"updates": {}, "metrics": {}}
             batch = make_batch()
@@ -93,17 +102,21 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
                               train=TrainConfig(**train), algorithm=algorithm, temperature=TEMPERATURE)
                 try:
                     if "logprobs" not in case:
-                        case["logprobs"] = actor.compute_logprobs(batch)
-                        old = old_logprobs if old_logprobs is not None else old_from(case["logprobs"], batch.response_mask)
-                        batch = batch.replace(old_logprobs=old)
+                        if shares:
+                            batch = actor.distribute(batch if rank == 0 else None)
+                            case["share_bytes"] = _gather(actor.last_share_bytes, ctx)
+                            case["share_rows"] = _gather(batch.row_ids.tolist(), ctx)
+                        case["logprobs"] = _whole(actor.compute_logprobs(batch), batch, ctx)
+                        old = old_logprobs if old_logprobs is not None else old_from(case["logprobs"], make_batch().response_mask)
                         case["old_logprobs"] = old
+                        batch = batch.replace(old_logprobs=_rows_of(old, batch))
                     step_batch = batch
                     if loss == "gspo_token":  # per-token advantages (the sequence's value, varied along the response)
-                        ramp = 1.0 + 0.1 * torch.linspace(-1, 1, T)
+                        ramp = 1.0 + 0.1 * torch.linspace(-1, 1, T)[: batch.seq_len]
                         step_batch = batch.replace(advantages=batch.advantages[:, None] * ramp[None])
                     if algorithm.beta > 0:
                         step_batch = step_batch.replace(ref_logprobs=actor.compute_ref_logprobs(step_batch))
-                        case["ref_logprobs"] = step_batch.ref_logprobs
+                        case["ref_logprobs"] = _whole(step_batch.ref_logprobs, step_batch, ctx)
                     case["metrics"][loss] = actor.train_step(step_batch)
                     params = export_hf_state_dict(actor.model, ctx)
                     if rank == 0:
@@ -114,6 +127,31 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
         finally:
             destroy_parallel(ctx, keep_world=True)
     return out if rank == 0 else None
+
+
+def _gather(value, ctx) -> list:
+    import torch.distributed as dist
+
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _rows_of(values: torch.Tensor, batch) -> torch.Tensor:
+    """The rows of a whole-step [B, T] tensor that `batch` holds (all of them for a whole batch)."""
+    if batch.row_ids is None:
+        return values
+    return values[batch.row_ids, : batch.seq_len].clone()
+
+
+def _whole(values: torch.Tensor, batch, ctx) -> torch.Tensor:
+    """A share's [B_share, T_share] values placed into the step's [B, T] (gathered from every rank)."""
+    if batch.row_ids is None:
+        return values
+    whole = torch.zeros(B, T)
+    for rows, part in _gather((batch.row_ids, values), ctx):
+        whole[rows, : part.shape[1]] = part
+    return whole
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +283,39 @@ def test_single_rank_step_moves_the_weights(model_dir, single):
         assert single["metrics"][loss]["sequences/sum"] == B - 1  # the filtered sample counts nowhere
 
 
-@pytest.mark.parametrize("world_size,cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
-def test_layouts_give_the_single_rank_gradient(model_dir, single, world_size, cases):
-    results = run_distributed(_worker, world_size, model_dir, cases, single["old_logprobs"], timeout=300)[0]
+@pytest.fixture(scope="module")
+def world4(model_dir, single):
+    return run_distributed(_worker, 4, model_dir, WORLD4, single["old_logprobs"], timeout=300)[0]
+
+
+def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, single):
+    results = run_distributed(_worker, 2, model_dir, WORLD2, single["old_logprobs"], timeout=300)[0]
     failures = _compare(results, single, _initial(model_dir))
     assert not failures, "\n".join(failures)
+
+
+def test_four_rank_layouts_give_the_single_rank_gradient(model_dir, single, world4):
+    failures = _compare(world4, single, _initial(model_dir))
+    assert not failures, "\n".join(failures)
+
+
+def test_each_rank_receives_only_its_share(world4):
+    """Rows partition the step over DP ranks (model-parallel peers get the same rows), and the bytes each
+    rank received for the step (measured: the pickled share) shrink as 1/D."""
+    from megatron_rl.actor.distribute import select_rows
+
+    dp_groups = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 4: [[0], [1], [2], [3]]}  # ranks sharing rows (TP x PP peers)
+    most = {}
+    for name, dp in (("TP2xPP2/shares", 1), ("DP2xTP2/shares", 2), ("DP4/shares", 4)):
+        rows, sent = world4[name]["share_rows"], world4[name]["share_bytes"]
+        shares = [rows[group[0]] for group in dp_groups[dp]]
+        for group in dp_groups[dp]:
+            assert all(rows[r] == rows[group[0]] for r in group), (name, rows)
+        assert sorted(r for share in shares for r in share) == list(range(B)), (name, shares)
+        most[dp] = max(sent)
+        print(f"D={dp}: rows per rank {[len(x) for x in shares]}, bytes received per rank {sent}")
+    # What a share costs beyond its rows (field names, pickling, the [B] step lengths): an empty share, measured.
+    fixed = len(pickle.dumps(select_rows(make_batch(), [])))
+    for dp in (2, 4):
+        assert most[dp] < most[1], most
+        assert most[dp] - fixed <= 1.25 * (most[1] - fixed) / dp, (dp, most, fixed)
