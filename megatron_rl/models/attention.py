@@ -205,13 +205,28 @@ class LocalCoreAttention(MegatronModule):
             raise NotImplementedError("attention_bias with the local attention: use the Transformer Engine spec")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed and attention_mask is not None:
+            raise ValueError("packed (THD) sequences take no attention_mask: the mask is given by cu_seqlens")
+        if attention_mask is not None and self.cp_size > 1:
+            raise ValueError("an explicit attention_mask with context parallelism: pass attention_mask=None (causal)")
+        offsets = self._packed_offsets(query, packed_seq_params) if packed else [0, query.shape[0] * self.cp_size]
         if self.cp_size > 1:
+            order = _cp_global_order(offsets, self.cp_size).to(key.device)  # checks the layout before communicating
             key, value = self._gather_over_cp(key, value)
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            if attention_mask is not None:
-                raise ValueError("packed (THD) sequences take no attention_mask: the mask is given by cu_seqlens")
-            return self._packed(query, key, value, packed_seq_params, causal)
+            key, value = key.index_select(0, order), value.index_select(0, order)  # now in sequence order
+        if packed:
+            return self._packed(query, key, value, offsets, causal)
         return self._unpacked(query, key, value, attention_mask, causal)
+
+    def _packed_offsets(self, query: torch.Tensor, params: PackedSeqParams) -> list[int]:
+        offsets = _layout_offsets(params)
+        if offsets[-1] != query.shape[0] * self.cp_size:
+            raise ValueError(
+                f"packed query has {query.shape[0]} tokens but cu_seqlens cover {offsets[-1]} tokens over CP={self.cp_size} "
+                f"(expected {offsets[-1] // self.cp_size} per rank): cu_seqlens must describe the whole packed sequences"
+            )
+        return offsets
 
     def _gather_over_cp(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every CP rank, rank-major along dim 0 (one all-gather; reduce-scatter backward)."""
@@ -240,51 +255,35 @@ class LocalCoreAttention(MegatronModule):
             )
 
     def _unpacked(self, query, key, value, attention_mask, causal: bool) -> torch.Tensor:
-        """SBHD: one batch of equal-length rows (with CP: each row is one sequence split over the CP ranks)."""
+        """SBHD: one batch of equal-length rows (with CP: each row one sequence, keys already in sequence order)."""
         seq_len, batch = query.shape[0], query.shape[1]
         mask = None
         if attention_mask is not None:
-            if self.cp_size > 1:
-                raise ValueError("an explicit attention_mask with context parallelism: pass attention_mask=None (causal)")
             mask = ~attention_mask.to(torch.bool)  # megatron: True = masked out; torch: True = attend
-        elif self.cp_size > 1:
-            # Sequence order of the gathered keys, and each local query's position in the whole sequence.
-            full_len = seq_len * self.cp_size
-            order = _cp_global_order([0, full_len], self.cp_size).to(key.device)
-            key, value = key.index_select(0, order), value.index_select(0, order)
-            if causal:
-                positions = cp_chunk_indices(full_len, self.cp_size, self.cp_group.rank()).to(query.device)
-                mask = torch.arange(full_len, device=query.device)[None, :] <= positions[:, None]
+        elif self.cp_size > 1 and causal:
+            mask = self._cp_causal_mask(seq_len * self.cp_size, query.device)
         # [s, b, n, hn] -> [b, n, s, hn]
         out = self._sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), mask=mask, causal=causal)
         return out.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
 
-    def _packed(self, query, key, value, params: PackedSeqParams, causal: bool) -> torch.Tensor:
+    def _packed(self, query, key, value, offsets: list[int], causal: bool) -> torch.Tensor:
         """THD: block-diagonal (causal) attention, one scaled_dot_product_attention per sequence."""
-        offsets = _layout_offsets(params)
         cp_size = self.cp_size
-        if offsets[-1] != query.shape[0] * cp_size:
-            raise ValueError(
-                f"packed query has {query.shape[0]} tokens but cu_seqlens cover {offsets[-1]} tokens over CP={cp_size} "
-                f"(expected {offsets[-1] // cp_size} per rank): cu_seqlens must describe the whole packed sequences"
-            )
-        if cp_size > 1:
-            order = _cp_global_order(offsets, cp_size).to(key.device)
-            key, value = key.index_select(0, order), value.index_select(0, order)
         query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # [n, t, hn]
         outputs = []
         for start, end in pairwise(offsets):
             if end == start:
                 continue
             local = slice(start // cp_size, end // cp_size)
-            keys, values = key[:, start:end], value[:, start:end]
-            mask = None
-            if cp_size > 1 and causal:
-                positions = cp_chunk_indices(end - start, cp_size, self.cp_group.rank()).to(query.device)
-                mask = torch.arange(end - start, device=query.device)[None, :] <= positions[:, None]
-            outputs.append(self._sdpa(query[:, local], keys, values, mask=mask, causal=causal))
+            mask = self._cp_causal_mask(end - start, query.device) if cp_size > 1 and causal else None
+            outputs.append(self._sdpa(query[:, local], key[:, start:end], value[:, start:end], mask=mask, causal=causal))
         out = torch.cat(outputs, dim=1)  # [np, t, hn]
         return out.transpose(0, 1).reshape(out.shape[1], -1)
+
+    def _cp_causal_mask(self, seq_len_padded: int, device: torch.device) -> torch.Tensor:
+        """[L / CP, L] bool, True = attend: key position j <= the global position of each local query."""
+        positions = cp_chunk_indices(seq_len_padded, self.cp_size, self.cp_group.rank()).to(device)
+        return torch.arange(seq_len_padded, device=device)[None, :] <= positions[:, None]
 
 
 def with_local_core_attention(block_spec):

@@ -132,6 +132,25 @@ SITES: tuple[PatchSite, ...] = (
         why="YarnRotaryEmbedding (multi-latent attention with YaRN) moves its frequencies to torch.cuda.current_device()",
     ),
     PatchSite(
+        name="rope-cp-index",
+        module=_MC + "models.common.embeddings.rope_utils",
+        target="get_pos_emb_on_this_cp_rank",
+        lines=(62, 63, 64),
+        expects=('device="cpu", pin_memory=True',),
+        kind="cuda-shim",
+        why="context parallelism without packing: get_pos_emb_on_this_cp_rank builds the CP chunk index "
+        "[r, 2CP-1-r] in pinned memory, which a CPU-only build refuses; the module's shim drops pin_memory",
+    ),
+    PatchSite(
+        name="tensor-cuda-rope",
+        module=_MC + "models.common.embeddings.rope_utils",
+        target="get_pos_emb_on_this_cp_rank",
+        lines=(64,),
+        expects=(".cuda(non_blocking=True)",),
+        kind="tensor-cuda",
+        why="get_pos_emb_on_this_cp_rank moves its CP chunk index with .cuda(); a no-op for this module",
+    ),
+    PatchSite(
         name="router-device",
         module=_MC + "transformer.moe.router",
         target="",

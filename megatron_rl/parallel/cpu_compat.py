@@ -179,6 +179,8 @@ def _factory(fn: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # a CPU-only build has no pinned-memory allocator: it can only raise
         return fn(*args, **kwargs)
 
     return wrapper

@@ -8,7 +8,8 @@ One launch of 2 ranks:
 2. a tiny megatron GPT (Qwen3-MoE) at CP2 on one packed microbatch, forward + backward of a
    random linear function of the logits: the logits of each rank's chunks equal those of each
    sequence run alone on one rank (CP1), and the parameter gradients summed over the CP ranks
-   (what finalize_model_grads all-reduces) equal the single-rank ones.
+   (what finalize_model_grads all-reduces) equal the single-rank ones; the same for an
+   unpacked [b, s] batch (megatron's RoPE table sliced per CP rank, through the CPU layer).
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ def _attention_cp(ctx) -> dict:
     (out * upstream.reshape(seq, batch, -1)[mine]).sum().backward()
     results["unpacked_index"] = mine
     results["unpacked"] = (out.detach(), *(t.grad for t in local))
+
+    # Sequences not padded to a multiple of 2 x CP: refused on every rank before any communication.
+    unpadded = packed_seq_params(ATTN_LENGTHS)
+    tokens = sum(ATTN_LENGTHS) // ctx.cp_size
+    try:
+        attention(torch.zeros(tokens, HEADS, HEAD_DIM), *(torch.zeros(tokens, GROUPS, HEAD_DIM),) * 2, None, packed_seq_params=unpadded)
+        results["unpadded_error"] = None
+    except ValueError as exc:
+        results["unpadded_error"] = str(exc)
     return results
 
 
@@ -95,8 +105,6 @@ def model_inputs():
 
 def _model_cp(ctx, model_dir: str) -> dict:
     """Packed microbatch at CP: this rank's chunks of tokens/positions in, its logits and the CP-summed gradients out."""
-    import torch.distributed as dist
-
     from megatron_rl.config import ModelConfig
     from megatron_rl.models import build_model
     from megatron_rl.models.attention import packed_seq_params
@@ -116,10 +124,32 @@ def _model_cp(ctx, model_dir: str) -> dict:
     mine = local_indices(offsets, ctx.cp_size, ctx.cp_rank)
     logits = model(tokens[mine][None], positions[mine][None], attention_mask=None, packed_seq_params=params)
     (logits[0, :, :VOCAB] * weight[mine]).sum().backward()
+    results = {"index": mine, "logits": logits[0, :, :VOCAB].detach(), "offsets": offsets, "grads": cp_summed_grads(model, ctx)}
+
+    # Unpacked [b, s]: each row one sequence split over the CP ranks (megatron's RoPE slices its table per rank).
+    model.zero_grad()
+    rows, row_weights = unpacked_inputs()
+    mine = local_indices([0, rows.shape[1]], ctx.cp_size, ctx.cp_rank)
+    logits = model(rows[:, mine], mine[None].expand(rows.shape[0], -1), attention_mask=None)
+    (logits[..., :VOCAB] * row_weights[:, mine]).sum().backward()
+    results["unpacked"] = {"index": mine, "logits": logits[..., :VOCAB].detach(), "grads": cp_summed_grads(model, ctx)}
+    return results
+
+
+def cp_summed_grads(model, ctx) -> dict:
+    """Parameter gradients summed over the CP group (as finalize_model_grads' DP x CP all-reduce)."""
+    import torch.distributed as dist
+
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     for grad in grads.values():
         dist.all_reduce(grad, group=ctx.cp_group)
-    return {"index": mine, "logits": logits[0, :, :VOCAB].detach(), "grads": grads, "offsets": offsets}
+    return grads
+
+
+def unpacked_inputs():
+    """Two rows of 16 tokens and a random weight per logit."""
+    gen = torch.Generator().manual_seed(8)
+    return torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randn(2, 16, VOCAB, generator=gen)
 
 
 def _model_alone(ctx, model_dir: str) -> dict:
@@ -135,7 +165,13 @@ def _model_alone(ctx, model_dir: str) -> dict:
         out = model(sequence[None], torch.arange(len(sequence))[None], attention_mask=None)[0, :, :VOCAB]
         (out * w).sum().backward()
         logits.append(out.detach())
-    return {"logits": logits, "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
+    results = {"logits": logits, "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
+    model.zero_grad()
+    rows, row_weights = unpacked_inputs()
+    out = model(rows, torch.arange(rows.shape[1])[None].expand_as(rows), attention_mask=None)[..., :VOCAB]
+    (out * row_weights).sum().backward()
+    results["unpacked"] = {"logits": out.detach(), "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
+    return results
 
 
 def _worker(rank: int, world_size: int, model_dir: str) -> dict:
@@ -159,6 +195,10 @@ def _worker(rank: int, world_size: int, model_dir: str) -> dict:
 
 def _check_attention(results: list) -> None:
     from megatron_rl.models.attention import packed_seq_params
+
+    for rank_result in results:
+        assert "padded length 6 is not a multiple of 2 x CP = 4" in (rank_result["attention"]["unpadded_error"] or "")
+        assert "multiple=4" in rank_result["attention"]["unpadded_error"]
 
     scale = HEAD_DIM**-0.5
     offsets = packed_seq_params(ATTN_LENGTHS, multiple=2 * len(results)).cu_seqlens_q_padded.tolist()
@@ -186,6 +226,13 @@ def _check_attention(results: list) -> None:
             torch.testing.assert_close(full, ref.detach(), atol=1e-6, rtol=1e-6, msg=lambda m, where=f"CP2 {layout} {name}": f"{where}: {m}")
 
 
+def _check_grads(got: dict, expected: dict, what: str) -> None:
+    assert got.keys() == expected.keys()
+    for name, ref in expected.items():
+        scale = max(ref.abs().max().item(), 1.0)
+        torch.testing.assert_close(got[name], ref, atol=1e-5 * scale, rtol=1e-5, msg=lambda m, name=name: f"{what} grad {name}: {m}")
+
+
 def _check_model(results: list) -> None:
     alone = results[0]["alone"]
     offsets = results[0]["model"]["offsets"]
@@ -195,11 +242,14 @@ def _check_model(results: list) -> None:
     for start, expected in zip(offsets, alone["logits"]):
         torch.testing.assert_close(logits[start : start + len(expected)], expected, atol=1e-5, rtol=0)
     for rank_result in results:
-        grads = rank_result["model"]["grads"]
-        assert grads.keys() == alone["grads"].keys()
-        for name, expected in alone["grads"].items():
-            scale = max(expected.abs().max().item(), 1.0)
-            torch.testing.assert_close(grads[name], expected, atol=1e-5 * scale, rtol=1e-5, msg=lambda m, name=name: f"CP2 grad {name}: {m}")
+        _check_grads(rank_result["model"]["grads"], alone["grads"], "CP2 packed")
+
+    logits = torch.zeros_like(alone["unpacked"]["logits"])
+    for rank_result in results:
+        logits[:, rank_result["model"]["unpacked"]["index"]] = rank_result["model"]["unpacked"]["logits"]
+    torch.testing.assert_close(logits, alone["unpacked"]["logits"], atol=1e-5, rtol=0)
+    for rank_result in results:
+        _check_grads(rank_result["model"]["unpacked"]["grads"], alone["unpacked"]["grads"], "CP2 unpacked")
 
 
 @pytest.fixture(scope="module")

@@ -179,3 +179,22 @@ def test_te_general_gemm_bound(applied):
     from megatron.core.transformer.moe import moe_utils
 
     assert hasattr(moe_utils, "te_general_gemm")
+
+
+def test_rope_table_sliced_per_cp_rank(applied):
+    """Unpacked context parallelism: rank r takes chunks r and 2CP-1-r of the RoPE table (pinned memory dropped)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    class Group:  # only size() and rank() are read
+        def __init__(self, size: int, rank: int):
+            self._size, self._rank = size, rank
+
+        def size(self) -> int:
+            return self._size
+
+        def rank(self) -> int:
+            return self._rank
+
+    table = torch.arange(8.0)[:, None, None, None]  # [s, 1, 1, d]: position p holds p
+    assert rope_utils.get_pos_emb_on_this_cp_rank(table, 0, Group(2, 0)).flatten().tolist() == [0, 1, 6, 7]
+    assert rope_utils.get_pos_emb_on_this_cp_rank(table, 0, Group(2, 1)).flatten().tolist() == [2, 3, 4, 5]

@@ -115,6 +115,17 @@ def test_unpacked_attention_is_causal_or_follows_megatrons_mask(parallel_ctx):
     torch.testing.assert_close(out[4:, 1].double(), tail, atol=1e-6, rtol=0)
 
 
+def test_bad_packed_input_is_named(parallel_ctx):
+    from megatron_rl.models.attention import packed_seq_params
+
+    attention = make_attention()
+    q, k, v = (t.detach() for t in random_qkv(10, seed=0))
+    with pytest.raises(ValueError, match=r"packed query has 10 tokens but cu_seqlens cover 12 tokens"):
+        attention(q, k, v, None, packed_seq_params=packed_seq_params([4, 8]))
+    with pytest.raises(ValueError, match="take no attention_mask"):
+        attention(q, k, v, torch.zeros(10, 10, dtype=torch.bool), packed_seq_params=packed_seq_params([4, 6]))
+
+
 def test_cp_chunk_indices_follow_megatrons_load_balanced_order():
     from megatron_rl.models.attention import cp_chunk_indices
 
