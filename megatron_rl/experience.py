@@ -103,22 +103,30 @@ def collect_experience(
             samples, rewards, shaped, truncated = kept["samples"], kept["rewards"], kept["shaped"], kept["truncated"]
             group_ids = kept["group_ids"]
             break
+    experience = assemble_experience(samples, rewards, shaped, truncated, group_ids, weight_version, cfg, tokenizer)
+    experience.metrics.update({
+        "reward/mean": float(torch.cat(all_rewards).mean()),
+        "reward/errors": float(num_errors),
+        "rollout/generate_s": generate_s,
+        "rollout/gen_batches": float(gen_batch),
+    })
+    return experience
+
+
+def assemble_experience(samples: list, rewards, shaped, truncated, group_ids, weight_version: int, cfg, tokenizer: Tokenizer) -> Experience:
+    """The step's Experience from its kept samples (prompt-major groups): padding, advantages, overlong filter, metrics."""
+    algo = cfg.algorithm
     padded = Rollouts(samples=samples, n_samples=cfg.rollout.n_samples, weight_version=weight_version).to_padded(tokenizer.pad_id)
     advantages = compute_advantages(shaped, group_ids, algo, group_size=cfg.rollout.n_samples)
     if algo.overlong_filter:
         padded.response_mask = overlong_filter_mask(padded.response_mask, truncated)
-    generated = torch.cat(all_rewards)
     lengths = padded.response_lengths.to(torch.float32)
     metrics = {
-        "reward/mean": float(generated.mean()),
         "reward/train_mean": float(rewards.mean()),
         "reward/overlong_penalty": float((shaped - rewards).mean()),
-        "reward/errors": float(num_errors),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncated_fraction": float(truncated.to(torch.float32).mean()),
-        "rollout/generate_s": generate_s,
-        "rollout/gen_batches": float(gen_batch),
         "rollout/weight_version": float(weight_version),
         "advantage/abs_mean": float(advantages.abs().mean()),
     }

@@ -21,11 +21,15 @@ rollout.engines > 1); every rank holds its shard of the actor. One step:
 With train.off_policy_lag=1, generation of step k+1 runs on a background
 thread while step k trains, using the weights before step k's update; the
 algorithm's importance-sampling correction (algorithm.tis_mode) then
-accounts for the lag.
+accounts for the lag. With train.max_staleness = S > 0 rollout runs
+continuously (megatron_rl.async_experience): each step trains on groups at
+most S versions old, pushes pause generation only for the push, and with
+train.partial_rollout_tokens samples in flight continue under new weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -111,10 +115,15 @@ class Trainer:
         )
         if ctx.rank == 0 and self.dataset.num_dropped_long:
             logger.warning("%d prompts longer than rollout.max_prompt_tokens=%d were dropped", self.dataset.num_dropped_long, cfg.rollout.max_prompt_tokens)
+        self._stream = None  # asynchronous rollout (train.max_staleness > 0), on rank 0
         # The engine serves exactly the trainer's weights from the first step on (also after a resume).
         self._sync_weights(self.weight_version)
         self._executor = ThreadPoolExecutor(max_workers=1) if cfg.train.off_policy_lag else None
         self._pending: tuple[Future, dict] | None = None
+        if cfg.train.max_staleness and ctx.rank == 0:
+            from megatron_rl.async_experience import AsyncExperienceStream
+
+            self._stream = AsyncExperienceStream(self.engine, self.dataset, self.tokenizer, self.reward_fn, cfg, first_batch=self.step)
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -173,7 +182,9 @@ class Trainer:
     def _experience(self, step: int):
         """This step's experience on rank 0 (None elsewhere; generated maybe one step ahead)."""
         experience = None
-        if self.ctx.rank == 0:
+        if self._stream is not None:
+            experience = self._stream.take(self.weight_version)
+        elif self.ctx.rank == 0:
             if self._pending is not None:
                 future, _ = self._pending
                 experience = future.result()
@@ -189,8 +200,13 @@ class Trainer:
         from megatron_rl.weight_sync import push_weights
 
         bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
-        push_weights(self.engine, self.actor.export_hf_weights(bucket_bytes), version)
+        with self._engine_held():
+            push_weights(self.engine, self.actor.export_hf_weights(bucket_bytes), version)
         self.weight_version = version
+
+    def _engine_held(self):
+        """The engine to itself for a push or an evaluation: asynchronous generation pauses between engine calls."""
+        return self._stream.paused_for_push() if self._stream is not None else contextlib.nullcontext()
 
     def _start_engine(self):
         """Rank 0's engine (None elsewhere); with several colocated engines every rank joins their start."""
@@ -229,7 +245,8 @@ class Trainer:
             prompts = self.eval_dataset.next_batch(self.cfg.train.prompts_per_step)
             seed = step_seed(self.cfg.train.seed, 10**6 + self.step, 0)  # apart from every training batch's seed
             spec = SamplingSpec.from_config(self.cfg.rollout, n=self.cfg.data.eval_samples, seed=seed, return_routed_experts=False)
-            rollouts = self.engine.generate([p.token_ids for p in prompts], spec)
+            with self._engine_held():
+                rollouts = self.engine.generate([p.token_ids for p in prompts], spec)
             rewards, *_ = score_rollouts(rollouts, prompts, self.tokenizer, self.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.algorithm)
             result = {"eval/reward_mean": float(rewards.mean())}
         return broadcast_object(result, self.ctx)
@@ -240,6 +257,8 @@ class Trainer:
         from megatron_rl.checkpoint.state import save_checkpoint
 
         data_position = self._pending[1] if self._pending is not None else self.dataset.state_dict()
+        if self._stream is not None:
+            data_position = self._stream.consumed_position  # groups queued or in flight are generated again on resume
         trainer_state = {
             "weight_version": self.weight_version,
             "data": data_position,
@@ -266,6 +285,8 @@ class Trainer:
         return True
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self.logger.close()

@@ -160,6 +160,13 @@ class TrainConfig:
     """Seed for data order, sampling and everything random in the loop."""
     off_policy_lag: Literal[0, 1] = 0
     """1 = generate step k+1 while training step k (importance-corrected one-step off-policy)."""
+    max_staleness: int = 0
+    """> 0 = asynchronous training: rollout runs continuously beside training and each step trains on groups
+    sampled at most this many weight versions ago (older ones are dropped and counted); 0 = synchronous."""
+    partial_rollout_tokens: int = 0
+    """With max_staleness > 0: generate in chunks of this many tokens so that a weight push interrupts
+    in-flight samples, which continue under the new weights (per-token versions); 0 = a push waits for
+    the generation batch in progress."""
     eval_every: int = 0
     """Evaluate every this many steps (0 disables evaluation)."""
     stop_at_reward: float = 0.0
@@ -179,6 +186,20 @@ class TrainConfig:
             )
         if self.max_tokens_per_microbatch < 0:
             raise ConfigError(f"train.max_tokens_per_microbatch={self.max_tokens_per_microbatch}: must be >= 0 (0 = by count)")
+        if self.max_staleness < 0 or self.partial_rollout_tokens < 0:
+            raise ConfigError(
+                f"train.max_staleness={self.max_staleness}, train.partial_rollout_tokens={self.partial_rollout_tokens}: must be >= 0"
+            )
+        if self.max_staleness and self.off_policy_lag:
+            raise ConfigError(
+                f"train.off_policy_lag={self.off_policy_lag} with train.max_staleness={self.max_staleness}: pick one "
+                "(max_staleness=1 is the asynchronous form of a one-step lag)"
+            )
+        if self.partial_rollout_tokens and not self.max_staleness:
+            raise ConfigError(
+                f"train.partial_rollout_tokens={self.partial_rollout_tokens} needs train.max_staleness >= 1 "
+                "(partial rollouts continue samples across the weight pushes of asynchronous training)"
+            )
 
 
 @dataclass(kw_only=True)
@@ -390,6 +411,15 @@ class RLConfig:
     def validate(self) -> None:
         """Checks that span sections (each section validates itself first)."""
         self._validate_sampling_truncation()
+        self._validate_partial_rollouts()
+
+    def _validate_partial_rollouts(self) -> None:
+        if self.train.partial_rollout_tokens and (self.rollout.return_routed_experts or self.rollout.stop):
+            raise ConfigError(
+                f"train.partial_rollout_tokens={self.train.partial_rollout_tokens} with rollout.return_routed_experts="
+                f"{self.rollout.return_routed_experts}, rollout.stop={self.rollout.stop}: chunked generation records no "
+                "routed experts and a stop string could span two chunks; use stop_token_ids, or partial_rollout_tokens=0"
+            )
 
     def _validate_sampling_truncation(self) -> None:
         """Top-p / top-k sampling with an importance-sampling option is refused.

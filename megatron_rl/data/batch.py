@@ -63,6 +63,10 @@ class RolloutSample:
     """[R, L, K] or [P + R, L, K] int16, or None when not asked for (see the class docstring)."""
     routed_experts_include_prompt: bool = False
     """Whether routed_experts rows start at the prompt (True) or at the response (False)."""
+    token_versions: torch.Tensor | None = None
+    """[R] int64: the weight version each response token was sampled with (partial rollouts continue a
+    sample under newer weights, so one response can hold several); None = every token is `weight_version`.
+    `weight_version` is then the oldest of them."""
 
     @property
     def prompt_length(self) -> int:

@@ -171,3 +171,38 @@ def test_one_step_off_policy(model_dir, tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
     assert rows[2]["mismatch/abs_logprob_diff"] > 1e-4  # the engine's policy lags the trainer's
+
+
+def _consumed_groups(rows: list[dict]) -> int:
+    """Prompts the asynchronous stream consumed over these steps: trained, dropped as stale, or filtered."""
+    return sum(4 + int(r["async/dropped_stale_groups"]) + int(r["async/filtered_groups"]) for r in rows)
+
+
+def test_async_staleness_bound_and_resume(model_dir, tmp_path):
+    # Rollout runs beside training in chunks of 3 tokens (partial rollouts); the second run resumes
+    # the first's last checkpoint with a looser bound. Every trained group is within the bound, and
+    # the data position is exactly the prompts consumed (none trained twice, in-flight ones regenerated).
+    common = ("train.partial_rollout_tokens=3", "algorithm.tis_mode=sequence_mask_tis", "checkpoint.save_every=2",
+              "data.reward=tests.e2e.test_train_loop:odd_length_reward")
+    _run(_command("tiny-gspo.yaml", model_dir, tmp_path, "train.max_staleness=1", "train.steps=4", *common))
+    _run(_command("tiny-gspo.yaml", model_dir, tmp_path, "train.max_staleness=2", "train.steps=6", "checkpoint.resume=auto", *common))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))
+    for r in rows:
+        bound = 1 if r["step"] < 4 else 2
+        # staleness_max is the largest (trainer version - oldest token version) over the step's groups.
+        assert 0 <= r["async/staleness_max"] <= bound and r["rollout/weight_version"] >= r["step"] - bound, r
+        assert r["async/token_staleness_mean"] <= r["async/staleness_max"]
+        assert r["async/versions_per_sample_max"] in (1.0, 2.0)
+        assert "is/masked_sequences" in r and r["optimizer_steps"] == rows[0]["optimizer_steps"] * (r["step"] + 1)
+    assert any(r["async/staleness_max"] >= 1 for r in rows[1:4]), "generation never ran ahead of training"
+    assert rows[4]["rollout/weight_version"] == 4  # after the resume the stream starts on the resumed weights
+    import json
+
+    def cursor(step: int) -> int:
+        state = json.loads((tmp_path / "ckpt" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        assert state["data"]["epoch"] == 0
+        return state["data"]["cursor"]
+
+    assert cursor(4) == _consumed_groups(rows[:4])
+    assert cursor(6) == cursor(4) + _consumed_groups(rows[4:])

@@ -7,6 +7,7 @@ test pushes the weights it needs first, so the tests do not depend on order.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -17,7 +18,13 @@ import vllm  # noqa: F401,E402  (a required dependency: a broken install must fa
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import EngineStartError, PromptError, SamplingSpec, VLLMEngine  # noqa: E402
 from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
-from tests.e2e.vllm_helpers import build_models, hf_router_topk, hf_state_dict, max_logprob_error  # noqa: E402
+from tests.e2e.vllm_helpers import (  # noqa: E402
+    build_models,
+    hf_router_topk,
+    hf_sampled_logprobs,
+    hf_state_dict,
+    max_logprob_error,
+)
 
 TOL = 1e-4
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13, 14, 15], [1, 20], [1, 30, 31, 32]]
@@ -280,3 +287,33 @@ def test_engine_failure_restarts_and_repushes(moe_engine, models):
     # the restarted engine serves the re-pushed weights, not the model directory's
     assert max_logprob_error(models["moe1"], rollouts, 1.0) < TOL
     assert [s.response_token_ids.tolist() for s in rollouts] == [s.response_token_ids.tolist() for s in reference]
+
+
+def test_partial_rollouts_continue_under_new_weights_with_per_token_logprobs(moe_engine, models):
+    """A push between two chunks: the samples keep their prefix, and each token's logprob is its version's."""
+    from megatron_rl.rollout.partial import generate_in_chunks
+
+    _push(moe_engine, models["moe0"], version=30)
+    state = hf_state_dict(models["moe1"])
+    calls = []
+
+    def engine_turn():  # entered before each chunk; the trainer's push lands before the second one
+        if len(calls) == 1:
+            push_weights(moe_engine, bucketize(state.items(), 64 << 10), version=31)
+        calls.append(moe_engine.weight_version)
+        return contextlib.nullcontext()
+
+    spec = _spec(max_new_tokens=12, ignore_eos=True, temperature=0.9)
+    rollouts = generate_in_chunks(moe_engine, PROMPTS, spec, chunk_tokens=5, engine_turn=engine_turn)
+    assert calls == [30, 31, 31]  # chunks of 5, 5 and 2 tokens
+    assert len(rollouts) == len(PROMPTS) * 2 and rollouts.weight_version == 30
+    old_reference = hf_sampled_logprobs(models["moe0"], rollouts, 0.9)
+    new_reference = hf_sampled_logprobs(models["moe1"], rollouts, 0.9)
+    for sample, old, new in zip(rollouts, old_reference, new_reference):
+        assert sample.response_length == 12 and sample.weight_version == 30
+        assert sample.token_versions.tolist() == [30] * 5 + [31] * 7
+        assert sample.prompt_token_ids.tolist() == PROMPTS[sample.prompt_index]
+        assert float((sample.rollout_logprobs[:5] - old[:5]).abs().max()) < TOL
+        assert float((sample.rollout_logprobs[5:] - new[5:]).abs().max()) < TOL
+    # The two versions really differ on the continued tokens.
+    assert max(float((s.rollout_logprobs[5:] - old[5:]).abs().max()) for s, old in zip(rollouts, old_reference)) > 1e-2

@@ -82,3 +82,17 @@ def test_sampling_truncation_with_importance_sampling_is_refused():
     # Truncation alone, or IS without truncation, is fine.
     assert from_dict(RLConfig, {"rollout": {"top_p": 0.9}}).rollout.top_p == 0.9
     assert from_dict(RLConfig, {"algorithm": {"tis_mode": "sequence_mask"}}).algorithm.tis_mode == "sequence_mask"
+
+
+def test_asynchronous_training_options_are_checked():
+    from megatron_rl.config import RLConfig, from_dict
+
+    with pytest.raises(ConfigError, match="pick one"):
+        from_dict(RLConfig, {"train": {"max_staleness": 1, "off_policy_lag": 1}})
+    with pytest.raises(ConfigError, match="partial_rollout_tokens=4 needs train.max_staleness >= 1"):
+        from_dict(RLConfig, {"train": {"partial_rollout_tokens": 4}})
+    with pytest.raises(ConfigError, match="max_staleness=-1"):
+        from_dict(RLConfig, {"train": {"max_staleness": -1}})
+    with pytest.raises(ConfigError, match="a stop string could span two chunks"):
+        from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollout_tokens": 4}, "rollout": {"stop": ["\n"]}})
+    assert from_dict(RLConfig, {"train": {"max_staleness": 2, "partial_rollout_tokens": 4}}).train.max_staleness == 2
