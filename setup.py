@@ -1,4 +1,6 @@
-"""Install megatron_rl: `pip install -e .[cpu,test]` on a laptop, `.[gpu]` on a cluster.
+"""Install megatron_rl: `pip install -e .[cpu,test]` on a laptop, `.[gpu,test]` on a cluster.
+
+The README's install section lists the extras and what each adds.
 
 torch must already be installed (the Makefile installs the 2.13.0 CPU wheel first):
 an unpinned torch requirement resolved with no torch present pulls a multi-GB CUDA

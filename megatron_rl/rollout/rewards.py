@@ -50,11 +50,16 @@ def math_answer(response: str, answer: Any, *, prompt: str = "") -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"exact": exact_match, "math": math_answer}
+REWARD_EXTRAS: dict[str, tuple[str, str]] = {"math": ("math_verify", "data")}
+"""Registered rewards that need an optional module: name -> (module, the setup.py extra installing it)."""
 
 
 def get_reward_fn(name: str) -> RewardFn:
     """A registered name or `module:function` -> the function."""
     if name in REWARDS:
+        if name in REWARD_EXTRAS:  # say so when the reward is chosen, not as a failure of every sample
+            module, extra = REWARD_EXTRAS[name]
+            import_extra(module, extra=extra, feature=f"data.reward={name}")
         return REWARDS[name]
     if ":" not in name:
         raise RewardError(f"unknown reward {name!r}: use one of {sorted(REWARDS)} or an import path 'package.module:function'")

@@ -91,8 +91,9 @@ sys.exit(pytest.main(["-q", "-rs", "-p", "no:cacheprovider", "tests/unit/test_me
 def test_a_feature_without_its_extra_names_the_extra(tmp_path):
     body = f"""
 from megatron_rl.metrics import MetricsLogger
-from megatron_rl.rollout.rewards import math_answer
-for use in (lambda: MetricsLogger({str(tmp_path)!r}, use_wandb=True), lambda: math_answer("1", "1")):
+from megatron_rl.rollout.rewards import get_reward_fn, math_answer
+uses = (lambda: MetricsLogger({str(tmp_path)!r}, use_wandb=True), lambda: get_reward_fn("math"), lambda: math_answer("1", "1"))
+for use in uses:
     try:
         use()
     except ModuleNotFoundError as err:
@@ -100,9 +101,10 @@ for use in (lambda: MetricsLogger({str(tmp_path)!r}, use_wandb=True), lambda: ma
 """
     result = run_without({"wandb", "math_verify"}, body)
     errors = [line for line in result.stdout.splitlines() if line.startswith("ERROR")]
-    assert len(errors) == 2, result.stdout + result.stderr
+    assert len(errors) == 3, result.stdout + result.stderr
     assert "logging.wandb=true needs 'wandb'" in errors[0] and "pip install -e '.[wandb]'" in errors[0]
-    assert "the `math` reward needs 'math_verify'" in errors[1] and "pip install -e '.[data]'" in errors[1]
+    assert "data.reward=math needs 'math_verify'" in errors[1] and "pip install -e '.[data]'" in errors[1]
+    assert "the `math` reward needs 'math_verify'" in errors[2] and "pip install -e '.[data]'" in errors[2]
 
 
 def test_planner_runs_without_torch():
