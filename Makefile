@@ -33,7 +33,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/shellcheck --shell=bash launch/torchrun.sh launch/slurm.sbatch .ci/run
+	$(BIN)/shellcheck --shell=bash launch/*.sh launch/*.sbatch .ci/run
 
 demo: $(STAMP)
 	$(BIN)/python -m megatron_rl.demo
