@@ -180,28 +180,53 @@ class Trainer:
         return collect_experience(self.engine, self.dataset, self.tokenizer, self.reward_fn, self.cfg, step)
 
     def _experience(self, step: int):
-        """This step's experience on rank 0 (None elsewhere; generated maybe one step ahead)."""
-        experience = None
+        """This step's experience on rank 0 (None elsewhere; generated maybe one step ahead).
+
+        An engine that lost the trainer's weights (restarted on its model directory, a push broken midway)
+        says so on rank 0 (WeightsLostError); every rank then joins a push of the current weights again
+        (with several ranks, one broadcast of a flag per step tells them).
+        """
+        from megatron_rl.actor.distribute import broadcast_object
+        from megatron_rl.rollout.push import WeightsLostError
+
+        while True:
+            experience, lost = None, False
+            if self.ctx.rank == 0:
+                try:
+                    experience = self._experience_on_rank0(step)
+                except WeightsLostError as error:
+                    logger.warning("%s", error)
+                    lost = True
+            if self.ctx.world_size > 1:
+                lost = bool(broadcast_object(lost, self.ctx))
+            if not lost:
+                return experience
+            self._sync_weights(self.weight_version)
+
+    def _experience_on_rank0(self, step: int):
         if self._stream is not None:
-            experience = self._stream.take(self.weight_version)
-        elif self.ctx.rank == 0:
-            if self._pending is not None:
-                future, _ = self._pending
-                experience = future.result()
-            else:
-                experience = self._collect(step)
+            return self._stream.take(self.weight_version)
+        if self._pending is not None:
+            future, _ = self._pending
             self._pending = None
-            if self._executor is not None and step + 1 < self.cfg.train.steps:
-                position = self.dataset.state_dict()  # where the in-flight step starts, for checkpoints
-                self._pending = (self._executor.submit(self._collect, step + 1), position)
+            experience = future.result()
+        else:
+            experience = self._collect(step)
+        if self._executor is not None and step + 1 < self.cfg.train.steps:
+            position = self.dataset.state_dict()  # where the in-flight step starts, for checkpoints
+            self._pending = (self._executor.submit(self._collect, step + 1), position)
         return experience
 
     def _sync_weights(self, version: int) -> None:
+        """Every rank joins the export; rank 0 streams it into the engine (made again if it breaks midway)."""
         from megatron_rl.weight_sync import push_weights
 
         bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
         with self._engine_held():
-            push_weights(self.engine, self.actor.export_hf_weights(bucket_bytes), version)
+            push_weights(
+                self.engine, lambda: self.actor.export_hf_weights(bucket_bytes), version,
+                group=self.ctx.world_group, max_attempts=self.cfg.rollout.max_restarts + 1,
+            )
         self.weight_version = version
 
     def _engine_held(self):
@@ -230,7 +255,11 @@ class Trainer:
             # vLLM creates its process groups on the default (trainer's) world when it runs in this
             # process, and the other trainer ranks would never join them: give it its own process.
             rollout = replace(rollout, multiprocessing=self.ctx.world_size > 1)
-        return make_engine(self.cfg.model.path, rollout)
+        engine = make_engine(self.cfg.model.path, rollout)
+        if ctx.world_size == 1:  # the export needs no other rank: a restarted engine re-exports by itself
+            bucket_bytes = int(rollout.weight_bucket_mb * (1 << 20))
+            engine.reexport_fn = lambda: self.actor.export_hf_weights(bucket_bytes)
+        return engine
 
     def evaluate(self) -> dict[str, float]:
         """Mean task reward of data.eval_samples samples on the next train.prompts_per_step prompts of data.eval_path."""

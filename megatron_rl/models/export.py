@@ -126,14 +126,27 @@ def _buckets(units: list[_Unit], bucket_bytes: int) -> list[list[_Unit]]:
     return [b for b in buckets if b]
 
 
-@torch.no_grad()
-def export_hf_weights(
-    model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: int = 0
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield buckets of (HF name, tensor) on dst_rank, empty lists elsewhere; every rank must iterate to the end.
+class HFExport:
+    """An export's buckets (iterate once) and `entries`: [(HF name, shape, dtype name)] of all of them, in order.
+
+    weight_sync takes any iterable with `entries` as a push announced up front (weight_sync.stream).
+    """
+
+    def __init__(self, entries: list[tuple[str, tuple[int, ...], str]], buckets: Iterator[list[tuple[str, torch.Tensor]]]):
+        self.entries = entries
+        self._buckets = buckets
+
+    def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return self._buckets
+
+
+def export_hf_weights(model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: int = 0) -> HFExport:
+    """Buckets of (HF name, tensor) on dst_rank, empty lists elsewhere; every rank must iterate to the end.
 
     Tensors are fresh copies (safe to keep across optimizer steps), on dst_rank's
-    device, in the parameters' dtype, in model order.
+    device, in the parameters' dtype, in model order. The stream's `entries`
+    (HF names, shapes, dtypes of the whole push; empty off dst_rank) are known
+    at once: the table of step 1 is gathered when this is called, on every rank.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
@@ -141,6 +154,23 @@ def export_hf_weights(
     arch, padded = info.arch, info.padded_vocab_size
     held = _holder_shards(model_chunks, ctx, arch, padded)
     units = _plan(held, ctx)
+    entries = _announced_entries(units, arch, padded) if ctx.rank == dst_rank else []
+    return HFExport(entries, _export_buckets(units, held, ctx, arch, padded, bucket_bytes, dst_rank))
+
+
+def _announced_entries(units: list[_Unit], arch, padded: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """HF names, shapes and dtypes the export will yield, from the mapping run on meta tensors (no data)."""
+    entries = []
+    for unit in units:
+        shards = [torch.empty(unit.shape, dtype=getattr(torch, unit.dtype), device="meta")] * unit.count
+        for name, tensor in mapping_for(arch, unit.name, padded).export(shards):
+            entries.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+    return entries
+
+
+@torch.no_grad()
+def _export_buckets(units: list[_Unit], held: dict, ctx, arch, padded: int, bucket_bytes: int,
+                    dst_rank: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     rank = ctx.rank
     for bucket in _buckets(units, bucket_bytes):
         shards: dict[tuple[str, int], torch.Tensor] = {}

@@ -43,19 +43,22 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
-from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError, run_with_restarts
+from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request
+from megatron_rl.rollout.push import PushBrokenError, PushResult, PushTarget, WeightsLostError, stream_push
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
 from megatron_rl.weight_sync.manifest import WeightManifest
-from megatron_rl.weight_sync.push import PushStats, collect_push, to_host
+from megatron_rl.weight_sync.push import PushStats
+from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +231,8 @@ class VLLMServerEngine:
         self.reexport_fn = reexport_fn
         self.weight_version = 0
         self.restarts = 0
-        self._last_payloads: list[Any] | None = None
+        self.weights_lost = False  # True while a server serves other weights than weight_version says
+        self.last_push: PushResult | None = None
         self.weight_transport = "rpc" if self.config.weight_transport == "rpc" else "broadcast"
         self._broadcast: BroadcastSender | None = None
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
@@ -299,7 +303,7 @@ class VLLMServerEngine:
             return False
 
     def _revive(self, _: BaseException | None = None, *, repush: bool = True) -> None:
-        """Restart or wait for dead servers, then re-push the last weights where the version differs."""
+        """Restart or wait for dead servers; then the trainer's weights again where a server lost them."""
         self.restarts += 1
         if self._broadcast is not None:  # a dead worker breaks the group; the next push forms it again
             self._broadcast.close()
@@ -316,23 +320,34 @@ class VLLMServerEngine:
                 self.urls[index] = server.url
             else:  # its supervisor may restart it
                 self._wait_healthy(url, f"vLLM server {url} is dead and was not started by this process")
-        if not repush:
+        if any(int(self._rpc(url, "mrl_weight_version")) != self.weight_version for url in self.urls):
+            self.weights_lost = True
+        if repush:
+            self._recover_weights()
+
+    def _recover_weights(self) -> None:
+        """Servers back on their model directory's weights get the trainer's again: re-exported by
+        `reexport_fn` when there is one, else WeightsLostError (the trainer pushes again on every rank)."""
+        if not self.weights_lost:
             return
-        payloads = self._last_payloads
-        if payloads is None and self.reexport_fn is not None and self.weight_version != 0:
-            payloads, _ = collect_push(self.reexport_fn(), self.manifest, self._encode)
-        if payloads is None:
-            return
-        stale = [url for url in self.urls if int(self._rpc(url, "mrl_weight_version")) != self.weight_version]
-        if stale:
-            self._load(stale, payloads, self.weight_version)
+        if self.reexport_fn is None:
+            raise WeightsLostError(
+                f"vLLM servers {self.urls} do not all serve weight version {self.weight_version} after a restart or "
+                "a broken push: push the trainer's weights again before generating"
+            )
+        self._push(as_weight_stream(self.reexport_fn()), self.weight_version)
 
     def _is_engine_failure(self, error: BaseException) -> bool:
         return isinstance(error, (ServerDeadError, BroadcastError))
 
     # ---- weights ---------------------------------------------------------------------------------
-    def _encode(self, bucket: Bucket) -> Any:
-        return bucket_to_b64(bucket) if self.weight_transport == "rpc" else to_host(bucket)
+    def _target(self, url: str) -> PushTarget:
+        """One server as the push protocol sees it (rollout.push)."""
+        def reset_prefix_cache() -> None:
+            if not self._post(url, "/reset_prefix_cache").get("success", False):
+                raise ServerDeadError(f"{url}: the server refused to reset its prefix cache after a weight push")
+
+        return PushTarget(f"vLLM server {url}", partial(self._rpc, url), bucket_to_b64, reset_prefix_cache)
 
     def _broadcaster(self) -> BroadcastSender:
         """The weight-broadcast group with every server's workers, formed on first use and after a revival."""
@@ -349,51 +364,34 @@ class VLLMServerEngine:
             self._broadcast.connect(joins, workers, names=[f"vLLM server {url}" for url in self.urls])
         return self._broadcast
 
-    def _load(self, urls: list[str], payloads: list[Any], version: int, repack_moe: bool = True) -> list[dict]:
-        """Stage `payloads` on the servers at `urls` (all of them for a broadcast), commit, reset prefix caches."""
-        broadcast = self._broadcaster() if self.weight_transport == "broadcast" else None
-        if broadcast is not None:
-            urls = list(self.urls)  # every worker of the group takes part in each broadcast
-        for url in urls:
-            self._rpc(url, "mrl_begin_push", version)
+    def _push(self, stream: WeightStream, version: int, repack_moe: bool = True) -> PushResult:
+        """One streamed push into every server (rollout.push); dead servers are restarted first."""
+        if not all(self._healthy(url) for url in self.urls):
+            self._revive(repush=False)
         try:
-            if broadcast is not None:
-                receives = [lambda layout, url=url: self._rpc(url, "mrl_broadcast_receive", layout) for url in urls]
-                names = [f"vLLM server {url}" for url in urls]
-                for payload in payloads:
-                    broadcast.send(payload, receives, names)
-            else:
-                for url in urls:
-                    for payload in payloads:
-                        self._rpc(url, "mrl_stage_weights", payload)
-            stats = [self._rpc(url, "mrl_commit_push", "1" if repack_moe else "0") for url in urls]
-        except ServerRequestError:
-            for url in urls:
-                self._rpc(url, "mrl_abort_push")
+            result = stream_push(
+                [self._target(url) for url in self.urls], stream, version, manifest=self.manifest,
+                repack_moe=repack_moe, sender=self._broadcaster if self.weight_transport == "broadcast" else None,
+            )
+        except PushBrokenError:
+            self.weights_lost = True
+            if self._broadcast is not None:
+                self._broadcast.close()
             raise
-        for url in urls:
-            if not self._post(url, "/reset_prefix_cache").get("success", False):
-                raise ServerDeadError(f"{url}: the server refused to reset its prefix cache after a weight push")
-        return stats
+        self.weights_lost = False
+        return result
 
     def update_weights(self, buckets: Iterable[Bucket], version: int, *, repack_moe: bool = True) -> PushStats:
-        """Push a full set of HF-named weights into every server as `version`."""
+        """Push a full set of HF-named weights into every server as `version`, streamed (rollout.push)."""
         start = time.perf_counter()
-        payloads, validator = collect_push(buckets, self.manifest, self._encode)
-
-        def attempt() -> list[dict]:
-            return self._load(self.urls, payloads, version, repack_moe)
-
+        stream = as_weight_stream(buckets)
         with self._lock:
-            stats, _ = run_with_restarts(
-                attempt, lambda e: self._revive(e, repush=False), max_restarts=self.config.max_restarts,
-                is_engine_failure=self._is_engine_failure, what=f"weight push v{version}",
-            )
+            result = self._push(stream, int(version), repack_moe)
             self.weight_version = int(version)
-            self._last_payloads = payloads if self.reexport_fn is None else None
+        self.last_push = result
         return PushStats(
-            version=int(version), tensors=len(validator.seen), bytes=validator.num_bytes,
-            seconds=time.perf_counter() - start, load_seconds=max(float(s["load_s"]) for s in stats),
+            version=int(version), tensors=result.tensors, bytes=result.bytes,
+            seconds=time.perf_counter() - start, load_seconds=max(float(c["load_s"]) for c in result.commits),
         )
 
     # ---- generation ------------------------------------------------------------------------------
@@ -403,6 +401,7 @@ class VLLMServerEngine:
         if sampling.return_routed_experts and not self.model_info["num_moe_layers"]:
             raise RoutedExpertsError("routed experts were asked for, but the servers' model has no MoE layers")
         with self._lock:
+            self._recover_weights()
             return generate_with_restarts(
                 lambda: self._generate_once(prompts, sampling), self._revive,
                 max_restarts=self.config.max_restarts, is_engine_failure=self._is_engine_failure,

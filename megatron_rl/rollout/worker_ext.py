@@ -7,17 +7,26 @@ a multiprocess one, or as `POST /collective_rpc` on a server started with
 VLLM_SERVER_DEV_MODE=1. Over HTTP every argument is a string, so the methods
 accept strings where they take numbers and return JSON-able values or text.
 
-A weight push is staged, then committed:
+A weight push streams (rollout.streaming_load): the trainer has checked the
+whole push's names, shapes and dtypes against the engine's manifest before
+the first bucket, so each bucket is loaded as it arrives:
 1. `mrl_begin_push(version)` opens a push;
-2. `mrl_stage_weights(bucket)` checks each bucket against the manifest (HF
-   names and shapes of the checkpoint the engine loaded) and keeps it; nothing
-   in the model changes yet, so a bad tensor anywhere in the push leaves the
-   engine on its old weights;
-3. `mrl_commit_push()` checks the push is complete, then loads everything in
-   ONE `model_runner.reload_weights(weights_iterator=...)` (plain
-   `model.load_weights` fails on CPU after start: the CPU backend re-packs
-   linear weights and empties `.weight`), re-packs fused-MoE experts (below)
-   and records the version. The caller then resets the prefix cache.
+2. `mrl_stage_weights(bucket)` checks the bucket against the manifest (HF
+   names and shapes of the checkpoint the engine loaded) and hands it to ONE
+   `model_runner.reload_weights(weights_iterator=...)` running on a thread of
+   its own for the whole push (plain `model.load_weights` fails on CPU after
+   start: the CPU backend re-packs linear weights and empties `.weight`).
+   vLLM's layerwise reload keeps the parts of a fused layer (qkv_proj,
+   gate_up_proj, w13_weight, ...) until all have arrived, then processes the
+   layer: with buckets in model order a worker holds about one bucket and one
+   layer's parts, never the whole model;
+3. `mrl_commit_push()` ends the reload, checks the push was complete,
+   re-packs fused-MoE experts (below) and records the version. The caller then
+   resets the prefix cache.
+A push broken midway (a bucket that does not fit, a caller that gave up:
+`mrl_abort_push`, or a new `mrl_begin_push`) leaves layers of two versions, so
+the worker reloads the model directory's weights (version 0, complete) before
+it answers; the trainer then pushes again.
 
 Buckets reach step 2 by RPC (tensors in-process, safetensors bytes across
 processes and HTTP) or by broadcast (weight_sync.broadcast): the worker joins
@@ -58,7 +67,8 @@ from megatron_rl.weight_sync.broadcast import (
     BroadcastError, backend_device, broadcast_from_root, check_not_same_gpu, close_group, open_group, unpack_bucket,
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
-from megatron_rl.weight_sync.manifest import PushValidator, WeightPushError, manifest_from_checkpoint
+from megatron_rl.rollout.streaming_load import StreamingLoad
+from megatron_rl.weight_sync.manifest import WeightPushError, manifest_from_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -199,17 +209,26 @@ class RolloutWorkerExtension:
         return int(self.__dict__.get("_mrl_version", 0))
 
     def mrl_begin_push(self, version: int | str) -> None:
-        self.__dict__["_mrl_push"] = {
-            "version": int(version),
-            "validator": PushValidator(self._mrl_manifest()),
-            "tensors": [],
-        }
+        self.mrl_abort_push()  # a push left open (its caller died) is ended first, restoring a complete version
+        self.__dict__["_mrl_push"] = StreamingLoad(self.model_runner, self._mrl_manifest(), int(version))  # type: ignore[attr-defined]
 
-    def mrl_abort_push(self) -> None:
-        self.__dict__.pop("_mrl_push", None)
+    def mrl_abort_push(self) -> dict:
+        """End an open push. If its loading had begun, go back to a complete version: the model directory's weights
+        (version 0). Returns {'version': the version now served, 'restored': whether the weights were reloaded}."""
+        push = self.__dict__.pop("_mrl_push", None)
+        if push is None or not push.abort():
+            return {"version": self.mrl_weight_version(), "restored": False}
+        runner = self.model_runner  # type: ignore[attr-defined]
+        runner.reload_weights(weights_path=str(runner.model_config.model), is_checkpoint_format=True)
+        repack_cpu_moe_experts(runner.get_model())
+        self.__dict__["_mrl_version"] = 0
+        logger.warning("weight push v%d broken midway: the model directory's weights (version 0) were reloaded", push.version)
+        return {"version": 0, "restored": True}
 
     def mrl_stage_weights(self, payload: list | bytes | str) -> int:
-        """Check and keep one bucket: a list of (name, tensor), safetensors bytes, or their base64 text."""
+        """Check one bucket and hand it to the loading (a list of (name, tensor), safetensors bytes, or base64 text).
+
+        A bucket that does not fit the manifest ends the push (going back to a complete version) and raises."""
         push = self.__dict__.get("_mrl_push")
         if push is None:
             raise WeightPushError("mrl_stage_weights called without mrl_begin_push")
@@ -220,34 +239,36 @@ class RolloutWorkerExtension:
         else:
             bucket = list(payload)
         try:
-            push["validator"].check_bucket(bucket)
-        except WeightPushError:
+            push.stage(bucket)
+        except BaseException:
             self.mrl_abort_push()
             raise
-        push["tensors"].extend(bucket)
         return len(bucket)
 
     def mrl_commit_push(self, repack_moe: bool | str = True) -> dict:
-        """Load the staged push into the model (one reload), re-pack MoE experts, record the version."""
-        push = self.__dict__.pop("_mrl_push", None)
+        """Finish loading the push (the reload ends once its last bucket is in), re-pack MoE experts, record the version."""
+        push = self.__dict__.get("_mrl_push")
         if push is None:
             raise WeightPushError("mrl_commit_push called without mrl_begin_push")
-        push["validator"].check_complete()
         if isinstance(repack_moe, str):
             repack_moe = repack_moe.lower() not in ("0", "false", "no")
+        try:
+            push.finish()
+        except BaseException:
+            self.mrl_abort_push()
+            raise
+        self.__dict__.pop("_mrl_push", None)
         runner = self.model_runner  # type: ignore[attr-defined]
         start = time.perf_counter()
-        tensors = push.pop("tensors")
-        runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
-        del tensors
         repacked = repack_cpu_moe_experts(runner.get_model()) if repack_moe else 0
-        self.__dict__["_mrl_version"] = push["version"]
+        self.__dict__["_mrl_version"] = push.version
         return {
-            "version": push["version"],
-            "tensors": len(push["validator"].seen),
-            "bytes": push["validator"].num_bytes,
-            "load_s": time.perf_counter() - start,
+            "version": push.version,
+            "tensors": len(push.validator.seen),
+            "bytes": push.validator.num_bytes,
+            "load_s": push.load_seconds + time.perf_counter() - start,
             "repacked_moe_layers": repacked,
+            "peak_staged_bytes": push.live.peak,
         }
 
     # ---- buckets by broadcast (weight_sync.broadcast) ---------------------------------------------
@@ -280,7 +301,9 @@ class RolloutWorkerExtension:
             self.mrl_broadcast_leave()
             self.mrl_abort_push()
             raise
-        return self.mrl_stage_weights(unpack_bucket(layout, flat))
+        bucket = unpack_bucket(layout, flat)
+        del flat  # the views keep it alive exactly as long as the loading holds them
+        return self.mrl_stage_weights(bucket)
 
     # ---- routed experts ------------------------------------------------------------------------
     def _mrl_recorder(self) -> _RouteRecorder:

@@ -3,8 +3,9 @@
     push_weights(engine_or_None, export_hf_weights(chunks, ctx, bucket_bytes=...), version)
 
 buckets.py: bucketing and the wire format (safetensors bytes);
-manifest.py: what the engine accepts and the whole-push check done before any
-engine weight changes; push.py: push_weights and the engine-side collection;
+manifest.py: what the engine accepts; stream.py: a push announced up front
+(names, shapes, dtypes) and checked before any byte moves; push.py:
+push_weights on every trainer rank;
 broadcast.py: buckets broadcast from the pushing rank into every engine worker
 over a group of their own (NCCL on GPU, gloo on CPU).
 The engine side of loading lives in megatron_rl.rollout.worker_ext.
@@ -12,7 +13,8 @@ The engine side of loading lives in megatron_rl.rollout.worker_ext.
 
 from megatron_rl.weight_sync.buckets import Bucket, bucket_from_bytes, bucket_to_bytes, bucketize, tensor_bytes
 from megatron_rl.weight_sync.manifest import PushValidator, WeightManifest, WeightPushError, manifest_from_checkpoint
-from megatron_rl.weight_sync.push import PushStats, collect_push, push_weights
+from megatron_rl.weight_sync.push import PushStats, push_weights
+from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream, check_announced
 
 __all__ = [
     "Bucket",
@@ -23,8 +25,10 @@ __all__ = [
     "bucket_from_bytes",
     "bucket_to_bytes",
     "bucketize",
-    "collect_push",
     "manifest_from_checkpoint",
     "push_weights",
+    "WeightStream",
+    "as_weight_stream",
+    "check_announced",
     "tensor_bytes",
 ]

@@ -19,8 +19,8 @@ One bucket on the wire:
    check, kept until the push commits).
 
 The whole push is checked against the engine's manifest on the trainer before
-the first bucket goes out (weight_sync.push.collect_push), so a refused push
-never reaches the workers. A failure during a broadcast (a worker died, an RPC
+the first bucket goes out (weight_sync.stream.check_announced), so a refused
+push never reaches the workers. A failure during a broadcast (a worker died, an RPC
 failed) leaves the group unusable: it is closed and the error is the engine's
 (the engine restarts and the group is formed again).
 """

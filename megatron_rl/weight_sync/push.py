@@ -5,22 +5,28 @@ Every trainer rank calls
     push_weights(engine if rank == 0 else None, export_hf_weights(chunks, ctx, bucket_bytes=...), version)
 
 The export is a collective (TP gathers, EP/PP sends), so every rank iterates
-it to the end; ranks without an engine just drain it. The engine side checks
-every bucket against the engine's manifest while the export runs and loads
-nothing until the whole push has passed (see weight_sync.manifest): a refused
-push raises WeightPushError naming the tensor, after draining the export, and
-the engine keeps serving its previous weights and version.
+it to the end; ranks without an engine just drain it. The engine checks the
+whole push's announced names, shapes and dtypes (weight_sync.stream) before
+the first byte moves: a refused push raises WeightPushError naming the
+tensor, after draining the export, and the engine keeps its weights and
+version. Then buckets stream into the engine as the export produces them
+(rollout.push); a push that breaks midway leaves the engine on a complete
+version and, given a function that makes the export, is made again.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
 from megatron_rl.weight_sync.buckets import Bucket
-from megatron_rl.weight_sync.manifest import PushValidator, WeightManifest, WeightPushError
+from megatron_rl.weight_sync.manifest import WeightPushError
+from megatron_rl.weight_sync.stream import PushBrokenError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,58 +50,56 @@ class SupportsWeightPush(Protocol):
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> PushStats: ...
 
 
-def push_weights(engine: SupportsWeightPush | None, buckets: Iterable[Bucket], version: int) -> PushStats | None:
-    """Push `buckets` into `engine` as weight `version`; with engine=None just drain the export (other ranks)."""
-    if engine is None:
-        for _ in buckets:
-            pass
-        return None
-    return engine.update_weights(buckets, version)
+def push_weights(
+    engine: SupportsWeightPush | None,
+    buckets: Iterable[Bucket] | Callable[[], Iterable[Bucket]],
+    version: int,
+    *,
+    group: Any = None,
+    max_attempts: int = 3,
+) -> PushStats | None:
+    """Push `buckets` into `engine` as weight `version`; with engine=None just drain the export (other ranks).
 
-
-def collect_push(
-    buckets: Iterable[Bucket], manifest: WeightManifest, encode: Callable[[Bucket], Any]
-) -> tuple[list[Any], PushValidator]:
-    """Check every bucket against the manifest and encode it for the engine.
-
-    Iterates `buckets` to the end even after a bad tensor (the export is a
-    collective other ranks are still in), then raises the first error.
-    Returns the encoded payloads and the validator (tensor and byte counts).
+    buckets may be a function that makes the export (every rank calls it): then a push that breaks midway
+    (the engine restored itself to a complete version, PushBrokenError) is made again from a
+    fresh export, up to max_attempts times. Every rank must learn of the failure to join the new export,
+    so with more than one rank pass `group` (the trainer's world group): the outcome is agreed there
+    with one all_reduce per attempt.
     """
-    validator = PushValidator(manifest)
-    payloads: list[Any] = []
-    error: WeightPushError | None = None
-    for bucket in buckets:
-        bucket = list(bucket)
-        if error is not None or not bucket:
-            continue
-        try:
-            validator.check_bucket(bucket)
-        except WeightPushError as e:
-            error = e
-            payloads.clear()
-            continue
-        payloads.append(encode(bucket))
-    if error is None:
-        try:
-            validator.check_complete()
-        except WeightPushError as e:
-            error = e
-    if error is not None:
-        raise error
-    return payloads, validator
-
-
-def to_host(bucket: Bucket) -> Bucket:
-    """The bucket with tensors on CPU (kept for re-pushing after an engine restart)."""
-    return [(name, t.detach() if t.device.type == "cpu" else t.detach().to("cpu")) for name, t in bucket]
-
-
-def keep_alive_bytes(payloads: list[Any]) -> int:
-    total = 0
-    for p in payloads:
-        if isinstance(p, (bytes, bytearray, str)):
-            total += len(p)
+    make = buckets if callable(buckets) else None
+    for attempt in range(1, max_attempts + 1):
+        stream = make() if make is not None else buckets
+        error: BaseException | None = None
+        stats = None
+        if engine is None:
+            for _ in stream:
+                pass
         else:
-            total += sum(int(t.numel()) * t.element_size() for _, t in p if isinstance(t, torch.Tensor))
-    return total
+            try:
+                stats = engine.update_weights(stream, version)
+            except BaseException as raised:  # noqa: BLE001 - agreed with the other ranks below, then raised or retried
+                error = raised
+        broken = _any_rank(error is not None and _is_broken_push(error), group)
+        if error is not None and not _is_broken_push(error):
+            raise error
+        if not broken:
+            return stats
+        if make is None or attempt == max_attempts:
+            if error is not None:
+                raise error
+            raise WeightPushError(f"weight push v{version} broke on the pushing rank after {attempt} attempt(s)")
+        logger.warning("weight push v%d broke midway (%s); exporting again (attempt %d of %d)", version, error, attempt + 1, max_attempts)
+    return None
+
+
+def _is_broken_push(error: BaseException) -> bool:
+    return isinstance(error, PushBrokenError)
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    """Whether `flag` holds on any rank of `group` (this rank's own flag without a group)."""
+    if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(value.item())

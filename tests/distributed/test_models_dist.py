@@ -92,10 +92,15 @@ def _load_forward_export(rank: int, world_size: int, cases: list, dirs: dict) ->
         try:
             chunks = build_model(ModelConfig(path=dirs[family]), ctx)
             logits = forward_logits(chunks, ctx, sample_tokens(hf_config["vocab_size"]), hf_config["vocab_size"])
-            exported, bucket_sizes = {}, []
-            for bucket in export_hf_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES):
+            exported, bucket_sizes, yielded = {}, [], []
+            export = export_hf_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES)
+            announced = list(export.entries)  # known before the first bucket is made
+            for bucket in export:
                 bucket_sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
                 exported.update(bucket)
+                yielded += [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in bucket]
+            if ctx.rank == 0 and announced != yielded:
+                raise AssertionError(f"{family} {layout}: the export announced {announced} but yielded {yielded}")
             results.append({"logits": logits, "exported": exported if ctx.rank == 0 else None, "buckets": bucket_sizes})
         finally:
             destroy_parallel(ctx, keep_world=True)

@@ -17,6 +17,7 @@ import vllm  # noqa: F401,E402  (a required dependency: a broken install must fa
 
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import EngineStartError, PromptError, SamplingSpec, VLLMEngine  # noqa: E402
+from megatron_rl.rollout.push import WeightsLostError  # noqa: E402
 from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
 from tests.e2e.vllm_helpers import (  # noqa: E402
     build_models,
@@ -279,14 +280,26 @@ def test_engine_failure_restarts_and_repushes(moe_engine, models):
 
         runner.execute_model = broken
 
-    moe_engine._llm.collective_rpc(fail_next_step)
-    restarts = moe_engine.restarts
-    rollouts = moe_engine.generate(PROMPTS, _spec())
+    # no host copy of the last push is kept: the restarted engine asks the trainer to export again
+    moe_engine.reexport_fn = lambda: bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10)
+    try:
+        moe_engine._llm.collective_rpc(fail_next_step)
+        restarts = moe_engine.restarts
+        rollouts = moe_engine.generate(PROMPTS, _spec())
+    finally:
+        moe_engine.reexport_fn = None
     assert rollouts.metrics["restarts"] == 1 and moe_engine.restarts == restarts + 1
     assert rollouts.weight_version == 11
-    # the restarted engine serves the re-pushed weights, not the model directory's
+    # the restarted engine serves the re-exported weights, not the model directory's
     assert max_logprob_error(models["moe1"], rollouts, 1.0) < TOL
     assert [s.response_token_ids.tolist() for s in rollouts] == [s.response_token_ids.tolist() for s in reference]
+
+    # without a way to re-export alone (a trainer of several ranks), the engine says so instead of serving moe0
+    moe_engine._llm.collective_rpc(fail_next_step)
+    with pytest.raises(WeightsLostError, match="not version 11"):
+        moe_engine.generate(PROMPTS, _spec())
+    _push(moe_engine, models["moe1"], version=11)  # what the trainer does on every rank; then generation goes on
+    assert max_logprob_error(models["moe1"], moe_engine.generate(PROMPTS, _spec()), 1.0) < TOL
 
 
 def test_partial_rollouts_continue_under_new_weights_with_per_token_logprobs(moe_engine, models):

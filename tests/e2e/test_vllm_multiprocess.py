@@ -1,8 +1,10 @@
-"""Engine core in a child process (rollout.multiprocessing): broadcast and bytes pushes, capture, a real kill.
+"""Engine core in a child process (rollout.multiprocessing): broadcast and bytes pushes, capture, real kills.
 
-Two engine-core starts (~30 s each on 2 idle cores): the only test that kills a
-real engine process and checks the restart re-pushes the weights (the
-in-process recovery test injects its fault).
+Three engine-core starts (~20-30 s each on 2 idle cores): the tests that kill
+a real engine process, once in the middle of a streamed push (the push is made
+again from a fresh export into the restarted engine) and once during
+generation (the restarted engine gets a re-export); the in-process recovery
+test injects its fault.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ import vllm  # noqa: F401,E402  (a required dependency: a broken install must fa
 
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import SamplingSpec, VLLMEngine  # noqa: E402
-from megatron_rl.weight_sync import bucketize, push_weights  # noqa: E402
+from megatron_rl.weight_sync import WeightStream, bucketize, push_weights  # noqa: E402
+from megatron_rl.weight_sync.stream import entries_of  # noqa: E402
 from tests.e2e.vllm_helpers import build_models, hf_router_topk, hf_state_dict, max_logprob_error  # noqa: E402
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10]]
+
+
+def _core_pid(engine) -> int:
+    return engine._llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
 
 
 @pytest.mark.slow
@@ -30,27 +37,45 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
     engine = VLLMEngine(models["moe0"], config)
     try:
         assert engine.weight_transport == "broadcast"  # gloo group with the engine's worker
-        push_weights(engine, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=3)
+        # a push broken midway by a killed engine core: made again from a fresh export on a restarted engine
+        exports = []
+
+        def export():  # the trainer's export, made anew per attempt; the first loses the engine core midway
+            exports.append(1)
+            listed = list(bucketize(hf_state_dict(models["moe1"]).items(), 16 << 10))
+
+            def buckets():
+                for index, bucket in enumerate(listed):
+                    if index == 4 and len(exports) == 1:
+                        os.kill(_core_pid(engine), signal.SIGKILL)
+                    yield bucket
+
+            return WeightStream(entries_of(listed), buckets())
+
+        push_weights(engine, export, version=3, max_attempts=2)
+        assert len(exports) == 2 and engine.restarts == 1
         spec = SamplingSpec(n=2, max_new_tokens=10, seed=1, return_routed_experts=True)
         before = engine.generate(PROMPTS, spec)
-        assert max_logprob_error(models["moe1"], before, 1.0) < 1e-4
+        # moe1's logprobs, not the directory's moe0: the restarted engine got the whole second export
+        assert before.weight_version == 3 and max_logprob_error(models["moe1"], before, 1.0) < 1e-4
         for s in before:
             ids, margin = hf_router_topk(models["moe1"], s.token_ids, 2)
             differ = (s.routed_experts.long().sort(dim=-1).values[:-1] != ids[:-1]).any(dim=-1)
             assert not (differ & (margin[:-1] > 1e-5)).any()
 
-        core = engine._llm.llm_engine.engine_core.resources.engine_manager.processes[0]
-        os.kill(core.pid, signal.SIGKILL)
+        # a killed engine core during generation: restarted, and the trainer's weights re-exported into it
+        engine.reexport_fn = lambda: bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10)
+        os.kill(_core_pid(engine), signal.SIGKILL)
         after = engine.generate(PROMPTS, spec)
-        assert after.metrics["restarts"] == 1 and after.weight_version == 3
+        assert after.metrics["restarts"] == 1 and engine.restarts == 2 and after.weight_version == 3
         assert max_logprob_error(models["moe1"], after, 1.0) < 1e-4  # re-pushed, not the directory's weights
         assert [s.response_token_ids.tolist() for s in after] == [s.response_token_ids.tolist() for s in before]
         assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(after, before))
 
         # the same engine with buckets as safetensors bytes over vLLM's RPC (rollout.weight_transport=rpc)
         engine.weight_transport = "rpc"
-        push_weights(engine, bucketize(hf_state_dict(models["moe0"]).items(), 64 << 10), version=4)
+        push_weights(engine, bucketize(hf_state_dict(models["moe0"]).items(), 64 << 10), version=5)
         by_rpc = engine.generate(PROMPTS, spec)
-        assert by_rpc.weight_version == 4 and max_logprob_error(models["moe0"], by_rpc, 1.0) < 1e-4
+        assert by_rpc.weight_version == 5 and max_logprob_error(models["moe0"], by_rpc, 1.0) < 1e-4
     finally:
         engine.shutdown()

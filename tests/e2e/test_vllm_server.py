@@ -98,7 +98,12 @@ def test_killed_server_is_restarted_with_the_pushed_weights(server_engine, model
     server = server_engine.servers[0]
     os.killpg(server.process.pid, signal.SIGKILL)  # the API server and its engine core
     server.process.wait()
-    after = server_engine.generate(PROMPTS, spec)
+    # no host copy of the last push is kept: the restarted server gets a fresh export from the trainer
+    server_engine.reexport_fn = lambda: bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10)
+    try:
+        after = server_engine.generate(PROMPTS, spec)
+    finally:
+        server_engine.reexport_fn = None
     assert after.metrics["restarts"] == 1 and after.weight_version == 8
     # the restarted server loaded moe0 from its directory; these are moe1's logprobs, so the push was repeated
     assert max_logprob_error(models["moe1"], after, 0.9) < TOL
@@ -112,7 +117,9 @@ def test_supervised_server_comes_back_for_an_engine_that_did_not_start_it(server
 
     server = server_engine.servers[0]
     supervisor = ServerSupervisor(server, poll_s=0.2)
-    client = VLLMServerEngine([server.url], server_engine.config)
+    client = VLLMServerEngine(
+        [server.url], server_engine.config, reexport_fn=lambda: bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10)
+    )
     try:
         assert client.servers == [None]  # an external server to this engine: it waits, never restarts
         push_weights(client, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=9)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -15,11 +16,12 @@ from megatron_rl.weight_sync import (
     bucket_from_bytes,
     bucket_to_bytes,
     bucketize,
-    collect_push,
+    check_announced,
     manifest_from_checkpoint,
     push_weights,
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_to_b64
+from megatron_rl.weight_sync.stream import AnnouncedPush, LiveBytes, PushBrokenError, entries_of
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -70,22 +72,76 @@ def test_manifest_names_the_bad_tensor():
         validator.check_complete()
 
 
-def test_collect_push_drains_the_export_before_raising():
+def test_the_whole_push_is_checked_from_its_announcement():
+    manifest = WeightManifest(shapes={k: tuple(v.shape) for k, v in _state().items()},
+                              dtypes={k: "F32" for k in _state()})
+    entries = entries_of([list(_state().items())])
+    check_announced(manifest, entries)
+    check_announced(manifest, [(n, s, "bfloat16") for n, s, _ in entries])  # the engine casts between floats
+    with pytest.raises(WeightPushError, match=r"'model.norm.weight' comes as int64.*float32"):
+        check_announced(manifest, [(n, s, "int64" if n == "model.norm.weight" else d) for n, s, d in entries])
+    with pytest.raises(WeightPushError, match=r"'model.norm.weight' has shape \[9\]"):
+        check_announced(manifest, [(n, (9,) if n == "model.norm.weight" else s, d) for n, s, d in entries])
+    with pytest.raises(WeightPushError, match="1 of the model's 4 tensors are missing"):
+        check_announced(manifest, entries[:3])
+
+
+def test_a_stream_that_breaks_its_announcement_is_caught_at_that_bucket():
     state = _state()
-    state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(8, 9)
-    consumed = []
+    announced = AnnouncedPush(entries_of([list(state.items())]))
+    announced.check_bucket([("model.norm.weight", state["model.norm.weight"])])
+    with pytest.raises(WeightPushError, match="'model.norm.weight' came twice"):
+        announced.check_bucket([("model.norm.weight", state["model.norm.weight"])])
+    with pytest.raises(WeightPushError, match=r"'model.embed_tokens.weight' came as \[16, 8\] bfloat16, announced as"):
+        announced.check_bucket([("model.embed_tokens.weight", state["model.embed_tokens.weight"].bfloat16())])
+    with pytest.raises(WeightPushError, match="stream ended without 3 announced"):
+        announced.check_complete()
+
+
+def test_live_bytes_counts_tensors_until_they_are_freed():
+    live = LiveBytes()
+    a = live.track(torch.zeros(10))  # 40 bytes
+    b = live.track(torch.zeros(5, dtype=torch.float64))  # 40 bytes
+    view = a[2:4]
+    assert live.live == 80 and live.peak == 80
+    del a  # the view keeps its base alive
+    assert live.live == 80
+    del view, b
+    gc.collect()
+    assert live.live == 0 and live.peak == 80
+    live.track(torch.zeros(4))
+    assert live.peak == 80
+
+
+def test_a_broken_push_is_made_again_from_a_fresh_export_and_other_errors_are_not():
+    class Flaky:
+        def __init__(self, failures):
+            self.failures = list(failures)
+            self.got = []
+
+        def update_weights(self, buckets, version):
+            self.got.append([n for b in buckets for n, _ in b])
+            if self.failures:
+                raise self.failures.pop(0)
+            return version
+
+    exports = []
 
     def export():
-        for name, tensor in state.items():
-            consumed.append(name)
-            yield [(name, tensor)]
+        exports.append(1)
+        return bucketize(_state().items(), 64)
 
-    with pytest.raises(WeightPushError, match="q_proj"):
-        collect_push(export(), _manifest(), encode=lambda b: b)
-    assert consumed == list(state)  # other ranks are still in the export's collectives
-    payloads, validator = collect_push(bucketize(_state().items(), 64), _manifest(), encode=lambda b: b)
-    assert validator.seen == set(_state()) and validator.num_bytes == sum(t.numel() * 4 for t in _state().values())
-    assert sum(len(p) for p in payloads) == 4
+    engine = Flaky([PushBrokenError("engine died", [None])])
+    assert push_weights(engine, export, version=5, max_attempts=2) == 5
+    assert len(exports) == 2 and engine.got[1] == list(_state())
+    engine = Flaky([PushBrokenError("engine died", [None])] * 2)
+    with pytest.raises(PushBrokenError, match="engine died"):
+        push_weights(engine, export, version=6, max_attempts=2)
+    engine = Flaky([WeightPushError("bad name")])  # refused: not retried
+    exports.clear()
+    with pytest.raises(WeightPushError, match="bad name"):
+        push_weights(engine, export, version=7, max_attempts=3)
+    assert len(exports) == 1
 
 
 def test_push_weights_without_engine_only_drains():

@@ -1,0 +1,127 @@
+"""One weight push loaded into a vLLM worker's model as its buckets arrive.
+
+vLLM reloads weights in place with `model_runner.reload_weights(weights_iterator=...)`:
+its layerwise reload keeps each layer's parts until the layer is complete, then
+processes it (fused qkv_proj / gate_up_proj / w13_weight built from all their
+HF parts). The push arrives as separate calls (one per bucket), so the reload
+runs on a thread of its own for the whole push and takes tensors from a
+queue of one bucket: the worker holds the bucket it is handing over, the one
+in the queue, and the parts of the layer vLLM is completing. `live` measures
+that by allocation accounting (every staged tensor counts until it is freed).
+
+Ending a push: `finish()` closes the iterator, waits for the reload and
+raises its error if it had one; `abort()` closes it too (vLLM then finishes
+the layers it has, so the model holds two versions) and says whether loading
+had begun, in which case the caller must reload a complete version.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Iterator
+
+import torch
+
+from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.manifest import PushValidator, WeightManifest, WeightPushError
+from megatron_rl.weight_sync.stream import LiveBytes
+
+_END = object()
+"""Queue marker: no more buckets."""
+
+_POLL_S = 0.1
+
+
+class StreamingLoad:
+    """A push into one worker's model (see the module docstring)."""
+
+    def __init__(self, runner: Any, manifest: WeightManifest, version: int):
+        self.runner = runner
+        self.version = int(version)
+        self.validator = PushValidator(manifest)
+        self.live = LiveBytes()
+        self.load_seconds = 0.0
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._ended = False
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def stage(self, bucket: Bucket) -> None:
+        """Check a bucket against the manifest, then hand it to the reload (blocks while the queue is full)."""
+        self.validator.check_bucket(bucket)
+        if self._thread is None:
+            self._start()
+        self._put([(name, self.live.track(tensor)) for name, tensor in bucket])
+
+    def finish(self) -> None:
+        """The push is complete: end the reload and wait for it; raises if the push or the reload failed."""
+        self.validator.check_complete()
+        if self._thread is None:  # a push of no buckets is refused by check_complete unless the model has none
+            return
+        self._end()
+        if self._error is not None:
+            raise WeightPushError(f"loading weight push v{self.version} failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    def abort(self) -> bool:
+        """End the push; True when loading had begun (the model now mixes versions and must be reloaded)."""
+        if self._thread is None:
+            return False
+        self._end()
+        return True
+
+    # ---- the reload thread -------------------------------------------------------------------------
+    def _start(self) -> None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._thread = threading.Thread(target=self._reload, args=(device,), name="mrl-weight-load", daemon=True)
+        self._thread.start()
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            yield from item
+            del item  # drop this bucket's references before waiting for the next
+
+    def _reload(self, device: int | None) -> None:
+        start = time.perf_counter()
+        try:
+            if device is not None:  # the current CUDA device is per thread
+                torch.cuda.set_device(device)
+            self.runner.reload_weights(weights_iterator=self._tensors(), is_checkpoint_format=True)
+        except BaseException as error:  # noqa: BLE001 - reported by finish() or stage()
+            self._error = error
+        finally:
+            self.load_seconds = time.perf_counter() - start
+
+    def _put(self, item: Any) -> None:
+        while True:
+            if self._error is not None or not self._thread.is_alive():  # type: ignore[union-attr]
+                error = self._error or RuntimeError("the reload thread ended early")
+                raise WeightPushError(f"loading weight push v{self.version} failed: {type(error).__name__}: {error}") from error
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def _end(self) -> None:
+        if self._ended or self._thread is None:
+            return
+        self._ended = True
+        while self._thread.is_alive():
+            try:
+                self._queue.put(_END, timeout=_POLL_S)
+                break
+            except queue.Full:
+                try:  # an aborted push: drop the bucket still waiting
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+        self._thread.join()
