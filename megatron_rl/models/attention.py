@@ -29,6 +29,11 @@ The math, for a query token i and a key token j (softmax scale s, head dim d):
 
 Grouped-query attention (fewer key/value heads) uses torch's ``enable_gqa``: query head n
 reads key/value group n // (heads / groups), as megatron's ``repeat_interleave`` does.
+
+Memory: the CP exchange is an all-gather (megatron's ``cp_comm_type="all_gather"``, not TE's
+ring of point-to-point steps), so each rank holds the keys and values of the whole sequences
+of its microbatch, 2 x T x groups x head_dim per layer, while everything else it holds is
+T / CP; with GQA that is a small part of a layer's activations.
 """
 
 from __future__ import annotations
@@ -262,6 +267,8 @@ class LocalCoreAttention(MegatronModule):
             mask = ~attention_mask.to(torch.bool)  # megatron: True = masked out; torch: True = attend
         elif self.cp_size > 1 and causal:
             mask = self._cp_causal_mask(seq_len * self.cp_size, query.device)
+        # As megatron's softmax: one query (decoding against cached keys) sees every key.
+        causal = causal and seq_len > 1
         # [s, b, n, hn] -> [b, n, s, hn]
         out = self._sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), mask=mask, causal=causal)
         return out.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)

@@ -194,3 +194,12 @@ def test_packed_microbatch_gives_each_sequences_logits_and_gradients(parallel_ct
     for name, grad in alone_grads.items():
         scale = grad.abs().max().item()
         torch.testing.assert_close(packed_grads[name], grad, atol=1e-5 * max(scale, 1.0), rtol=1e-5, msg=name)
+
+
+def test_single_query_sees_every_key(parallel_ctx):
+    """One query against several keys (a KV-cache decode step), as megatron's softmax treats sq == 1: no causal mask."""
+    attention = make_attention()
+    q, k, v = (t.detach() for t in random_qkv(6, seed=4))
+    out = attention(q[-1:, None], k[:, None], v[:, None], None)
+    expected = reference_attention(q, k, v, HEAD_DIM**-0.5)[-1:]  # the last query of the causal sequence sees all 6 keys
+    torch.testing.assert_close(out[:, 0].double(), expected, atol=1e-6, rtol=0)
