@@ -253,10 +253,13 @@ class RolloutConfig:
     """Engine context length in tokens (prompt + response); 0 = the model's max_position_embeddings."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine dtype; auto = float32 on CPU (logprobs match the trainer to ~1e-6), bfloat16 on GPU."""
-    server_start_timeout_s: float = 300.0
-    """Seconds to wait for a vLLM server this process starts (or restarts) to answer /health."""
+    server_start_timeout_s: float = 0.0
+    """Seconds to wait for a vLLM server to start (or restart) and answer /health; 0 = scaled with the model:
+    300 s + 30 s per GiB of its safetensors (rollout.client_limits)."""
     request_timeout_s: float = 600.0
-    """Seconds one request to a vLLM server (or one control call into a multiprocess engine) may take before the engine counts as dead."""
+    """Seconds one control call (a weight-sync RPC to a server or a multiprocess engine) may take before the engine
+    counts as dead; also how often a server with generation requests in flight is asked /health (at most every
+    30 s). Generation requests have no limit of their own: a server that answers /health is slow, not dead."""
     weight_bucket_mb: float = 512.0
     """Size of one weight-sync bucket in MB."""
     weight_transport: Literal["auto", "rpc", "broadcast"] = "auto"
@@ -294,6 +297,12 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.max_restarts={self.max_restarts}, rollout.weight_bucket_mb={self.weight_bucket_mb}, "
                 f"rollout.kv_cache_gib={self.kv_cache_gib}: restarts must be >= 0, sizes > 0"
+            )
+        if self.server_start_timeout_s < 0 or self.request_timeout_s <= 0:
+            raise ConfigError(
+                f"rollout.server_start_timeout_s={self.server_start_timeout_s}, rollout.request_timeout_s="
+                f"{self.request_timeout_s}: the start-up timeout must be >= 0 (0 = scaled with the model's size), "
+                "the request timeout > 0"
             )
         if self.weight_transport == "broadcast" and self.engine == "vllm" and self.multiprocessing is False:
             raise ConfigError(

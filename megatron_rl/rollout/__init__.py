@@ -35,7 +35,7 @@ def make_engine(model_dir, config, **kwargs) -> RolloutEngine:
                 "rollout.engine=vllm_server needs rollout.server_urls=[http://host:port, ...] (servers started with "
                 "`megatron-rl serve`), or a launch by launch/slurm.sbatch with cluster.rollout_gpus, which starts them"
             )
-        return VLLMServerEngine(config.server_urls, config, **kwargs)
+        return VLLMServerEngine(config.server_urls, config, model_dir=model_dir, **kwargs)
     return VLLMEngine(model_dir, config, **kwargs)
 
 

@@ -10,7 +10,8 @@ VLLM_SERVER_DEV_MODE=1 (enables POST /collective_rpc and /reset_prefix_cache)
 and `--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension`,
 `--logprobs-mode processed_logprobs`; VLLMServer builds that command line.
 
-Generation: prompt i goes to server i mod S (round-robin), one completions
+Generation: prompt i goes to server i mod S (round-robin), each server given
+max(1, max_num_seqs // n) prompts at once (rollout.client_limits), one completions
 request per prompt with n samples, token ids in (`prompt` as a list of ids)
 and out (`return_token_ids`), `logprobs: 0` for the sampled token's logprob.
 Weight push (rollout.weight_transport): mrl_begin_push, the buckets,
@@ -25,7 +26,9 @@ servers at the same time would mix its requests into the capture (matching by
 tokens keeps them apart, but they cost memory), so give the trainer its own
 servers.
 
-Recovery: a server that stops answering (connection refused, timeout, 5xx)
+Recovery: a server that stops answering (connection refused, 5xx, a control
+call past rollout.request_timeout_s, or /health unanswered while its
+generation requests run: a slow request on a healthy server is waited for)
 counts as dead; a server this process started is restarted, an external one is
 waited for (rollout.server_start_timeout_s) in case its supervisor restarts
 it; then every server whose weight version differs gets the last push again
@@ -42,13 +45,14 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
+from megatron_rl.rollout.client_limits import HEALTH_FAILURES_TO_DEAD, health_interval_s, prompts_in_flight, start_timeout_s
 from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
 from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
@@ -161,7 +165,7 @@ class VLLMServer:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        self.wait_ready(self.config.server_start_timeout_s)
+        self.wait_ready(start_timeout_s(self.config.server_start_timeout_s, self.model_dir))
         self.start_seconds = time.perf_counter() - start
         return self
 
@@ -220,7 +224,9 @@ class VLLMServerEngine:
         config: RolloutConfig | None = None,
         *,
         reexport_fn: Callable[[], Iterable[Bucket]] | None = None,
+        model_dir: str | os.PathLike | None = None,
     ):
+        """model_dir: the servers' model (sizes the start-up timeout); by default that of a VLLMServer given."""
         if not servers:
             raise ValueError("VLLMServerEngine needs at least one server URL or VLLMServer")
         import httpx
@@ -229,6 +235,7 @@ class VLLMServerEngine:
         self.servers: list[VLLMServer | None] = [s if isinstance(s, VLLMServer) else None for s in servers]
         self.urls = [s.url if isinstance(s, VLLMServer) else str(s).rstrip("/") for s in servers]
         self.reexport_fn = reexport_fn
+        self.model_dir = model_dir or next((s.model_dir for s in servers if isinstance(s, VLLMServer)), None)
         self.weight_version = 0
         self.restarts = 0
         self.weights_lost = False  # True while a server serves other weights than weight_version says
@@ -241,11 +248,11 @@ class VLLMServerEngine:
         self._describe()
 
     # ---- HTTP ------------------------------------------------------------------------------------
-    def _post(self, url: str, path: str, body: dict | None = None) -> Any:
+    def _post(self, url: str, path: str, body: dict | None = None, client: Any = None) -> Any:
         import httpx
 
         try:
-            response = self._http.post(f"{url}{path}", json=body)
+            response = (client or self._http).post(f"{url}{path}", json=body)
         except httpx.HTTPError as error:
             raise ServerDeadError(f"{url}{path}: {type(error).__name__}: {error}") from error
         if response.status_code >= 500:
@@ -260,9 +267,13 @@ class VLLMServerEngine:
         result = self._post(url, "/collective_rpc", body)
         return None if result is None else result["results"][0]
 
+    def _start_timeout_s(self) -> float:
+        """rollout.server_start_timeout_s, or scaled with the model's size when 0 (rollout.client_limits)."""
+        return start_timeout_s(self.config.server_start_timeout_s, self.model_dir)
+
     def _wait_healthy(self, url: str, failure: str) -> None:
-        """Wait up to rollout.server_start_timeout_s for `url` to answer /health; else ServerDeadError(failure)."""
-        deadline = time.monotonic() + self.config.server_start_timeout_s
+        """Wait up to the start-up timeout for `url` to answer /health; else ServerDeadError(failure)."""
+        deadline = time.monotonic() + self._start_timeout_s()
         while not self._healthy(url):
             if time.monotonic() > deadline:
                 raise ServerDeadError(failure)
@@ -275,8 +286,8 @@ class VLLMServerEngine:
                 logger.info("waiting for the vLLM server at %s", url)
                 self._wait_healthy(
                     url,
-                    f"vLLM server {url} did not answer /health within rollout.server_start_timeout_s="
-                    f"{self.config.server_start_timeout_s:.0f} s: check that it runs (megatron-rl serve) and is reachable",
+                    f"vLLM server {url} did not answer /health within {self._start_timeout_s():.0f} s "
+                    "(rollout.server_start_timeout_s): check that it runs (megatron-rl serve) and is reachable",
                 )
 
     def _describe(self) -> None:
@@ -287,6 +298,9 @@ class VLLMServerEngine:
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
         self.manifest = WeightManifest.from_json(self._rpc(self.urls[0], "mrl_weight_manifest"))
+        # each server's scheduler limit sizes the prompts it is given at once (servers may differ)
+        infos = [info] + [self._rpc(url, "mrl_model_info") for url in self.urls[1:]]
+        self.max_num_seqs = [int(i.get("max_num_seqs", 1)) for i in infos]
         try:
             models = self._http.get(f"{self.urls[0]}/v1/models").json()["data"]
         except httpx.HTTPError as error:
@@ -408,24 +422,74 @@ class VLLMServerEngine:
                 what=f"generate({len(prompts)} prompts x {sampling.n}) on {len(self.urls)} server(s)",
             )
 
-    def _complete(self, prompt_index: int, prompt: list[int], sampling: SamplingSpec) -> dict:
-        url = self.urls[prompt_index % len(self.urls)]
+    def _complete(self, client: Any, url: str, prompt_index: int, prompt: list[int], sampling: SamplingSpec) -> dict:
         body = to_completion_request(sampling, prompt_index, prompt, self.model_name)
         # like the in-process engine: a response stops at the context end (finish_reason 'length')
         # instead of the server rejecting prompt + max_tokens > max_model_len
         body["max_tokens"] = min(int(body["max_tokens"]), self.max_model_len - len(prompt))
         try:
-            return self._post(url, "/v1/completions", body)
+            return self._post(url, "/v1/completions", body, client)
         except ServerRequestError as error:
             raise PromptError(f"prompt {prompt_index}: {error}") from error
+
+    def prompts_in_flight(self, n_samples: int) -> list[int]:
+        """Prompts each server is given at once: max(1, its max_num_seqs // n) (rollout.client_limits)."""
+        return [prompts_in_flight(seqs, n_samples) for seqs in self.max_num_seqs]
+
+    def _complete_all(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[dict]:
+        """One completion request per prompt (prompt i on server i mod S), each server given its in-flight share.
+
+        Requests have no time limit of their own: a server is dead only when it stops answering /health
+        while its requests run (rollout.client_limits), so a long request is waited for.
+        """
+        import httpx
+
+        client = httpx.Client(timeout=httpx.Timeout(self.config.request_timeout_s, read=None))
+        shares = self.prompts_in_flight(sampling.n)
+        pools = [ThreadPoolExecutor(max_workers=share, thread_name_prefix="rollout-request") for share in shares]
+        futures: list[Future] = []
+        server_of: dict[Future, int] = {}
+        try:
+            for index, prompt in enumerate(prompts):
+                server = index % len(self.urls)
+                future = pools[server].submit(self._complete, client, self.urls[server], index, prompt, sampling)
+                futures.append(future)
+                server_of[future] = server
+            self._wait_while_healthy(futures, server_of)
+            return [future.result() for future in futures]
+        finally:
+            client.close()  # requests still waiting on a dead server end here
+            for pool in pools:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    def _wait_while_healthy(self, futures: list[Future], server_of: dict[Future, int]) -> None:
+        """Wait for every request; raise the first failure, or ServerDeadError once a busy server stops answering /health."""
+        interval = health_interval_s(self.config.request_timeout_s)
+        misses = [0] * len(self.urls)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=interval, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in done if f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()  # type: ignore[misc]
+            for server in sorted({server_of[f] for f in pending}):
+                url = self.urls[server]
+                misses[server] = 0 if self._healthy(url) else misses[server] + 1
+                if misses[server] >= HEALTH_FAILURES_TO_DEAD:
+                    waiting = sum(1 for f in pending if server_of[f] == server)
+                    raise ServerDeadError(
+                        f"vLLM server {url} stopped answering /health ({misses[server]} checks {interval:.0f} s apart) "
+                        f"with {waiting} requests in flight"
+                    )
+            if pending:
+                logger.debug("%d requests still running; their servers answer /health (slow, not dead)", len(pending))
 
     def _generate_once(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
         capture = sampling.return_routed_experts
         if capture:
             for url in self.urls:
                 self._rpc(url, "mrl_capture_start")
-        with ThreadPoolExecutor(max_workers=max(1, min(64, len(prompts)))) as pool:
-            responses = list(pool.map(lambda ip: self._complete(ip[0], ip[1], sampling), enumerate(prompts)))
+        responses = self._complete_all(prompts, sampling)
         version = self.weight_version
         samples = []
         for prompt_index, (prompt, response) in enumerate(zip(prompts, responses)):

@@ -320,7 +320,7 @@ class RolloutWorkerExtension:
         return recorder
 
     def mrl_model_info(self) -> dict:
-        """{'workers' (TP x PP), 'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len', 'model_dir'}."""
+        """{'workers' (TP x PP), 'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len', 'model_dir', 'max_num_seqs'}."""
         runner = self.model_runner  # type: ignore[attr-defined]
         routers = find_moe_routers(runner.get_model())
         return {
@@ -330,6 +330,7 @@ class RolloutWorkerExtension:
             "vocab_size": int(runner.model_config.get_vocab_size()),
             "max_model_len": int(runner.model_config.max_model_len),
             "model_dir": str(runner.model_config.model),
+            "max_num_seqs": int(self.vllm_config.scheduler_config.max_num_seqs),  # type: ignore[attr-defined]
         }
 
     def mrl_capture_start(self) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,7 +34,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server_engine(models, tmp_path_factory):
     config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, return_routed_experts=True, server_start_timeout_s=240)
-    server = VLLMServer(models["moe0"], config, log_path=tmp_path_factory.mktemp("vllm-server") / "server.log")
+    server = VLLMServer(models["moe0"], config, log_path=tmp_path_factory.mktemp("vllm-server") / "server.log",
+                        extra_args=["--max-num-seqs", "6"])
     server.start()
     engine = VLLMServerEngine([server], config)
     yield engine
@@ -73,6 +76,24 @@ def test_server_weight_push(server_engine, models):
         ids, margin = hf_router_topk(models["moe1"], s.token_ids, 2)
         differ = (s.routed_experts.long().sort(dim=-1).values[:-1] != ids[:-1]).any(dim=-1)
         assert not (differ & (margin[:-1] > 1e-5)).any()
+
+
+def test_in_flight_prompts_follow_the_server_and_a_long_request_is_slow_not_dead(server_engine, models):
+    # the server runs at most 6 sequences at once; a prompt of n=2 samples takes 2 of them
+    assert server_engine.max_num_seqs == [6] and server_engine.prompts_in_flight(2) == [3]
+    spec = SamplingSpec(n=2, max_new_tokens=60, seed=8, temperature=0.9, ignore_eos=True)
+    start = time.perf_counter()
+    reference = server_engine.generate(PROMPTS, spec)
+    elapsed = time.perf_counter() - start
+    # the same batch with a control-call timeout far below the time its requests take: still no restart
+    client = VLLMServerEngine([server_engine.urls[0]], server_engine.config)
+    config = client.config = replace(server_engine.config, request_timeout_s=max(0.05, elapsed / 6))
+    try:
+        rollouts = client.generate(PROMPTS, spec)
+    finally:
+        client.shutdown()
+    assert rollouts.metrics["restarts"] == 0 and rollouts.metrics["generate_s"] > config.request_timeout_s
+    assert [s.response_token_ids.tolist() for s in rollouts] == [s.response_token_ids.tolist() for s in reference]
 
 
 def test_server_weight_push_as_bytes_over_http(server_engine, models):
