@@ -121,6 +121,9 @@ class Actor:
                 chunk.requires_grad_(False)
         self.settings = LogprobSettings(ctx.tp_group, ctx.tp_rank, self.arch.vocab_size, temperature)
         self.optimizer_steps = 0
+        # Each sequence (packed) or row (padded) is padded to a multiple of TP under sequence
+        # parallelism (each TP rank holds 1/TP of the positions) and of 2 x CP (load-balanced chunks).
+        self._width_multiple = (ctx.tp_size if ctx.sequence_parallel else 1) * (2 * ctx.cp_size if ctx.cp_size > 1 else 1)
         self.last_share_bytes = 0
         """Bytes of the last batch share this rank received (`distribute`)."""
 
@@ -161,10 +164,16 @@ class Actor:
             dp_size=ctx.dp_size,
             micro_batch_size=self.train_cfg.micro_batch_size,
             max_tokens_per_microbatch=self.train_cfg.max_tokens_per_microbatch,
-            width_multiple=ctx.tp_size if ctx.sequence_parallel else 1,
+            width_multiple=self._width_multiple,
             equal_shapes_across_dp=self.model_cfg.token_dispatcher == "allgather" and ctx.ep_size > 1,
             uniform_shapes=self._uniform_shapes,
+            pack_sequences=self.train_cfg.pack_sequences,
         )
+
+    def _inputs(self, batch: TrainBatch, mb: Microbatch, lengths: torch.Tensor, *, with_loss_inputs: bool):
+        ctx = self.ctx
+        return microbatch_inputs(batch, mb, lengths, ctx.device, with_loss_inputs=with_loss_inputs,
+                                 multiple=self._width_multiple, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank)
 
     def distribute(self, batch: TrainBatch | None) -> TrainBatch:
         """This rank's share of the step's batch: rank 0 passes the step's batch, every other rank None.
@@ -239,7 +248,7 @@ class Actor:
             model=chunks,
             num_microbatches=len(items),
             seq_length=items[0].mb.width,
-            micro_batch_size=len(items[0].mb.rows),
+            micro_batch_size=items[0].tokens.shape[0],
             forward_only=forward_only,
         )
 
@@ -261,17 +270,17 @@ class Actor:
         def forward_step(data_iterator, model):
             inputs = next(data_iterator)
             if routing is not None:
-                routing.begin_microbatch(inputs.mb, lengths, replay=replay, reference=drift_reference, record=record)
-            output = model(inputs.tokens, inputs.position_ids, attention_mask=None)
+                routing.begin_microbatch(inputs.layout, lengths, replay=replay, reference=drift_reference, record=record)
+            output = model(inputs.tokens, inputs.position_ids, attention_mask=None, packed_seq_params=inputs.layout.packed_seq_params)
             if routing is not None:
-                routing.end_microbatch(inputs.mb, recorded)
+                routing.end_microbatch(inputs.layout, recorded)
             return output, inference_loss(inputs, self.settings)
 
         for chunk in chunks:
             chunk.eval()
         logprobs = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
         for microbatches in self._my_microbatches(batch):  # one schedule per mini-batch: shapes agree within one
-            items = [microbatch_inputs(batch, mb, lengths, self.ctx.device, with_loss_inputs=False) for mb in microbatches]
+            items = [self._inputs(batch, mb, lengths, with_loss_inputs=False) for mb in microbatches]
             try:
                 outputs = self._run_schedule(chunks, items, forward_step, forward_only=True)
             finally:
@@ -282,7 +291,7 @@ class Actor:
                     values = out["logprobs"].float().cpu()
                     for i, row in enumerate(inputs.mb.rows):
                         if row >= 0:
-                            span = min(inputs.mb.width, batch.seq_len, int(lengths[row]))
+                            span = min(values.shape[1], batch.seq_len, int(lengths[row]))
                             logprobs[row, :span] = values[i, :span]
         # Each row was written on one rank of its model-parallel group (last stage, TP rank 0).
         logprobs = self._assemble(batch, logprobs)
@@ -407,7 +416,7 @@ class Actor:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         ctx = self.ctx
-        items = [microbatch_inputs(batch, mb, lengths, ctx.device, with_loss_inputs=True) for mb in microbatches]
+        items = [self._inputs(batch, mb, lengths, with_loss_inputs=True) for mb in microbatches]
         # The step's global counts: one all-reduce over DP x CP, before the first microbatch.
         algo = self.algorithm
         masks = [
@@ -421,8 +430,8 @@ class Actor:
 
         def forward_step(data_iterator, model):
             inputs = next(data_iterator)
-            routing.begin_microbatch(inputs.mb, lengths, replay=replay, reference=drift_reference)
-            output = model(inputs.tokens, inputs.position_ids, attention_mask=None)
+            routing.begin_microbatch(inputs.layout, lengths, replay=replay, reference=drift_reference)
+            output = model(inputs.tokens, inputs.position_ids, attention_mask=None, packed_seq_params=inputs.layout.packed_seq_params)
             routing.end_microbatch()
             return output, policy_loss(
                 inputs, self.settings, loss_fn=self.loss_fn, algorithm_cfg=self.algorithm, denom=denom, scale=scale,

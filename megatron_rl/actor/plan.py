@@ -11,7 +11,8 @@ are exchanged:
     3. microbatches per rank: `micro_batch_size` rows at a time, or, with a
        token budget, rows sorted by length and packed while
        rows x padded width <= max_tokens_per_microbatch (a row longer than the
-       budget gets a microbatch of its own);
+       budget gets a microbatch of its own); or, packed (THD), whole sequences
+       back to back while their padded lengths sum to at most the budget;
     4. every DP rank gets the same number of microbatches M (EP's token
        all-to-all runs once per microbatch on every rank): ranks with fewer
        get empty ones (one padding row, no response tokens).
@@ -32,10 +33,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Microbatch:
-    """Rows of the step's batch (global indices; -1 = a padding row) padded to `width` tokens."""
+    """Rows of the step's batch (-1 = a padding row) padded to `width` tokens each, or, when `packed`,
+    whole sequences laid back to back in one row of `width` tokens (actor.packing)."""
 
     rows: tuple[int, ...]
     width: int
+    packed: bool = False
 
     @property
     def num_real_rows(self) -> int:
@@ -89,6 +92,31 @@ def _pack(rows: list[int], lengths: list[int], *, micro_batch_size: int, max_tok
     return [sorted(p) for p in packs]
 
 
+def _pack_sequences(rows: list[int], lengths: list[int], *, micro_batch_size: int, max_tokens: int, multiple: int) -> list[list[int]]:
+    """Whole sequences per packed microbatch: padded lengths summing to at most max_tokens (first fit,
+    longest first), or micro_batch_size sequences at a time without a budget."""
+    if max_tokens <= 0:
+        return [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    packs: list[list[int]] = []
+    load: list[int] = []
+    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+        size = _round_up(lengths[row], multiple)
+        if size > max_tokens:
+            raise ValueError(
+                f"sequence {row} has {lengths[row]} tokens ({size} padded to a multiple of {multiple}), more than "
+                f"train.max_tokens_per_microbatch={max_tokens}: raise the budget to at least {size}, or add context "
+                "parallelism (each CP rank holds 1/CP of a sequence)"
+            )
+        fits = next((i for i, used in enumerate(load) if used + size <= max_tokens), None)
+        if fits is None:
+            packs.append([row])
+            load.append(size)
+        else:
+            packs[fits].append(row)
+            load[fits] += size
+    return [sorted(p) for p in packs]
+
+
 def plan_step(
     lengths: list[int],
     *,
@@ -99,17 +127,23 @@ def plan_step(
     width_multiple: int = 1,
     equal_shapes_across_dp: bool = False,
     uniform_shapes: bool = False,
+    pack_sequences: bool = False,
 ) -> list[list[list[Microbatch]]]:
-    """plan[mini_batch][dp_rank] = that rank's microbatches (the same count on every rank of a mini-batch)."""
+    """plan[mini_batch][dp_rank] = that rank's microbatches (the same count on every rank of a mini-batch).
+
+    pack_sequences: each microbatch is its sequences back to back (one row), each padded to
+    `width_multiple` only; the budget counts those padded tokens and a sequence above it is an error.
+    """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
     if len(lengths) < mini_batches:
         raise ValueError(f"{len(lengths)} sequences cannot fill {mini_batches} mini-batches: lower train.mini_batches_per_step")
+    group = _pack_sequences if pack_sequences else _pack
     plan = []
     for mini_rows in split_contiguous(len(lengths), mini_batches):
         shares = split_balanced(mini_rows, lengths, dp_size)
         packs = [
-            _pack(share, lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens_per_microbatch, multiple=width_multiple)
+            group(share, lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens_per_microbatch, multiple=width_multiple)
             for share in shares
         ]
         num_micro = max(1, max(len(p) for p in packs))
@@ -117,9 +151,14 @@ def plan_step(
             p.extend([] for _ in range(num_micro - len(p)))
 
         def width_of(rows: list[int]) -> int:
+            if pack_sequences:
+                return max(width_multiple, sum(_round_up(lengths[r], width_multiple) for r in rows))
             return _round_up(max([lengths[r] for r in rows], default=1), width_multiple)
 
-        shapes = [[(max(1, len(rows)), width_of(rows)) for rows in p] for p in packs]
+        def rows_of(rows: list[int]) -> int:
+            return 1 if pack_sequences else max(1, len(rows))
+
+        shapes = [[(rows_of(rows), width_of(rows)) for rows in p] for p in packs]
         if equal_shapes_across_dp:
             for m in range(num_micro):
                 common = (max(s[m][0] for s in shapes), max(s[m][1] for s in shapes))
@@ -133,12 +172,12 @@ def plan_step(
                 common = (max(s[0][0] for s in shapes), max(s[0][1] for s in shapes))
                 for s in shapes:
                     s[:] = [common] * num_micro
-        plan.append(
-            [
-                [Microbatch(tuple(rows) + (-1,) * (shape[0] - len(rows)), shape[1]) for rows, shape in zip(p, s)]
-                for p, s in zip(packs, shapes)
-            ]
-        )
+        def microbatch(rows: list[int], shape: tuple[int, int]) -> Microbatch:
+            if pack_sequences:
+                return Microbatch(tuple(rows), shape[1], packed=True)
+            return Microbatch(tuple(rows) + (-1,) * (shape[0] - len(rows)), shape[1])
+
+        plan.append([[microbatch(rows, shape) for rows, shape in zip(p, s)] for p, s in zip(packs, shapes)])
     return plan
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_rl.actor.packing import TokenLayout, gather_positions, padded_layout
 from megatron_rl.actor.plan import Microbatch
 from megatron_rl.models.mapping import unwrap_model
 
@@ -60,30 +61,31 @@ def local_tokens(x: torch.Tensor, *, tp_rank: int, tp_size: int, sequence_parall
     return x.reshape(-1, *x.shape[2:])
 
 
-def microbatch_routes(routes: torch.Tensor, mb: Microbatch, topk: int) -> torch.Tensor:
-    """[B_m, width, L, K] int64 routes of a microbatch; padding rows/positions and -1 entries get experts 0..K-1."""
-    num_rows, width = len(mb.rows), mb.width
+def _layout(x) -> TokenLayout:
+    return padded_layout(x) if isinstance(x, Microbatch) else x
+
+
+def microbatch_routes(routes: torch.Tensor, layout: TokenLayout | Microbatch, topk: int) -> torch.Tensor:
+    """[N_in, W_in, L, K] int64 routes at a microbatch's input positions; padding and -1 entries get experts 0..K-1."""
+    layout = _layout(layout)
+    num_rows, width = layout.rows.shape
     L = routes.shape[2]
     default = torch.arange(topk, dtype=torch.int64).expand(num_rows, width, L, topk)
-    out = default.clone()
-    real = [i for i, r in enumerate(mb.rows) if r >= 0]
-    if real:
-        rows = torch.tensor([mb.rows[i] for i in real])
-        span = min(width, routes.shape[1])
-        out[real, :span] = routes[rows, :span].to(torch.int64)
+    valid = (layout.rows >= 0) & (layout.positions >= 0) & (layout.positions < routes.shape[1])
+    out = gather_positions(routes.to(torch.int64), layout, valid, fill=-1)
     return torch.where(out < 0, default, out)
 
 
-def microbatch_positions(mb: Microbatch, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row index, position, counted) [B_m, width] of a microbatch; counted = real row and t < length - 1.
+def microbatch_positions(layout: TokenLayout | Microbatch, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row index, position, counted) [N_in, W_in] of a microbatch; counted = a real token with t < length - 1.
 
     Drift counts positions whose routing can affect the loss: the last token of a
     sequence only predicts past its end (and the engine never computes it).
     """
-    rows = torch.tensor(mb.rows, dtype=torch.int64).unsqueeze(1).expand(-1, mb.width)
-    positions = torch.arange(mb.width, dtype=torch.int64).unsqueeze(0).expand(len(mb.rows), -1)
+    layout = _layout(layout)
+    rows, positions = layout.rows, layout.positions
     row_len = torch.where(rows >= 0, lengths[rows.clamp(min=0)], 0)
-    return rows, positions, positions < row_len - 1
+    return rows, positions, (positions >= 0) & (positions < row_len - 1)
 
 
 class RoutingControl:
@@ -130,18 +132,19 @@ class RoutingControl:
 
     def begin_microbatch(
         self,
-        mb: Microbatch,
+        layout: TokenLayout | Microbatch,
         lengths: torch.Tensor,
         *,
         replay: torch.Tensor | None = None,
         reference: torch.Tensor | None = None,
         record: bool = False,
     ) -> None:
-        """Set this microbatch's replay indices (global [B, T, L, K] routes) / RECORD, and the drift reference."""
+        """Set this microbatch's replay indices ([B, T, L, K] routes of the batch) / RECORD, and the drift reference."""
         if not self.routers:
             return
+        layout = _layout(layout)
         if replay is not None:
-            for router, indices in zip(self.routers, self._per_layer(microbatch_routes(replay, mb, self.topk))):
+            for router, indices in zip(self.routers, self._per_layer(microbatch_routes(replay, layout, self.topk))):
                 router.router_replay.set_target_indices(indices)
                 router.router_replay.set_router_replay_action(self._actions.REPLAY_FORWARD)
         elif record:
@@ -152,29 +155,25 @@ class RoutingControl:
                 router.router_replay.clear_router_replay_action()
         self._reference = None
         if reference is not None:
-            _, _, counted = microbatch_positions(mb, lengths)
-            ref_mb = microbatch_routes(reference, mb, self.topk)
+            _, _, counted = microbatch_positions(layout, lengths)
+            valid = (layout.rows >= 0) & (layout.positions >= 0) & (layout.positions < reference.shape[1])
+            raw = gather_positions(reference.to(torch.int64), layout, valid, fill=-1)
             # Positions whose reference route was not captured (-1) are not counted.
-            raw = torch.full((len(mb.rows), mb.width, self.num_moe_layers, self.topk), -1, dtype=torch.int64)
-            real = [i for i, r in enumerate(mb.rows) if r >= 0]
-            if real:
-                span = min(mb.width, reference.shape[1])
-                raw[real, :span] = reference[torch.tensor([mb.rows[i] for i in real]), :span].to(torch.int64)
-            captured = (raw >= 0).all(dim=-1)  # [B_m, W, L]
-            self._reference = self._per_layer(ref_mb)
+            captured = (raw >= 0).all(dim=-1)  # [N_in, W_in, L]
+            self._reference = self._per_layer(microbatch_routes(reference, layout, self.topk))
             counted_local = self._local(counted.unsqueeze(-1) & captured)  # [N_local, L]
             self._counted = counted_local.to(self.ctx.device)
         self._active = True
 
-    def end_microbatch(self, mb: Microbatch | None = None, record_into: torch.Tensor | None = None) -> None:
+    def end_microbatch(self, layout: TokenLayout | Microbatch | None = None, record_into: torch.Tensor | None = None) -> None:
         """After the model forward: store recorded routes into `record_into` ([B, T, L, K], expert id + 1)."""
         self._active = False
         if not self.routers:
             return
-        if record_into is not None and mb is not None:
-            rows = self._local(torch.tensor(mb.rows, dtype=torch.int64).unsqueeze(1).expand(-1, mb.width))
-            positions = self._local(torch.arange(mb.width, dtype=torch.int64).unsqueeze(0).expand(len(mb.rows), -1))
-            keep = (rows >= 0) & (positions < record_into.shape[1])
+        if record_into is not None and layout is not None:
+            layout = _layout(layout)
+            rows, positions = self._local(layout.rows), self._local(layout.positions)
+            keep = (rows >= 0) & (positions >= 0) & (positions < record_into.shape[1])
             for router, g in zip(self.routers, self.layer_ids):
                 recorded = router.router_replay.get_recorded_indices()
                 if recorded is None:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
+from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_layout, unpack_index
 from megatron_rl.actor.plan import Microbatch
 
 
@@ -46,22 +47,39 @@ def loss_scale(num_microbatches: int, data_parallel_size: int) -> int:
 
 @dataclass
 class MicrobatchInputs:
-    """Tensors of one microbatch ([B_m, W]: B_m rows padded to W tokens), on the model's device."""
+    """Tensors of one microbatch on the model's device.
+
+    Model inputs follow the microbatch's `TokenLayout` ([B_m, W] padded rows, or
+    [1, W / CP] packed sequences); loss inputs are per row of the batch
+    ([B_m, W_row], token-aligned like TrainBatch), whatever the layout.
+    """
 
     mb: Microbatch
+    layout: TokenLayout
     tokens: torch.Tensor
-    """[B_m, W] int64 input ids (0 on padding)."""
+    """Model input ids (0 on padding)."""
     position_ids: torch.Tensor
-    """[B_m, W] int64."""
+    """Model position ids (restarting per packed sequence)."""
     targets: torch.Tensor
-    """[B_m, W] int64: the token each position predicts (tokens shifted left; 0 at the last position)."""
+    """The token each input position predicts (the next token of its row; 0 past the row)."""
     response_mask: torch.Tensor
-    """[B_m, W] bool, aligned with tokens (False on padding rows)."""
+    """[B_m, W_row] bool: response tokens whose logprob this rank computes (False on padding rows)."""
     advantages: torch.Tensor | None = None
-    """[B_m] or [B_m, W]."""
+    """[B_m] or [B_m, W_row]."""
     old_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    row_index: torch.Tensor | None = None
+    """Packed only: [B_m, W_row] int64, the flattened input position whose output scores row token t."""
+    row_valid: torch.Tensor | None = None
+    """Packed only: [B_m, W_row] bool, row_index points at a position of this rank."""
+
+    def to_rows(self, per_position: torch.Tensor) -> torch.Tensor:
+        """Per-input-position values (computed at t for the token at t + 1) -> token-aligned [B_m, W_row]."""
+        if self.row_index is None:
+            return token_aligned(per_position)
+        picked = per_position.reshape(-1)[self.row_index]
+        return torch.where(self.row_valid, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
 
 
 def take_rows(values: torch.Tensor | None, mb: Microbatch, *, per_token: bool, fill=0) -> torch.Tensor | None:
@@ -83,25 +101,42 @@ def take_rows(values: torch.Tensor | None, mb: Microbatch, *, per_token: bool, f
     return out
 
 
-def microbatch_inputs(batch, mb: Microbatch, lengths: torch.Tensor, device: torch.device, *, with_loss_inputs: bool) -> MicrobatchInputs:
-    """The tensors of microbatch `mb` of `batch` (a TrainBatch); token ids past each row's length are 0."""
-    tokens = take_rows(batch.tokens, mb, per_token=True)
-    row_len = take_rows(lengths, mb, per_token=False)
-    tokens = torch.where(torch.arange(mb.width).unsqueeze(0) < row_len.unsqueeze(1), tokens, 0)
-    targets = F.pad(tokens[:, 1:], (0, 1))
-    positions = torch.arange(mb.width, dtype=torch.int64).unsqueeze(0).expand(len(mb.rows), -1).contiguous()
+def microbatch_inputs(
+    batch, mb: Microbatch, lengths: torch.Tensor, device: torch.device, *, with_loss_inputs: bool,
+    multiple: int = 1, cp_size: int = 1, cp_rank: int = 0,
+) -> MicrobatchInputs:
+    """The tensors of microbatch `mb` of `batch` (a TrainBatch); token ids past each row's length are 0.
+
+    multiple, cp_size, cp_rank: the packed layout's padding multiple and this rank's CP chunks.
+    """
+    layout = microbatch_layout(mb, lengths, multiple=multiple, cp_size=cp_size, cp_rank=cp_rank)
+    real = layout.real(lengths)
+    tokens = gather_positions(batch.tokens, layout, real)
+    row_len = lengths[layout.rows.clamp(min=0)]
+    following = TokenLayout(rows=layout.rows, positions=layout.positions + 1, position_ids=layout.position_ids)
+    targets = gather_positions(batch.tokens, following, real & (layout.positions + 1 < row_len))
+    row_mb, row_index, row_valid = mb, None, None
+    if mb.packed:
+        row_mb = Microbatch(mb.rows or (-1,), max([int(lengths[r]) for r in mb.rows], default=1))
+        row_index, row_valid = unpack_index(layout, row_mb, lengths, row_mb.width)
+    response_mask = take_rows(batch.response_mask, row_mb, per_token=True, fill=False)
+    if row_valid is not None:
+        response_mask &= row_valid
     inputs = MicrobatchInputs(
         mb=mb,
+        layout=layout,
         tokens=tokens.to(device),
-        position_ids=positions.to(device),
+        position_ids=layout.position_ids.to(device),
         targets=targets.to(device),
-        response_mask=take_rows(batch.response_mask, mb, per_token=True, fill=False).to(device),
+        response_mask=response_mask.to(device),
+        row_index=None if row_index is None else row_index.to(device),
+        row_valid=None if row_valid is None else row_valid.to(device),
     )
     if with_loss_inputs:
         per_token_adv = batch.advantages.dim() == 2
-        inputs.advantages = take_rows(batch.advantages, mb, per_token=per_token_adv).to(device)
+        inputs.advantages = take_rows(batch.advantages, row_mb, per_token=per_token_adv).to(device)
         for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
-            value = take_rows(getattr(batch, name), mb, per_token=True)
+            value = take_rows(getattr(batch, name), row_mb, per_token=True)
             setattr(inputs, name, None if value is None else value.to(device))
     return inputs
 
@@ -122,26 +157,26 @@ class LogprobSettings:
     temperature: float
 
 
-def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, settings: LogprobSettings, *, with_entropy: bool):
-    """Token-aligned (logprobs, entropy or None) [B, W] from this TP rank's vocab-parallel logits [B, W, V/TP]."""
+def logprobs_of(logits: torch.Tensor, inputs: MicrobatchInputs, settings: LogprobSettings, *, with_entropy: bool):
+    """Token-aligned per-row (logprobs, entropy or None) [B_m, W_row] from this TP rank's vocab-parallel logits."""
     shard = logits.shape[-1]
     logprobs, entropy = vocab_parallel_logprobs(
         logits,
-        targets,
+        inputs.targets,
         group=settings.tp_group,
         vocab_start=settings.tp_rank * shard,
         vocab_size=settings.vocab_size,
         temperature=settings.temperature,
         with_entropy=with_entropy,
     )
-    return token_aligned(logprobs), None if entropy is None else token_aligned(entropy)
+    return inputs.to_rows(logprobs), None if entropy is None else inputs.to_rows(entropy)
 
 
 def inference_loss(inputs: MicrobatchInputs, settings: LogprobSettings) -> Callable:
     """Loss function of a no-grad forward: returns (0, {"logprobs": [B_m, W]})."""
 
     def loss_func(logits: torch.Tensor):
-        logprobs, _ = logprobs_of(logits, inputs.targets, settings, with_entropy=False)
+        logprobs, _ = logprobs_of(logits, inputs, settings, with_entropy=False)
         return logprobs.new_zeros(()), {"logprobs": logprobs.detach()}
 
     return loss_func
@@ -161,7 +196,7 @@ def policy_loss(
     train_entropy = bool(algorithm_cfg.entropy_coeff)
 
     def loss_func(logits: torch.Tensor):
-        logprobs, entropy = logprobs_of(logits, inputs.targets, settings, with_entropy=compute_entropy or train_entropy)
+        logprobs, entropy = logprobs_of(logits, inputs, settings, with_entropy=compute_entropy or train_entropy)
         if entropy is not None and not train_entropy:
             entropy = entropy.detach()  # a metric only: no backward through it
         loss_sum, metrics = loss_fn(

@@ -148,8 +148,14 @@ class TrainConfig:
     micro_batch_size: int = 1
     """Sequences per microbatch (when max_tokens_per_microbatch is 0)."""
     max_tokens_per_microbatch: int = 0
-    """Token budget per microbatch; > 0 packs sequences into microbatches up to this many tokens
-    (rows x padded width, rows sorted by length; a longer sequence gets a microbatch of its own)."""
+    """Token budget per microbatch; > 0 fills microbatches up to this many tokens: packed, the sum of the
+    sequences' lengths (each padded only to the multiple TP sequence parallelism / CP need; a sequence
+    above the budget is an error); padded rows, rows x padded width (a longer sequence gets a microbatch
+    of its own)."""
+    pack_sequences: bool = False
+    """Packed microbatches (THD): whole sequences back to back in one row with megatron's PackedSeqParams,
+    position ids restarting per sequence; no padding row or column goes through the model. Required by
+    context parallelism. False: right-padded rows."""
     routing_drift_metrics: bool = True
     """MoE: record the old-policy forward's experts even without routing replay, so that train_step logs
     routing/drift per layer (costs one all-reduce of B x T x MoE-layers x top-k bytes per RL step)."""

@@ -4,15 +4,19 @@ One batch (12 sequences of 10-40 tokens, uneven prompts, one row without
 response tokens, temperature 0.8, a vocabulary of 200 padded to 256 by
 megatron) is trained for one optimizer step with SGD at lr 1, no clipping, no
 momentum: the parameter update is minus the gradient. For gspo, gspo_token,
-dapo and grpo (grpo with a KL term to the frozen reference model), the update
+dapo, dr_grpo and grpo (grpo with a KL term to the frozen reference model), the update
 on TP2, PP2, EP2 (allgather dispatcher, token-budget packing), DP2 x 3
-microbatches, TP2xEP2 and TP2xPP2xEP2 (packing) must equal the single-rank run
+microbatches, TP2xEP2 and TP2xPP2xEP2 (token budget) must equal the single-rank run
 on the whole batch in ONE microbatch within 1e-5 relative; the microbatches of
 the split layouts hold different numbers of tokens. TP2's logprobs must equal
 the single rank's within 1e-5. Three more layouts (TP2xPP2, DP2xTP2, DP4: D = 1,
 2, 4) get the batch as the trainer gives it: only rank 0 holds it and
 actor.distribute sends each rank its DP rank's rows; the bytes each rank
-receives must shrink as 1/D.
+receives must shrink as 1/D. Packed microbatches (THD, a 64-token budget that
+the 40-token sequence fills more than half, several microbatches) on one rank,
+TP2 (sequence parallel), EP2 (allgather: one width on every rank) and
+TP2xPP2xEP2 give the padded single rank's gradients too, and its entropy within
+1e-6 (and, on one rank, its logprobs).
 
 The chain is anchored outside megatron_rl: the single-rank logprobs and the
 gspo and dapo gradients are checked against transformers' model and the
@@ -31,24 +35,32 @@ import torch
 
 from tests.distributed.harness import run_distributed
 
-LOSSES = ("gspo", "gspo_token", "dapo", "grpo")
+LOSSES = ("gspo", "gspo_token", "dapo", "dr_grpo", "grpo")
 B, T = 12, 40
 TEMPERATURE = 0.8
 CLIP = 0.2
 GRPO_BETA = 0.05
 TOLERANCE = 1e-5
+PACKED_TOLERANCE = 1e-6
 
 # name -> (layout, train settings, token dispatcher)
-WORLD1 = {"single": ({}, {"micro_batch_size": B}, "alltoall")}
+PACKED = {"pack_sequences": True, "max_tokens_per_microbatch": 64}  # the 40-token sequence fills more than half
+WORLD1 = {
+    "single": ({}, {"micro_batch_size": B}, "alltoall"),
+    "single/packed": ({}, PACKED, "alltoall"),
+}
 WORLD2 = {
     "TP2": ({"tensor_parallel": 2, "expert_tensor_parallel": 2}, {"micro_batch_size": 3}, "alltoall"),
     "PP2": ({"pipeline_parallel": 2}, {"micro_batch_size": 2}, "alltoall"),
     "EP2": ({"expert_parallel": 2}, {"max_tokens_per_microbatch": 96}, "allgather"),
     "DP2x3mb": ({}, {"micro_batch_size": 2}, "alltoall"),
+    "TP2/packed": ({"tensor_parallel": 2, "expert_tensor_parallel": 2}, PACKED, "alltoall"),
+    "EP2/packed": ({"expert_parallel": 2}, PACKED, "allgather"),
 }
 WORLD4 = {
     "TP2xEP2": ({"tensor_parallel": 2, "expert_parallel": 2}, {"micro_batch_size": 2}, "alltoall"),
     "TP2xPP2xEP2": ({"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2}, {"max_tokens_per_microbatch": 120}, "alltoall"),
+    "TP2xPP2xEP2/packed": ({"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2}, PACKED, "alltoall"),
     # Shares: rank 0 alone holds the batch and actor.distribute sends each rank its DP rank's rows (D = 1, 2, 4).
     "TP2xPP2/shares": ({"tensor_parallel": 2, "pipeline_parallel": 2}, {"micro_batch_size": 3}, "alltoall"),
     "DP2xTP2/shares": ({"tensor_parallel": 2}, {"micro_batch_size": 2, "mini_batches_per_step": 1}, "alltoall"),
@@ -97,7 +109,8 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
             case = {"updates": {}, "metrics": {}}
             batch = make_batch()
             for loss in LOSSES:
-                algorithm = AlgorithmConfig(loss=loss, eps_low=CLIP, eps_high=CLIP, beta=GRPO_BETA if loss == "grpo" else 0.0)
+                algorithm = AlgorithmConfig(loss=loss, eps_low=CLIP, eps_high=CLIP, beta=GRPO_BETA if loss == "grpo" else 0.0,
+                                            max_response_tokens=T)
                 actor = Actor(ctx, model=ModelConfig(path=model_dir, token_dispatcher=dispatcher), optimizer=sgd,
                               train=TrainConfig(**train), algorithm=algorithm, temperature=TEMPERATURE)
                 try:
@@ -124,6 +137,8 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
                 finally:
                     actor.close()
             out[name] = case
+            if old_logprobs is None:  # every later case trains against the first case's old policy
+                old_logprobs = case["old_logprobs"]
         finally:
             destroy_parallel(ctx, keep_world=True)
     return out if rank == 0 else None
@@ -164,8 +179,13 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single(model_dir):
-    return run_distributed(_worker, 1, model_dir, WORLD1, None, timeout=240)[0]["single"]
+def world1(model_dir):
+    return run_distributed(_worker, 1, model_dir, WORLD1, None, timeout=240)[0]
+
+
+@pytest.fixture(scope="module")
+def single(world1):
+    return world1["single"]
 
 
 def _initial(model_dir: str) -> dict[str, torch.Tensor]:
@@ -199,6 +219,10 @@ def _compare(results: dict, reference: dict, initial: dict) -> list[str]:
             line.append(f"{loss} {err:.1e}")
             if not (err <= TOLERANCE and loss_err <= TOLERANCE):
                 failures.append(f"{name}/{loss}: relative gradient error {err:.3g}, loss error {loss_err:.3g}")
+            if name.endswith("/packed"):  # the mean entropy over the step's response tokens, packed vs padded
+                ent_err = abs(case["metrics"][loss]["entropy"] - reference["metrics"][loss]["entropy"])
+                if ent_err > PACKED_TOLERANCE:
+                    failures.append(f"{name}/{loss}: entropy differs from the padded single rank's by {ent_err:.3g}")
         print("  ".join(line))
     return failures
 
@@ -274,6 +298,18 @@ def _hf_grads_by_export_name(model) -> dict[str, torch.Tensor]:
         else:
             grads[name] = grad
     return grads
+
+
+def test_packed_microbatches_give_the_padded_results(model_dir, world1):
+    """One rank, packed microbatches (budget 64 tokens: 5 microbatches, one sequence of 40) vs one padded
+    microbatch of the whole batch: logprobs and entropy within 1e-6, gradients within 1e-5 for every loss."""
+    packed, single = world1["single/packed"], world1["single"]
+    lengths = make_batch().sequence_lengths
+    real = torch.arange(T)[None] < lengths[:, None]
+    assert ((packed["logprobs"] - single["logprobs"]).abs() * real).max() <= PACKED_TOLERANCE
+    assert packed["metrics"]["gspo"]["microbatches_per_rank"] >= 4
+    failures = _compare({"single/packed": packed}, single, _initial(model_dir))
+    assert not failures, "\n".join(failures)
 
 
 def test_single_rank_step_moves_the_weights(model_dir, single):

@@ -15,7 +15,9 @@ first), with megatron's distributed optimizer:
   replayed forward's logprobs equal the single rank's (the conversion to each
   rank's local tokens, sequence-parallel slice and local layers is right).
 
-The routes recorded on every layout equal the single rank's.
+The routes recorded on every layout equal the single rank's; the same holds
+with packed microbatches (THD, a 48-token budget) on one rank, TP2 and
+TP2xPP2xEP2.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from tests.distributed.harness import run_distributed
 
 B, T, NUM_EXPERTS, TOPK, MOE_LAYERS = 8, 24, 8, 2, 2
 MODES = ("none", "R2", "R3")
-WORLD1 = {"single": {}}
+WORLD1 = {"single": {}, "single/packed": {}}
 WORLD2 = {
     "TP2": {"tensor_parallel": 2, "expert_tensor_parallel": 2},
+    "TP2/packed": {"tensor_parallel": 2, "expert_tensor_parallel": 2},
     "PP2": {"pipeline_parallel": 2},
     "EP2": {"expert_parallel": 2},
     "DP2": {},
@@ -37,7 +40,10 @@ WORLD2 = {
 WORLD4 = {
     "TP2xEP2": {"tensor_parallel": 2, "expert_parallel": 2},
     "TP2xPP2xEP2": {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2},
+    "TP2xPP2xEP2/packed": {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2},
 }
+PADDED = {"micro_batch_size": 2, "mini_batches_per_step": 2}
+PACKED = {"pack_sequences": True, "max_tokens_per_microbatch": 48, "mini_batches_per_step": 2}
 
 
 def make_batch(engine_routes: bool):
@@ -76,7 +82,7 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict) -> dict | N
                     ctx,
                     model=ModelConfig(path=model_dir),
                     optimizer=OptimizerConfig(lr=0.05, clip_grad=0.0),
-                    train=TrainConfig(micro_batch_size=2, mini_batches_per_step=2),
+                    train=TrainConfig(**(PACKED if name.endswith("/packed") else PADDED)),
                     algorithm=AlgorithmConfig(loss="grpo", routing_replay=mode),
                 )
                 try:
@@ -104,8 +110,13 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single(model_dir):
-    return run_distributed(_worker, 1, model_dir, WORLD1, timeout=240)[0]["single"]
+def world1(model_dir):
+    return run_distributed(_worker, 1, model_dir, WORLD1, timeout=240)[0]
+
+
+@pytest.fixture(scope="module")
+def single(world1):
+    return world1["single"]
 
 
 def _layer_values(metrics: dict, prefix: str) -> list[float]:
@@ -142,8 +153,9 @@ def _check(name: str, case: dict, single: dict) -> None:
           f"(own {r2['train']['routing/drift_own']:.3f})  R3 {r3['train']['routing/drift']}  R3 logprobs {r3_err:.1e}")
 
 
-def test_replay_single_rank(single):
+def test_replay_single_rank(single, world1):
     _check("single", single, single)
+    _check("single/packed", world1["single/packed"], single)
     # R3's logprobs differ from the model's own routing's: the replay changes the forward.
     assert (single["R3"]["old_logprobs"] - single["none"]["old_logprobs"]).abs().max() > 1e-3
 
