@@ -27,6 +27,7 @@ also works (each rank trains its rows; results are assembled over DP).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -86,8 +87,15 @@ class Actor:
         max_response_tokens: int = 0,
         hf_config: dict | None = None,
     ) -> None:
-        if ctx.cp_size > 1:
-            raise ConfigError(f"parallel.context_parallel={ctx.cp_size}: the actor does not split sequences over CP ranks yet; use 1")
+        if ctx.cp_size > 1 and not train.pack_sequences:
+            raise ConfigError(
+                f"parallel.context_parallel={ctx.cp_size} splits packed sequences over CP ranks: set train.pack_sequences=true"
+            )
+        if ctx.cp_size > 1 and algorithm.tis_mode.startswith("sequence"):
+            raise ConfigError(
+                f"algorithm.tis_mode={algorithm.tis_mode} weighs whole sequences, which parallel.context_parallel="
+                f"{ctx.cp_size} splits over ranks: use a token-level tis_mode, or context_parallel=1"
+            )
         if temperature <= 0:
             raise ConfigError(f"temperature={temperature}: must be > 0 (rollout.temperature)")
         train.validate()
@@ -209,12 +217,15 @@ class Actor:
         return [[Microbatch(tuple(local_of[r] if r >= 0 else -1 for r in mb.rows), mb.width) for mb in mini] for mini in mine]
 
     def _assemble(self, batch: TrainBatch, values: torch.Tensor) -> torch.Tensor:
-        """Values of this rank's rows, written on one rank of its model-parallel group, on every rank that
-        needs them: summed over TP x PP (the share's rows, O(B/D)); for a whole batch also over DP."""
+        """Values of this rank's rows, written on one rank of its model-parallel group (and, with CP, each
+        position on the CP rank that computed it), on every rank that needs them: summed over TP x PP and
+        CP (the share's rows, O(B/D)); for a whole batch also over DP."""
         ctx = self.ctx
         values = values.to(ctx.device)
         if ctx.tp_size * ctx.pp_size > 1:
             dist.all_reduce(values, group=ctx.model_parallel_group)
+        if ctx.cp_size > 1:  # each CP rank wrote the positions of its chunks
+            dist.all_reduce(values, group=ctx.cp_group)
         if batch.row_ids is None and ctx.dp_size > 1:
             dist.all_reduce(values, group=ctx.dp_group)
         return values.cpu()
@@ -419,12 +430,15 @@ class Actor:
         items = [self._inputs(batch, mb, lengths, with_loss_inputs=True) for mb in microbatches]
         # The step's global counts: one all-reduce over DP x CP, before the first microbatch.
         algo = self.algorithm
+        # Whole rows' masks (under CP every CP rank holds the same rows), summed over DP: each sequence once.
         masks = [
-            item.response_mask if algo.tis_mode == "none"
-            else rejection_response_mask(algo, item.old_logprobs, item.rollout_logprobs, item.response_mask)
+            item.sequence_mask if algo.tis_mode == "none"
+            else rejection_response_mask(algo, item.old_logprobs, item.rollout_logprobs, item.sequence_mask)
             for item in items
         ]
-        denom = compute_loss_denominators(masks, group=ctx.dp_cp_group, max_response_tokens=self.max_response_tokens)
+        denom = compute_loss_denominators(masks, group=ctx.dp_group, max_response_tokens=self.max_response_tokens)
+        if ctx.cp_size > 1:  # sequence-level terms sum each row over its CP ranks
+            denom = dataclasses.replace(denom, context_parallel_group=ctx.cp_group, context_parallel_rank=ctx.cp_rank)
         scale = loss_scale(len(items), ctx.dp_size)
         routing = self.routing
 

@@ -64,6 +64,8 @@ class MicrobatchInputs:
     """The token each input position predicts (the next token of its row; 0 past the row)."""
     response_mask: torch.Tensor
     """[B_m, W_row] bool: response tokens whose logprob this rank computes (False on padding rows)."""
+    sequence_mask: torch.Tensor
+    """[B_m, W_row] bool: the rows' response tokens, wherever computed (differs under CP: the counts)."""
     advantages: torch.Tensor | None = None
     """[B_m] or [B_m, W_row]."""
     old_logprobs: torch.Tensor | None = None
@@ -119,9 +121,8 @@ def microbatch_inputs(
     if mb.packed:
         row_mb = Microbatch(mb.rows or (-1,), max([int(lengths[r]) for r in mb.rows], default=1))
         row_index, row_valid = unpack_index(layout, row_mb, lengths, row_mb.width)
-    response_mask = take_rows(batch.response_mask, row_mb, per_token=True, fill=False)
-    if row_valid is not None:
-        response_mask &= row_valid
+    sequence_mask = take_rows(batch.response_mask, row_mb, per_token=True, fill=False)
+    response_mask = sequence_mask if row_valid is None else sequence_mask & row_valid
     inputs = MicrobatchInputs(
         mb=mb,
         layout=layout,
@@ -129,6 +130,7 @@ def microbatch_inputs(
         position_ids=layout.position_ids.to(device),
         targets=targets.to(device),
         response_mask=response_mask.to(device),
+        sequence_mask=sequence_mask.to(device),
         row_index=None if row_index is None else row_index.to(device),
         row_valid=None if row_valid is None else row_valid.to(device),
     )

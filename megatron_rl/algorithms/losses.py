@@ -70,7 +70,7 @@ from megatron_rl.algorithms._registry import Registry
 from megatron_rl.algorithms.importance import get_is_correction, importance_metrics, importance_weights, rollout_mismatch_metrics
 from megatron_rl.algorithms.kl import MAX_LOG_RATIO, kl_estimate
 from megatron_rl.algorithms.metrics import Metrics, fraction_metric, max_metric, mean_metric, min_metric, sum_metric
-from megatron_rl.algorithms.normalization import LossDenominators, require_whole_sequences
+from megatron_rl.algorithms.normalization import LossDenominators, context_parallel_row_sum, count_once, require_whole_sequences
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 
@@ -295,8 +295,10 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
     num_valid = valid.sum()
     valid_weight = valid.to(logprobs.dtype)
     row_tokens = valid.sum(dim=-1)
-    has_tokens = row_tokens > 0
-    lengths = row_tokens.clamp(min=1).to(logprobs.dtype)
+    # |y_i| over the whole sequence: under context parallelism a row holds a part of its tokens.
+    sequence_tokens = context_parallel_row_sum(valid.to(torch.int64), denom)
+    has_tokens = sequence_tokens > 0
+    lengths = sequence_tokens.clamp(min=1).to(logprobs.dtype)
     advantages = advantages.detach().to(logprobs.dtype)
     if advantages.dim() == 1:
         sequence_advantages = torch.where(has_tokens, advantages, 0.0)
@@ -308,7 +310,7 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
     metrics: Metrics = {
         "tokens/sum": num_valid.to(torch.float64),
         "nonfinite_tokens/sum": (response_mask.sum() - (num_valid if num_finite is None else num_finite)).to(torch.float64),
-        "sequences/sum": has_tokens.sum().to(torch.float64),
+        "sequences/sum": count_once(has_tokens.sum().to(torch.float64), denom),
     }
     is_weight = None
     if is_weights is not None:
@@ -473,9 +475,10 @@ def dr_grpo_loss(logprobs, old_logprobs, advantages, response_mask, cfg, denom, 
 # Sequence-ratio losses: gspo, gspo_token.
 
 
-def _sequence_log_ratio(b: _Batch) -> torch.Tensor:
-    """log s_i = (1/|y_i|) sum_t d_it  [B] (GSPO Eq. 7: s_i is the geometric mean of the token ratios)."""
-    return (b.log_ratio.sum(dim=-1) / b.lengths).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+def _sequence_log_ratio(b: _Batch, denom: LossDenominators) -> torch.Tensor:
+    """log s_i = (1/|y_i|) sum_t d_it  [B] (GSPO Eq. 7: s_i is the geometric mean of the token ratios),
+    the sum over the whole sequence (all its CP ranks' tokens)."""
+    return (context_parallel_row_sum(b.log_ratio, denom) / b.lengths).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
 @POLICY_LOSSES.register("gspo")
@@ -493,11 +496,11 @@ def gspo_loss(logprobs, old_logprobs, advantages, response_mask, cfg, denom, *,
     eps_low, eps_high = clip_range(cfg, "gspo")
     # A_i is 0 for rows without valid tokens, so their term is 0.
     pg, seq_ratio, low, high, dual = clipped_surrogate_from_log_ratio(
-        _sequence_log_ratio(b), b.sequence_advantages, eps_low, eps_high, cfg.dual_clip_c
+        _sequence_log_ratio(b, denom), b.sequence_advantages, eps_low, eps_high, cfg.dual_clip_c
     )
     if b.is_weight is not None:
         pg = pg * b.is_weight.squeeze(-1)
-    pg_loss = pg.sum() / denom.sequences
+    pg_loss = count_once(pg, denom).sum() / denom.sequences
     extra, option_metrics = _option_terms(b, cfg, _sequence_mean_token_mean, denom)
     metrics = {
         **_ratio_metrics(seq_ratio, b.has_tokens),
@@ -521,7 +524,7 @@ def gspo_token_loss(logprobs, old_logprobs, advantages, response_mask, cfg, deno
     b = _prepare("gspo_token", logprobs, old_logprobs, advantages, response_mask, cfg, denom, ref_logprobs,
                  rollout_logprobs, entropy, token_advantages=True)
     eps_low, eps_high = clip_range(cfg, "gspo_token")
-    seq_log_ratio = _sequence_log_ratio(b)
+    seq_log_ratio = _sequence_log_ratio(b, denom)
     # log s_it = sg[log s_i] + log pi_theta - sg[log pi_theta]; d_t - sg[d_t] has value 0 exactly and the
     # gradient of log pi_theta (0 where not valid), so s_it has the value s_i.
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (b.log_ratio - b.log_ratio.detach())

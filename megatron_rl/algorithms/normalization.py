@@ -66,8 +66,8 @@ sequences were found in more than one row, and those losses raise if any was.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,12 @@ class LossDenominators:
     """Dr. GRPO's constant MAX_TOKENS (the generation length limit); 0 = not set."""
     num_split_sequences: int | None = None
     """Sequences found in more than one row (None: not checked, no sequence_ids given)."""
+    context_parallel_group: Any = field(default=None, compare=False, repr=False)
+    """With context parallelism: the CP group over which each row's tokens are split (every CP rank
+    holds the same rows, each a part of their tokens). Sequence-level terms then sum a row's
+    log-ratios and token counts over it (`context_parallel_row_sum`) before the ratio is formed."""
+    context_parallel_rank: int = 0
+    """This rank's place in that group: rank 0 reports each sequence-level value once (`count_once`)."""
 
     def __post_init__(self) -> None:
         if self.global_num_tokens < 0 or self.global_num_sequences < 0 or self.max_response_tokens < 0:
@@ -173,6 +179,47 @@ def _rows_per_sequence(masks: list[torch.Tensor], sequence_ids: Sequence[torch.T
     return rows
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: all-reduce SUM over a group; backward: the incoming gradient unchanged.
+
+    Each rank of the group goes on to use the sum in a term that `count_once` keeps in
+    value on one rank only but in gradient on all: d(total)/d(part_r) = d(term)/d(sum),
+    which is exactly the gradient each rank receives, with no collective in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, part, group):
+        total = part.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def context_parallel_row_sum(per_token: torch.Tensor, denom: LossDenominators) -> torch.Tensor:
+    """[B, T] -> [B]: each row's sum over its tokens, on every CP rank the whole sequence's (gradient
+    to the local tokens, see `_SumOverGroup`); a plain sum without context parallelism."""
+    partial = per_token.sum(dim=-1)
+    group = denom.context_parallel_group
+    if group is None or dist.get_world_size(group) == 1:
+        return partial
+    if not partial.requires_grad:
+        partial = partial.clone()
+        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
+        return partial
+    return _SumOverGroup.apply(partial, group)
+
+
+def count_once(per_sequence: torch.Tensor, denom: LossDenominators) -> torch.Tensor:
+    """A per-sequence term every CP rank computed in full: its value on CP rank 0 only (so the sum over
+    ranks counts it once), its gradient on every rank (each rank's gradient reaches only its own tokens)."""
+    if denom.context_parallel_group is None or denom.context_parallel_rank == 0:
+        return per_sequence
+    return per_sequence - per_sequence.detach()
+
+
 def require_whole_sequences(denom: LossDenominators, loss_name: str) -> None:
     """Raise if the denominators saw a sequence in several rows (sequence-level losses need whole rows)."""
     if denom.num_split_sequences:
@@ -218,4 +265,11 @@ def framework_loss_scale(
     return scale
 
 
-__all__ = ["LossDenominators", "compute_loss_denominators", "framework_loss_scale", "require_whole_sequences"]
+__all__ = [
+    "LossDenominators",
+    "compute_loss_denominators",
+    "context_parallel_row_sum",
+    "count_once",
+    "framework_loss_scale",
+    "require_whole_sequences",
+]

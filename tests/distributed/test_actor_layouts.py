@@ -16,7 +16,10 @@ receives must shrink as 1/D. Packed microbatches (THD, a 64-token budget that
 the 40-token sequence fills more than half, several microbatches) on one rank,
 TP2 (sequence parallel), EP2 (allgather: one width on every rank) and
 TP2xPP2xEP2 give the padded single rank's gradients too, and its entropy within
-1e-6 (and, on one rank, its logprobs).
+1e-6 (and, on one rank, its logprobs). So do packed microbatches with context
+parallelism (each sequence in 2 x CP load-balanced chunks; GSPO's ratio from
+the log-ratio sum over the whole sequence) on CP2, CP2xEP2, CP2xTP2 and
+DP2xCP2.
 
 The chain is anchored outside megatron_rl: the single-rank logprobs and the
 gspo and dapo gradients are checked against transformers' model and the
@@ -56,11 +59,15 @@ WORLD2 = {
     "DP2x3mb": ({}, {"micro_batch_size": 2}, "alltoall"),
     "TP2/packed": ({"tensor_parallel": 2, "expert_tensor_parallel": 2}, PACKED, "alltoall"),
     "EP2/packed": ({"expert_parallel": 2}, PACKED, "allgather"),
+    "CP2/packed": ({"context_parallel": 2}, PACKED, "alltoall"),
+    "CP2xEP2/packed": ({"context_parallel": 2, "expert_parallel": 2}, PACKED, "alltoall"),
 }
 WORLD4 = {
     "TP2xEP2": ({"tensor_parallel": 2, "expert_parallel": 2}, {"micro_batch_size": 2}, "alltoall"),
     "TP2xPP2xEP2": ({"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2}, {"max_tokens_per_microbatch": 120}, "alltoall"),
     "TP2xPP2xEP2/packed": ({"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2}, PACKED, "alltoall"),
+    "CP2xTP2/packed": ({"context_parallel": 2, "tensor_parallel": 2}, PACKED, "alltoall"),
+    "DP2xCP2/packed": ({"context_parallel": 2}, PACKED, "alltoall"),
     # Shares: rank 0 alone holds the batch and actor.distribute sends each rank its DP rank's rows (D = 1, 2, 4).
     "TP2xPP2/shares": ({"tensor_parallel": 2, "pipeline_parallel": 2}, {"micro_batch_size": 3}, "alltoall"),
     "DP2xTP2/shares": ({"tensor_parallel": 2}, {"micro_batch_size": 2, "mini_batches_per_step": 1}, "alltoall"),
