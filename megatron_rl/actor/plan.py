@@ -104,8 +104,8 @@ def _pack_sequences(rows: list[int], lengths: list[int], *, micro_batch_size: in
         if size > max_tokens:
             raise ValueError(
                 f"sequence {row} has {lengths[row]} tokens ({size} padded to a multiple of {multiple}), more than "
-                f"train.max_tokens_per_microbatch={max_tokens}: raise the budget to at least {size}, or add context "
-                "parallelism (each CP rank holds 1/CP of a sequence)"
+                f"train.max_tokens_per_microbatch={max_tokens}: raise the budget to at least {size} (with context "
+                "parallelism each CP rank holds budget / CP tokens of it), or lower rollout.max_new_tokens"
             )
         fits = next((i for i, used in enumerate(load) if used + size <= max_tokens), None)
         if fits is None:

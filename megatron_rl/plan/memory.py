@@ -20,6 +20,11 @@ Sources for each term:
 - Logits: the last stage holds the [tokens, V/t] logits shard, its gradient
   and the vocab-parallel log-softmax's working memory (at most 1.5x the
   shard, the actor's own target): 3.5 x the shard.
+- Batch share: each DP rank receives only its rows of the step (actor.distribute):
+  S = prompts x samples / D sequences of up to T tokens. On the device, while the
+  old-policy forward assembles them: their float32 logprobs [S, T] and, for MoE
+  models recording or replaying routes, their [S, T, L, K] experts (1 byte each
+  below 255 experts, else 4; the replayed int16 routes as well under R3).
 - Engine: vLLM takes `gpu_memory_utilization` of each of its GPUs for its
   weights (split over its TP x PP GPUs) and its KV cache, 2 x layers x
   kv_heads x head_dim values per token.
@@ -86,10 +91,12 @@ class StageMemory:
     logits: float
     reference: float
     """Reference model weights (only when algorithm.beta > 0)."""
+    batch_share: float = 0.0
+    """This DP rank's rows of the step on the device: logprobs and recorded / replayed routes."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reference
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reference + self.batch_share
 
 
 def _per_rank_layer_dense(spec: ModelSpec, moe: bool, tp: int) -> float:
@@ -165,6 +172,19 @@ def layer_activation_bytes(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) 
     return elements * act + extra_bytes
 
 
+def batch_share_bytes(spec: ModelSpec, cfg: RLConfig, dp: int) -> float:
+    """Device bytes of one DP rank's share of the step (see the module docstring)."""
+    rollout, algo = cfg.rollout, cfg.algorithm
+    seq = rollout.max_prompt_tokens + rollout.max_new_tokens
+    rows = -(-cfg.train.prompts_per_step * rollout.n_samples // dp)
+    total = rows * seq * 4.0  # float32 logprobs
+    if spec.is_moe and (algo.routing_replay != "none" or cfg.train.routing_drift_metrics or rollout.return_routed_experts):
+        route = 1 if spec.num_experts < 255 else 4
+        replayed = 2 if algo.routing_replay == "R3" else 0  # int16 engine routes
+        total += rows * seq * spec.num_moe_layers * spec.experts_per_token * (route + replayed)
+    return total
+
+
 def tokens_per_microbatch(cfg: RLConfig) -> int:
     """Tokens one microbatch holds on one context-parallel rank (sequences at full length)."""
     seq = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
@@ -201,6 +221,7 @@ def stage_memory(spec: ModelSpec, cfg: RLConfig, world: int, microbatches: int, 
         logits = LOGITS_FACTOR * tokens * spec.padded_vocab(tp) / tp * prec.activation
     reference = params * prec.param if cfg.algorithm.beta > 0 else 0.0
     return StageMemory(
+        batch_share=batch_share_bytes(spec, cfg, dp),
         stage=stage,
         dense_params=round(dense),
         expert_params=round(expert),

@@ -12,7 +12,9 @@
 5. the rollout engine: its TP inside a node and dividing the heads, its GPUs
    dividing the GPUs it runs on, its KV cache holding at least one sequence;
 6. memory: the worst pipeline stage's weights, gradients, optimizer state,
-   activations and logits against what the device has left.
+   activations, logits and this DP rank's batch share (logprobs, routes)
+   against what the device has left; CP needs packed sequences, and a packed
+   token budget must hold one full-length sequence padded to the SP/CP multiple.
 Layout errors raise ConfigError; a layout that does not fit in memory returns
 a Plan whose `fits` is False and whose `verdict()` names the numbers.
 """
@@ -80,6 +82,7 @@ class Plan:
                 ("activations", s.activations),
                 ("logits", s.logits),
                 ("reference", s.reference),
+                ("batch share", s.batch_share),
             )
             if value
         )
@@ -126,14 +129,22 @@ def _check_batch(cfg: RLConfig, spec: ModelSpec, dp: int) -> tuple[int, int, boo
     if sequences % dp:
         warnings.append(f"{sequences} sequences per optimizer step do not split evenly over {dp} DP ranks")
     per_rank = -(-sequences // dp)
+    cp = cfg.parallel.context_parallel
+    if cp > 1 and not train.pack_sequences:
+        raise ConfigError(
+            f"parallel.context_parallel={cp} splits packed sequences over CP ranks: set train.pack_sequences=true"
+        )
     packed = train.max_tokens_per_microbatch > 0
     if packed:
-        if train.max_tokens_per_microbatch < seq_len:
+        multiple = (cfg.parallel.tensor_parallel if cfg.parallel.use_sequence_parallel() else 1) * (2 * cp if cp > 1 else 1)
+        padded = -(-seq_len // multiple) * multiple if train.pack_sequences else seq_len
+        if train.max_tokens_per_microbatch < padded:
             raise ConfigError(
                 f"train.max_tokens_per_microbatch={train.max_tokens_per_microbatch} is below one full-length sequence "
-                f"({rollout.max_prompt_tokens} + {rollout.max_new_tokens} = {seq_len} tokens): raise it to at least {seq_len}"
+                f"({rollout.max_prompt_tokens} + {rollout.max_new_tokens} = {seq_len} tokens, {padded} padded to a multiple "
+                f"of {multiple}): raise it to at least {padded}"
             )
-        microbatches = -(-per_rank * seq_len // train.max_tokens_per_microbatch)
+        microbatches = -(-per_rank * padded // train.max_tokens_per_microbatch)
     else:
         microbatches = -(-per_rank // train.micro_batch_size)
     return sequences, microbatches, packed, warnings

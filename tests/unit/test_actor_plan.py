@@ -67,3 +67,22 @@ def test_balanced_split_balances_tokens():
 def test_too_few_rows_for_mini_batches():
     with pytest.raises(ValueError, match="mini_batches_per_step"):
         plan_step([5], mini_batches=2, dp_size=1)
+
+
+def test_packed_plan_fills_the_token_budget_with_whole_sequences():
+    lengths = [40, 23, 31, 12, 37, 18, 27, 10, 35, 29, 15, 33]
+    plan = plan_step(lengths, mini_batches=1, dp_size=2, max_tokens_per_microbatch=64, width_multiple=4, pack_sequences=True)
+    seen = []
+    for rank in plan[0]:
+        for mb in rank:
+            assert mb.packed and mb.width % 4 == 0
+            padded = sum(-(-lengths[r] // 4) * 4 for r in mb.rows)
+            assert padded <= 64 and mb.width == max(4, padded)  # no row padding: the width is the sum
+            seen += mb.rows
+    assert sorted(seen) == list(range(len(lengths)))
+    assert len(plan[0][0]) == len(plan[0][1])  # the same microbatch count on every DP rank
+
+
+def test_a_packed_budget_below_one_sequence_names_it():
+    with pytest.raises(ValueError, match=r"sequence 0 has 40 tokens \(40 padded.*max_tokens_per_microbatch=32: raise the budget to at least 40"):
+        plan_step([40, 10], mini_batches=1, dp_size=1, max_tokens_per_microbatch=32, pack_sequences=True)

@@ -192,6 +192,31 @@ def test_impossible_layouts_are_named(overrides, message):
         plan_preset(str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"), overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.pack_sequences=false"], "context_parallel=4 splits packed sequences"),
+        # 1,024 + 32,768 = 33,792 tokens, already a multiple of 2 x CP x TP = 16
+        (["train.max_tokens_per_microbatch=33791"], "33792 padded to a multiple of 16"),
+        (["rollout.max_new_tokens=40000"], "exceeds the model's max_position_embeddings=40960"),
+    ],
+)
+def test_long_response_presets_name_what_cannot_work(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_preset(str(CONFIGS / "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml"), overrides)
+
+
+def test_batch_share_is_this_dp_ranks_rows_with_their_routes():
+    spec = _spec("qwen3-30b-a3b")
+    cfg = load_config(RLConfig, CONFIGS / "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml")
+    # TP 2 x CP 4 x DP 4 = 32: 64 prompts x 8 samples / 4 DP ranks = 128 rows of 33,792 tokens; float32
+    # logprobs + 48 MoE layers x top-8 uint8 routes (128 experts < 255) per token.
+    mem = stage_memory(spec, cfg, world=32, microbatches=32, stage=0)
+    assert mem.batch_share == 128 * 33792 * (4 + 48 * 8)
+    halved = stage_memory(spec, cfg, world=64, microbatches=32, stage=0)  # DP 8: half the rows
+    assert halved.batch_share == pytest.approx(mem.batch_share / 2)
+
+
 def test_dedicated_rollout_gpus_shrink_the_trainer_and_free_its_memory():
     plan = plan_preset(
         str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"),

@@ -17,6 +17,8 @@ def test_the_promised_presets_exist():
     names = {p.name for p in PRESETS}
     for name in (
         "qwen3-30b-a3b-gspo-4x8h100.yaml",
+        "qwen3-30b-a3b-gspo-32k-cp2-4x8h100.yaml",
+        "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml",
         "qwen3-235b-a22b-gspo-32x8h100.yaml",
         "mixtral-8x7b-dapo-4x8h100.yaml",
         "tiny-gspo.yaml",
