@@ -49,6 +49,7 @@ Adding a correction is one `register_is_correction` entry in this file.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -113,9 +114,9 @@ def _band(log_rho: torch.Tensor, params: ISParams) -> torch.Tensor:
     """lower <= rho <= upper, compared in log space (rho itself may overflow); lower 0 = no lower bound."""
     keep = torch.ones_like(log_rho, dtype=torch.bool)
     if params.lower:
-        keep &= log_rho >= torch.log(torch.tensor(params.lower, dtype=log_rho.dtype))
+        keep &= log_rho >= math.log(params.lower)
     if params.upper is not None:
-        keep &= log_rho <= torch.log(torch.tensor(params.upper, dtype=log_rho.dtype))
+        keep &= log_rho <= math.log(params.upper)
     return keep
 
 
