@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_rl.algorithms import DynamicSamplingExhausted
 from megatron_rl.experience import Experience, assemble_experience, score_rollouts, step_seed
 from megatron_rl.rollout.partial import generate_in_chunks
 from megatron_rl.rollout.sampling import SamplingSpec
@@ -175,6 +176,7 @@ class AsyncExperienceStream:
             if not group.samples:
                 filtered += 1
                 seen_rewards.append(group.rewards)
+                self._check_not_exhausted(filtered, len(kept))
             elif trainer_version - group.version > self.max_staleness:
                 dropped += 1
                 self.counters["dropped_stale_groups"] += 1
@@ -187,6 +189,17 @@ class AsyncExperienceStream:
         experience = self._experience(kept, trainer_version, wait_s, engine_s, dropped, filtered)
         experience.metrics["reward/mean"] = float(torch.cat(seen_rewards).mean())
         return experience
+
+    def _check_not_exhausted(self, filtered: int, kept: int) -> None:
+        """Dynamic sampling on the stream gives up, as the synchronous loop does, after max_num_gen_batches batches' worth."""
+        limit = self.cfg.algorithm.max_num_gen_batches * self.groups_per_step
+        if filtered >= limit:
+            raise DynamicSamplingExhausted(
+                f"dynamic sampling filtered {filtered} groups in a row for one step (all rewards equal in each) and kept "
+                f"{kept} of train.prompts_per_step={self.groups_per_step}: raise algorithm.max_num_gen_batches "
+                f"(now {self.cfg.algorithm.max_num_gen_batches}), use a reward that tells samples apart, or turn "
+                "algorithm.dynamic_sampling off"
+            )
 
     def _next_group(self) -> Group:
         with self._cond:
