@@ -206,15 +206,27 @@ class RoutingControl:
 
     # -- drift ------------------------------------------------------------------------------------
 
-    def _own_topk(self, router, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The router's own top-k (what it would choose without replay); None for group-limited routing."""
+    def _own_topk(self, router, hidden: torch.Tensor) -> torch.Tensor:
+        """The router's own top-k (what it would choose without replay), as moe_utils.topk_routing_with_score_function picks.
+
+        softmax: over the logits (or the probabilities with pre-softmax); sigmoid: over
+        sigmoid scores plus the expert bias; group-limited routing first keeps the
+        best moe_router_group_topk of moe_router_num_groups groups (megatron's group_limited_topk).
+        """
+        from megatron.core.transformer.moe.moe_utils import group_limited_topk
+
         config = router.config
-        if config.moe_router_num_groups:
-            return None
         logits = router.gating(hidden).reshape(-1, config.num_moe_experts).float()
-        scores = logits if router.score_function == "softmax" else torch.sigmoid(logits)
+        if router.score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1) if config.moe_router_pre_softmax else logits
+        else:
+            scores = torch.sigmoid(logits)
         if router.expert_bias is not None:
             scores = scores + router.expert_bias
+        if config.moe_router_num_groups:
+            num_tokens = scores.shape[0]
+            groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+            return group_limited_topk(scores, router.topk, num_tokens, config.num_moe_experts, groups, group_topk)[1]
         return scores.topk(router.topk, dim=1).indices
 
     def _make_hook(self, index: int):
@@ -227,12 +239,8 @@ class RoutingControl:
                 counted = self._counted[:, self.layer_ids[index]]
                 ref_map = torch.zeros_like(routing_map).scatter_(1, reference, True)
                 used_differs = (routing_map != ref_map).any(dim=1) & counted
-                own = self._own_topk(router, args[0])
-                if own is None:
-                    own_differs = used_differs
-                else:
-                    own_map = torch.zeros_like(routing_map).scatter_(1, own, True)
-                    own_differs = (own_map != ref_map).any(dim=1) & counted
+                own_map = torch.zeros_like(routing_map).scatter_(1, self._own_topk(router, args[0]), True)
+                own_differs = (own_map != ref_map).any(dim=1) & counted
                 row = self.counts[self.layer_ids[index]]
                 row += torch.stack([used_differs.sum(), own_differs.sum(), counted.sum()]).double()
 

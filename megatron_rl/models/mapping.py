@@ -191,7 +191,7 @@ class RopeRows:
     hf_name: str
     block: int
     rope: int
-    tp_dim: int = 0
+    tp_dim: int | None = 0
 
     @property
     def hf_names(self) -> tuple[str, ...]:

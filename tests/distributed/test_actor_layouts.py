@@ -19,7 +19,9 @@ TP2xPP2xEP2 give the padded single rank's gradients too, and its entropy within
 1e-6 (and, on one rank, its logprobs). So do packed microbatches with context
 parallelism (each sequence in 2 x CP load-balanced chunks; GSPO's ratio from
 the log-ratio sum over the whole sequence) on CP2, CP2xEP2, CP2xTP2 and
-DP2xCP2.
+DP2xCP2. A DeepSeek-V3 model (multi-latent attention, sigmoid router with
+expert bias, a dense first layer) and a GLM-4.5 model give the single rank's
+gspo gradient on TP2, PP2, EP2 and TP2xEP2.
 
 The chain is anchored outside megatron_rl: the single-rank logprobs and the
 gspo and dapo gradients are checked against transformers' model and the
@@ -74,6 +76,12 @@ WORLD4 = {
     "DP4/shares": ({"expert_parallel": 4}, {"max_tokens_per_microbatch": 64}, "alltoall"),
 }
 
+# DeepSeek-V3 (multi-latent attention, sigmoid router) and GLM-4.5: gspo on TP2, PP2, EP2, TP2xEP2.
+MLA_LOSSES = ("gspo",)
+MLA_WORLD1 = {"single": WORLD1["single"]}
+MLA_WORLD2 = {k: WORLD2[k] for k in ("TP2", "PP2", "EP2")}
+MLA_WORLD4 = {"TP2xEP2": WORLD4["TP2xEP2"]}
+
 
 def make_batch():
     """The step's batch (identical on every rank): tokens, masks, advantages (no old logprobs yet)."""
@@ -100,7 +108,7 @@ def old_from(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, logprobs + noise, logprobs)
 
 
-def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprobs) -> dict | None:
+def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprobs, losses=LOSSES) -> dict | None:
     from megatron_rl.actor import Actor
     from megatron_rl.config import AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
     from megatron_rl.models import export_hf_state_dict, load_hf_config, model_shape
@@ -115,7 +123,7 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
         try:
             case = {"updates": {}, "metrics": {}}
             batch = make_batch()
-            for loss in LOSSES:
+            for loss in losses:
                 algorithm = AlgorithmConfig(loss=loss, eps_low=CLIP, eps_high=CLIP, beta=GRPO_BETA if loss == "grpo" else 0.0,
                                             max_response_tokens=T)
                 actor = Actor(ctx, model=ModelConfig(path=model_dir, token_dispatcher=dispatcher), optimizer=sgd,
@@ -149,6 +157,11 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
         finally:
             destroy_parallel(ctx, keep_world=True)
     return out if rank == 0 else None
+
+
+def _runs(rank: int, world_size: int, runs: list) -> list:
+    """Several (model_dir, cases, old_logprobs, losses) runs in one launch."""
+    return [_worker(rank, world_size, *run) for run in runs]
 
 
 def _gather(value, ctx) -> list:
@@ -186,8 +199,43 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world1(model_dir):
-    return run_distributed(_worker, 1, model_dir, WORLD1, None, timeout=240)[0]
+def mla_dir(tmp_path_factory):
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    # DeepSeek-V3: multi-latent attention, sigmoid router with expert bias and groups, dense layer 0
+    # (4 layers: PP2 holds the dense layer and one MoE layer on stage 0); init std 0.1: routing far from uniform.
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("actor") / "mla", "deepseek_v3", seed=11, with_tokenizer=False,
+                                   vocab_size=200, init_std=0.1, num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    # GLM-4.5: partial rotary, q/k/v biases and norms, sigmoid router with expert bias, dense layer 0.
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("actor") / "glm", "glm4_moe", seed=12, with_tokenizer=False,
+                                   vocab_size=200, init_std=0.1, num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def world1_all(model_dir, mla_dir, glm_dir):
+    runs = [(model_dir, WORLD1, None, LOSSES), (mla_dir, MLA_WORLD1, None, MLA_LOSSES), (glm_dir, MLA_WORLD1, None, MLA_LOSSES)]
+    return run_distributed(_runs, 1, runs, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def world1(world1_all):
+    return world1_all[0]
+
+
+@pytest.fixture(scope="module")
+def mla_single(world1_all):
+    return world1_all[1]["single"]
+
+
+@pytest.fixture(scope="module")
+def glm_single(world1_all):
+    return world1_all[2]["single"]
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +253,7 @@ def _flat_update(params: dict, initial: dict) -> torch.Tensor:
     return torch.cat([(params[k] - initial[k]).flatten() for k in sorted(initial)])
 
 
-def _compare(results: dict, reference: dict, initial: dict) -> list[str]:
+def _compare(results: dict, reference: dict, initial: dict, losses=LOSSES) -> list[str]:
     failures = []
     mask = make_batch().response_mask
     for name, case in results.items():
@@ -217,7 +265,7 @@ def _compare(results: dict, reference: dict, initial: dict) -> list[str]:
             ref_err = ((case["ref_logprobs"] - reference["logprobs"]) * mask).abs().max().item()
             if ref_err > TOLERANCE:
                 failures.append(f"{name}: reference-model logprobs differ from the initial policy's by {ref_err:.3g}")
-        for loss in LOSSES:
+        for loss in losses:
             expected = _flat_update(reference["updates"][loss], initial)
             got = _flat_update(case["updates"][loss], initial)
             err = ((got - expected).norm() / expected.norm()).item()
@@ -326,19 +374,41 @@ def test_single_rank_step_moves_the_weights(model_dir, single):
         assert single["metrics"][loss]["sequences/sum"] == B - 1  # the filtered sample counts nowhere
 
 
+def _family_runs(cases: dict, mla_dir, mla_single, glm_dir, glm_single) -> list:
+    """DeepSeek-V3 and GLM-4.5 runs (gspo) on `cases`."""
+    return [
+        (mla_dir, cases, mla_single["old_logprobs"], MLA_LOSSES),
+        (glm_dir, cases, glm_single["old_logprobs"], MLA_LOSSES),
+    ]
+
+
+def _family_failures(mla_results, glm_results, mla_dir, mla_single, glm_dir, glm_single) -> list[str]:
+    failures = [f"deepseek_v3 {f}" for f in _compare(mla_results, mla_single, _weights(mla_dir), MLA_LOSSES)]
+    return failures + [f"glm4_moe {f}" for f in _compare(glm_results, glm_single, _weights(glm_dir), MLA_LOSSES)]
+
+
 @pytest.fixture(scope="module")
-def world4(model_dir, single):
-    return run_distributed(_worker, 4, model_dir, WORLD4, single["old_logprobs"], timeout=300)[0]
+def world4_all(model_dir, single, mla_dir, mla_single, glm_dir, glm_single):
+    runs = [(model_dir, WORLD4, single["old_logprobs"], LOSSES), *_family_runs(MLA_WORLD4, mla_dir, mla_single, glm_dir, glm_single)]
+    return run_distributed(_runs, 4, runs, timeout=400)[0]
 
 
-def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, single):
-    results = run_distributed(_worker, 2, model_dir, WORLD2, single["old_logprobs"], timeout=300)[0]
+@pytest.fixture(scope="module")
+def world4(world4_all):
+    return world4_all[0]
+
+
+def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, single, mla_dir, mla_single, glm_dir, glm_single):
+    runs = [(model_dir, WORLD2, single["old_logprobs"], LOSSES), *_family_runs(MLA_WORLD2, mla_dir, mla_single, glm_dir, glm_single)]
+    results, mla_results, glm_results = run_distributed(_runs, 2, runs, timeout=400)[0]
     failures = _compare(results, single, _initial(model_dir))
+    failures += _family_failures(mla_results, glm_results, mla_dir, mla_single, glm_dir, glm_single)
     assert not failures, "\n".join(failures)
 
 
-def test_four_rank_layouts_give_the_single_rank_gradient(model_dir, single, world4):
+def test_four_rank_layouts_give_the_single_rank_gradient(model_dir, single, world4, world4_all, mla_dir, mla_single, glm_dir, glm_single):
     failures = _compare(world4, single, _initial(model_dir))
+    failures += _family_failures(world4_all[1], world4_all[2], mla_dir, mla_single, glm_dir, glm_single)
     assert not failures, "\n".join(failures)
 
 
@@ -362,3 +432,40 @@ def test_each_rank_receives_only_its_share(world4):
     for dp in (2, 4):
         assert most[dp] < most[1], most
         assert most[dp] - fixed <= 1.25 * (most[1] - fixed) / dp, (dp, most, fixed)
+
+
+def _weights(model_dir: str) -> dict[str, torch.Tensor]:
+    """The trained weights of a model with a sigmoid router: its expert bias is not a gradient-trained weight."""
+    return {k: v for k, v in _initial(model_dir).items() if not k.endswith("e_score_correction_bias")}
+
+
+def test_deepseek_v3_single_rank_matches_transformers(mla_dir, mla_single):
+    """Multi-latent attention + sigmoid routing: the single-rank actor's logprobs and gspo gradient = transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(mla_dir, dtype=torch.float32)
+    batch = make_batch()
+    mask, old, advantages = batch.response_mask, mla_single["old_logprobs"], batch.advantages
+    logits = model(batch.tokens).logits / TEMPERATURE
+    picked = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    logprobs = torch.cat([torch.zeros(B, 1), picked], dim=1)
+    real = torch.arange(T)[None] < batch.sequence_lengths[:, None]
+    assert ((mla_single["logprobs"] - logprobs.detach()).abs() * real).max() <= TOLERANCE
+    # GSPO Eq. 5, 7: s_i = exp(mean_t log-ratio); L = -(1/N_seq) sum_i min(s_i A_i, clip(s_i, 1-e, 1+e) A_i)
+    has_tokens = mask.any(dim=1)
+    s = torch.exp(torch.where(mask, logprobs - old, 0.0).sum(1) / mask.sum(1).clamp(min=1))
+    loss = -(torch.minimum(s * advantages, s.clamp(1 - CLIP, 1 + CLIP) * advantages) * has_tokens).sum() / has_tokens.sum()
+    loss.backward()
+    weights = _weights(mla_dir)
+    grads = _hf_grads_by_export_name(model)
+    got = _flat_update(mla_single["updates"]["gspo"], weights)
+    want = -torch.cat([grads[k].flatten() for k in sorted(weights)])
+    assert ((got - want).norm() / want.norm()).item() <= TOLERANCE
+    # The expert bias moves as megatron-core's aux-loss-free balancing does: by +-rate (1e-3) or 0 per expert.
+    initial = _initial(mla_dir)
+    for name, value in mla_single["updates"]["gspo"].items():
+        if name.endswith("e_score_correction_bias"):
+            steps = ((value - initial[name]) / 1e-3).round()
+            assert torch.allclose(value - initial[name], steps * 1e-3, atol=1e-6) and steps.abs().max() <= 1 and steps.abs().sum() > 0, name

@@ -17,7 +17,9 @@ first), with megatron's distributed optimizer:
 
 The routes recorded on every layout equal the single rank's; the same holds
 with packed microbatches (THD, a 48-token budget) on one rank, TP2 and
-TP2xPP2xEP2.
+TP2xPP2xEP2, and for a DeepSeek-V3 model whose first two layers are dense (MoE
+layer l of the routes is decoder layer l + 2; PP2's first stage holds no
+router), with a sigmoid router, expert bias and group-limited top-k.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ WORLD4 = {
 PADDED = {"micro_batch_size": 2, "mini_batches_per_step": 2}
 PACKED = {"pack_sequences": True, "max_tokens_per_microbatch": 48, "mini_batches_per_step": 2}
 
+# DeepSeek-V3 with two dense layers first: MoE layer l of the routes is decoder layer l + 2.
+DENSE_FIRST_WORLD1 = {"single": {}}
+DENSE_FIRST_WORLD2 = {"PP2": WORLD2["PP2"], "EP2": WORLD2["EP2"]}
+DENSE_FIRST_WORLD4 = {"TP2xEP2": WORLD4["TP2xEP2"]}
+
 
 def make_batch(engine_routes: bool):
     from megatron_rl.actor import TrainBatch
@@ -63,6 +70,11 @@ def make_batch(engine_routes: bool):
         sequence_lengths=lengths,
         routed_experts=routes if engine_routes else None,
     )
+
+
+def _runs(rank: int, world_size: int, runs: list) -> list:
+    """Several (model_dir, cases) runs in one launch."""
+    return [_worker(rank, world_size, *run) for run in runs]
 
 
 def _worker(rank: int, world_size: int, model_dir: str, cases: dict) -> dict | None:
@@ -110,8 +122,28 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world1(model_dir):
-    return run_distributed(_worker, 1, model_dir, WORLD1, timeout=240)[0]
+def dense_first_dir(tmp_path_factory):
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    # DeepSeek-V3 with two leading dense layers: layers 2 and 3 are MoE layers 0 and 1 of the routes
+    # (PP2's first stage has no router at all); sigmoid router with expert bias and 2 expert groups.
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("replay") / "mla", "deepseek_v3", seed=5, with_tokenizer=False,
+                                   init_std=0.1, num_hidden_layers=4, first_k_dense_replace=2))
+
+
+@pytest.fixture(scope="module")
+def both_world1(model_dir, dense_first_dir):
+    return run_distributed(_runs, 1, [(model_dir, WORLD1), (dense_first_dir, DENSE_FIRST_WORLD1)], timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def world1(both_world1):
+    return both_world1[0]
+
+
+@pytest.fixture(scope="module")
+def dense_first_single(both_world1):
+    return both_world1[1]["single"]
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +192,14 @@ def test_replay_single_rank(single, world1):
     assert (single["R3"]["old_logprobs"] - single["none"]["old_logprobs"]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("world_size,cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
-def test_replay_on_layouts(model_dir, single, world_size, cases):
-    results = run_distributed(_worker, world_size, model_dir, cases, timeout=300)[0]
+def test_replay_with_dense_leading_layers_single_rank(dense_first_single):
+    _check("deepseek_v3 single", dense_first_single, dense_first_single)
+
+
+@pytest.mark.parametrize("world_size,cases,dense_first_cases", [(2, WORLD2, DENSE_FIRST_WORLD2), (4, WORLD4, DENSE_FIRST_WORLD4)], ids=["world2", "world4"])
+def test_replay_on_layouts(model_dir, single, dense_first_dir, dense_first_single, world_size, cases, dense_first_cases):
+    results, dense_first = run_distributed(_runs, world_size, [(model_dir, cases), (dense_first_dir, dense_first_cases)], timeout=400)[0]
     for name, case in results.items():
         _check(name, case, single)
+    for name, case in dense_first.items():
+        _check(f"deepseek_v3 {name}", case, dense_first_single)

@@ -1,6 +1,8 @@
 """HF weights loaded into TP2, EP2, PP2 and TP2xEP2 give transformers' logits; export gives the HF tensors back bit for bit.
 
-Families: Qwen3-MoE in every layout, Qwen2-MoE (shared expert, q/k/v biases)
+Families: Qwen3-MoE and DeepSeek-V3 (multi-latent attention, sigmoid router with
+expert bias, a dense first layer) and GLM-4.5 (partial rotary, q/k/v biases and
+norms, sigmoid router) in every layout, Qwen2-MoE (shared expert, q/k/v biases)
 at TP2xEP2 on 2 ranks, Mixtral at PP2xTP2, dense Qwen2 at TP2, and a Qwen3-MoE
 variant with a padded vocabulary (200 -> 256), tied embeddings (the last PP
 stage holds a copy), a dense layer and sharded safetensors at TP2 and PP2.
@@ -32,10 +34,18 @@ WORLD2 = [
     ("qwen2", {"tensor_parallel": 2}),
     ("padded", {"tensor_parallel": 2, "expert_tensor_parallel": 2}),
     ("padded", {"pipeline_parallel": 2}),
+    ("deepseek_v3", {"tensor_parallel": 2, "expert_tensor_parallel": 2}),
+    ("deepseek_v3", {"expert_parallel": 2}),
+    ("deepseek_v3", {"pipeline_parallel": 2}),
+    ("glm4_moe", {"tensor_parallel": 2, "expert_tensor_parallel": 2}),
+    ("glm4_moe", {"expert_parallel": 2}),
+    ("glm4_moe", {"pipeline_parallel": 2}),
 ]
 WORLD4 = [
     ("qwen3_moe", {"tensor_parallel": 2, "expert_parallel": 2}),
     ("mixtral", {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_tensor_parallel": 2}),
+    ("deepseek_v3", {"tensor_parallel": 2, "expert_parallel": 2}),
+    ("glm4_moe", {"tensor_parallel": 2, "expert_parallel": 2}),
 ]
 
 
@@ -127,6 +137,10 @@ def model_dirs(tmp_path_factory):
             max_shard_size="100KB",
         )
     )
+    # Multi-latent attention, sigmoid router with expert bias and groups, a dense first layer (4 layers: PP2 splits 1 dense + 1 MoE | 2 MoE).
+    dirs["deepseek_v3"] = str(make_tiny_model_dir(root / "deepseek_v3", "deepseek_v3", seed=5, with_tokenizer=False, init_std=0.1, num_hidden_layers=4))
+    # GLM-4.5: q/k/v biases, q/k norms, half of each head rotated, sigmoid router, a dense first layer.
+    dirs["glm4_moe"] = str(make_tiny_model_dir(root / "glm4_moe", "glm4_moe", seed=6, with_tokenizer=False, init_std=0.1, num_hidden_layers=4))
     return dirs
 
 

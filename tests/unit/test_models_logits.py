@@ -31,6 +31,9 @@ VARIANTS = {
     # Multi-latent attention, sigmoid router with a random expert bias, 2 expert groups, routed scaling,
     # a shared expert, dense layer 0; init std 0.1 so routing is far from uniform (logits up to ~3).
     "deepseek_v3": ("deepseek_v3", dict(init_std=0.1)),
+    # q/k/v biases, q/k norms, half of each head rotated, sigmoid router with expert bias, 2 groups, dense layer 0.
+    "glm4_moe": ("glm4_moe", dict(init_std=0.1)),
+    "glm4_moe_air": ("glm4_moe", dict(init_std=0.1, use_qk_norm=False, n_group=1, topk_group=1, routed_scaling_factor=1.0)),
     # Rotary rows stored in halves, queries without a latent, YaRN scaling, no groups.
     "deepseek_v3_variant": (
         "deepseek_v3",

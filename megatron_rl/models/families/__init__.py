@@ -20,7 +20,7 @@ import importlib
 from megatron_rl.models.families.base import Family
 from megatron_rl.models.hf_config import fail
 
-_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
 
 
 def _load() -> dict[str, Family]:

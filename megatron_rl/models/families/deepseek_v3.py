@@ -121,9 +121,9 @@ class DeepseekV3(SigmoidRouterMoE):
         spec = super().layer_spec(config, use_te)
         if use_te:
             return spec
-        from megatron_rl.models.families.mla_local import with_latent_core_attention
+        from megatron_rl.models.families.mla_local import with_latent_attention
 
-        return with_latent_core_attention(spec)
+        return with_latent_attention(spec)
 
     def gpt_model_kwargs(self, arch: HFArch) -> dict[str, Any]:
         # Rotary embeddings live inside MLASelfAttention (from the config's rope_type).
@@ -146,17 +146,18 @@ class DeepseekV3(SigmoidRouterMoE):
         attn = f"{hf}.self_attn"
         rope, nope = arch.qk_rope_head_dim, arch.qk_nope_head_dim
 
-        def rotary_rows(name: str, block: int):
+        def rotary_rows(name: str, block: int, tp_dim: int | None = 0):
             # megatron's MLA reads rotary dimensions in pairs, as DeepSeek stores them (rope_interleave).
-            return Direct(name, tp_dim=0) if arch.rope_interleaved else RopeRows(name, block=block, rope=rope)
+            return Direct(name, tp_dim=tp_dim) if arch.rope_interleaved else RopeRows(name, block=block, rope=rope, tp_dim=tp_dim)
 
         table = {
-            "self_attention.linear_q_down_proj.weight": Direct(f"{attn}.q_a_proj.weight", tp_dim=0),
+            # The down-projections are replicated over TP (TE's duplicated linears; mla_local.LatentSelfAttention).
+            "self_attention.linear_q_down_proj.weight": Direct(f"{attn}.q_a_proj.weight"),
             "self_attention.q_layernorm.weight": Direct(f"{attn}.q_a_layernorm.weight"),
             "self_attention.linear_q_up_proj.layer_norm_weight": Direct(f"{attn}.q_a_layernorm.weight"),  # TE spec
             "self_attention.linear_q_up_proj.weight": rotary_rows(f"{attn}.q_b_proj.weight", nope + rope),
             "self_attention.linear_q_proj.weight": rotary_rows(f"{attn}.q_proj.weight", nope + rope),
-            "self_attention.linear_kv_down_proj.weight": rotary_rows(f"{attn}.kv_a_proj_with_mqa.weight", arch.kv_lora_rank + rope),
+            "self_attention.linear_kv_down_proj.weight": rotary_rows(f"{attn}.kv_a_proj_with_mqa.weight", arch.kv_lora_rank + rope, None),
             "self_attention.kv_layernorm.weight": Direct(f"{attn}.kv_a_layernorm.weight"),
             "self_attention.linear_kv_up_proj.layer_norm_weight": Direct(f"{attn}.kv_a_layernorm.weight"),  # TE spec
             "self_attention.linear_kv_up_proj.weight": Direct(f"{attn}.kv_b_proj.weight", tp_dim=0),
@@ -179,7 +180,9 @@ class DeepseekV3(SigmoidRouterMoE):
         return q + kv + a * v * h + self.attention_replicated_params(arch)
 
     def attention_replicated_params(self, arch: HFArch) -> int:
-        return arch.q_lora_rank + arch.kv_lora_rank
+        """The latents' norms and the down-projections (replicated over TP, as TE's duplicated linears)."""
+        h, p, r_q, r_kv = arch.hidden_size, arch.qk_rope_head_dim, arch.q_lora_rank, arch.kv_lora_rank
+        return r_q + r_kv + h * r_q + h * (r_kv + p)
 
     def kv_cache_values_per_token(self, arch: HFArch, tensor_parallel: int) -> float:
         """vLLM's MLA caches one latent per token and layer (kv_lora_rank + qk_rope_head_dim), on every TP rank."""
