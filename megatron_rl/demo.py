@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "offline")
 
+    from transformers.utils import logging as transformers_logging
+
     from megatron_rl import trainer
     from megatron_rl.config import RLConfig, load_config
     from megatron_rl.metrics import plot_summary, read_metrics
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         *args.overrides,
     ]
     cfg = load_config(RLConfig, PRESET, overrides)
+    transformers_logging.disable_progress_bar()  # saving and loading the tiny model: instant, no bars
     print(f"[demo] building a tiny random Qwen3-MoE model in {model_dir}", flush=True)
     make_tiny_model_dir(model_dir, "qwen3_moe", seed=0)
     loss = warm_up_format(model_dir, cfg.data.path)

@@ -16,6 +16,18 @@ from typing import Any, Mapping
 
 from megatron_rl.extras import import_extra
 
+# The console's summary line every `summary_every` steps: (metric, label, format), means over those steps.
+SUMMARY_LINE = [
+    ("reward/mean", "reward", "{:.3f}"),
+    ("response/length_mean", "response tokens", "{:.1f}"),
+    ("entropy", "entropy", "{:.3f}"),
+    ("time/step_s", "s/step", "{:.2f}"),
+    ("rollout/generate_s", "generate", "{:.2f}"),
+    ("time/old_logprobs_s", "logprobs", "{:.2f}"),
+    ("time/train_step_s", "train", "{:.2f}"),
+    ("time/weight_sync_s", "sync", "{:.2f}"),
+]
+
 # Panels of the PNG summary, in order: (metrics drawn as lines, title); absent metrics are skipped.
 SUMMARY_PLOTS = [
     (("reward/mean",), "mean reward"),
@@ -58,10 +70,14 @@ class MetricsLogger:
         progress_total: int | None = None,
         config: Mapping[str, Any] | None = None,
         resume: bool = False,
+        summary_every: int = 0,
     ):
+        """summary_every: print a line of SUMMARY_LINE means every this many steps (0: never)."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._wandb = self._tb = self._bar = None
+        self.summary_every = summary_every
+        self._window: list[Mapping[str, Any]] = []
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +115,17 @@ class MetricsLogger:
             shown = {k.split("/")[-1] if k != "reward/mean" else "reward": f"{v:.3f}" for k, v in numeric.items() if k in ("reward/mean", "loss/total")}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
+        if self.summary_every:
+            self._window.append(numeric)
+            if len(self._window) == self.summary_every:
+                self._print(summary_line(step, self._window))
+                self._window = []
+
+    def _print(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line)  # above the bar, which stays at the bottom
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if not self.enabled:
@@ -110,6 +137,16 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def summary_line(step: int, window: list[Mapping[str, Any]]) -> str:
+    """"step 49: reward 0.412, response tokens 2.0, ..." with each SUMMARY_LINE metric's mean over `window`."""
+    parts = []
+    for key, label, fmt in SUMMARY_LINE:
+        values = [row[key] for row in window if isinstance(row.get(key), (int, float))]
+        if values:
+            parts.append(f"{label} {fmt.format(sum(values) / len(values))}")
+    return f"step {step}: " + ", ".join(parts)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

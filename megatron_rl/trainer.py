@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_rl.config import RLConfig, load_config, to_dict
+from megatron_rl.console import LibraryLogs, library_logs
 
 logger = logging.getLogger(__name__)
 
@@ -56,29 +57,34 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
     if cfg.model.make_tiny_if_missing:
         ensure_tiny_model_dir(cfg.model.path, cfg.model.make_tiny_if_missing, seed=cfg.model.init_seed)
-    shape = model_shape(load_hf_config(cfg.model.path))
-    ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
-    trainer = None
-    try:
-        trainer = Trainer(cfg, ctx)
-        return trainer.fit()
-    finally:
-        if trainer is not None:
-            trainer.close()
-        destroy_parallel(ctx)
+    with library_logs(cfg.logging.dir) as logs:
+        shape = model_shape(load_hf_config(cfg.model.path))
+        ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
+        trainer = None
+        try:
+            trainer = Trainer(cfg, ctx, logs=logs)
+            return trainer.fit()
+        finally:
+            if trainer is not None:
+                trainer.close()
+            destroy_parallel(ctx)
 
 
 class Trainer:
     """State of one run on this rank: data, actor, engine (rank 0), logger, step counters."""
 
-    def __init__(self, cfg: RLConfig, ctx):
+    def __init__(self, cfg: RLConfig, ctx, logs: LibraryLogs | None = None):
+        """logs: where vLLM's start-up output goes (megatron_rl.console); None leaves it on the console."""
         from megatron_rl.actor import Actor
         from megatron_rl.data.dataset import PromptDataset
         from megatron_rl.data.tokenizer import load_tokenizer
         from megatron_rl.metrics import MetricsLogger
+        from megatron_rl.parallel.threads import cpu_threads_per_process, set_torch_threads
         from megatron_rl.rollout.rewards import get_reward_fn
 
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg, self.ctx, self._logs = cfg, ctx, logs
+        if ctx.device.type == "cpu":  # training and an in-process engine's generation share these threads
+            set_torch_threads(cpu_threads_per_process(cfg.cluster.cpu_threads, cfg.cluster.cpu_processes))
         self.tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
 
         def prompts(path: str, shuffle: bool) -> PromptDataset:
@@ -102,7 +108,8 @@ class Trainer:
         self.step, self.weight_version = 0, 0
         resumed = self._maybe_resume()
         self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
-        self.engine = self._start_engine()
+        with logs.engine_start() if logs is not None else contextlib.nullcontext():
+            self.engine = self._start_engine()
         self.logger = MetricsLogger(
             cfg.logging.dir,
             enabled=ctx.rank == 0,
@@ -112,6 +119,7 @@ class Trainer:
             progress_total=(cfg.train.steps - self.step) if cfg.logging.progress_bar else None,
             config=to_dict(cfg),
             resume=resumed,
+            summary_every=cfg.logging.summary_every,
         )
         if ctx.rank == 0 and self.dataset.num_dropped_long:
             logger.warning("%d prompts longer than rollout.max_prompt_tokens=%d were dropped", self.dataset.num_dropped_long, cfg.rollout.max_prompt_tokens)

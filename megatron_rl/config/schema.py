@@ -372,6 +372,12 @@ class LoggingConfig:
     """Write tensorboard event files."""
     progress_bar: bool = True
     """Show a progress bar with the live reward."""
+    summary_every: int = 25
+    """Print a line of means over this many steps (reward, response length, entropy, seconds per phase); 0 = never."""
+
+    def validate(self) -> None:
+        if self.summary_every < 0:
+            raise ConfigError(f"logging.summary_every={self.summary_every}: must be >= 0 (0 = no summary lines)")
 
 
 @dataclass(kw_only=True)
@@ -390,6 +396,13 @@ class ClusterConfig:
     """GPUs set aside for the rollout engine (0 = colocated with the trainer)."""
     cpu_processes: int = 1
     """Trainer processes on a CPU-only run."""
+    cpu_threads: int = 0
+    """Torch threads of each trainer process on a CPU-only run (an in-process engine shares them);
+    0 = the cores the process may run on divided by cpu_processes."""
+
+    def validate(self) -> None:
+        if self.cpu_threads < 0:
+            raise ConfigError(f"cluster.cpu_threads={self.cpu_threads}: must be >= 0 (0 = the cores divided by cluster.cpu_processes)")
 
     @property
     def trainer_world_size(self) -> int:

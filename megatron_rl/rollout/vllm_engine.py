@@ -11,13 +11,12 @@ see rollout.sampling); prefix caching off when routed experts (with prompt)
 are captured; the worker extension in rollout.worker_ext for pushes and
 capture.
 
-Threads: an in-process vLLM lowers this process's torch threads (vLLM logs
-"Reducing Torch threads from N to 1 for serving"), binds OpenMP threads and
-refuses later torch.set_num_threads calls. A trainer sharing the process then
-computes on one thread. On real runs give the engine its own process (the
-server engine, or rollout.multiprocessing=true so the engine core runs in a
-child), or set OMP_NUM_THREADS and vLLM's CPU binding variables
-(VLLM_CPU_OMP_THREADS_BIND) deliberately before the engine starts.
+Threads: an in-process vLLM asks for one torch thread "for serving" and
+replaces torch.set_num_threads with a function that refuses every later call.
+The engine leaves the process's thread count as it found it (set through the
+builtin behind torch.set_num_threads); the trainer sets it from
+cluster.cpu_threads (megatron_rl.parallel.threads), and generation runs on
+the same threads.
 
 Weight transport (rollout.weight_transport): in-process, the worker gets
 tensors by reference through collective_rpc; with the engine core in a child
@@ -49,6 +48,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
+
+import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
@@ -140,6 +141,7 @@ class VLLMEngine:
             "tensor_parallel_size": cfg.tensor_parallel,
             "pipeline_parallel_size": cfg.pipeline_parallel,
             "disable_log_stats": True,
+            "use_tqdm_on_load": False,
         }
         if dtype == "float32" or not _has_cuda():
             args["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
@@ -155,6 +157,7 @@ class VLLMEngine:
             raise EngineStartError(f"{self.model_dir}: not a model directory (no config.json); give an HF model directory")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.multiprocessing else "0"
         start = time.perf_counter()
+        threads = torch.get_num_threads()
         try:
             from vllm import LLM
 
@@ -164,6 +167,10 @@ class VLLMEngine:
             raise EngineStartError(
                 f"vLLM could not start on model directory {self.model_dir}: {type(error).__name__}: {error}"
             ) from error
+        finally:
+            # in-process, vLLM asks for one thread and then refuses torch.set_num_threads: leave the
+            # trainer's thread count as it was (the builtin behind torch.set_num_threads still works)
+            torch._C.set_num_threads(threads)
         self.start_seconds = time.perf_counter() - start
         self.model_info = self._rpc("mrl_model_info")
         self.max_model_len = int(self.model_info["max_model_len"])

@@ -58,9 +58,10 @@ def _command(preset: str, model_dir: Path, out: Path, *extra: str, nproc: int = 
     ]
 
 
-def _run(cmd: list[str], timeout: float = 300) -> None:
-    result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=REPO, env={**_env(), **env}, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
 
 
 def _check_rows(rows: list[dict], steps: int) -> None:
@@ -84,11 +85,18 @@ def test_preset_runs_one_process(preset, model_dir, tmp_path):
     extra = ["data.reward=tests.e2e.test_train_loop:odd_length_reward"] if preset == "tiny-dapo.yaml" else []
     if preset == "tiny-gspo.yaml":  # held-out evaluation every step: one sample for each of 4 prompts
         extra = ["train.eval_every=1", "data.eval_path=synthetic:first_letter8:8:5"]
-    _run(_command(preset, model_dir, tmp_path, "train.steps=2", *extra))
+    result = _run(_command(preset, model_dir, tmp_path, "train.steps=2", *extra), VLLM_LOGGING_LEVEL="INFO")
     rows = read_metrics(tmp_path / "metrics.jsonl")
     _check_rows(rows, 2)
     if preset == "tiny-gspo.yaml":
         assert all(r["eval/reward_mean"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in rows), rows
+    # vLLM's log (INFO lines on start-up and on every weight reload) is in the run directory, not on the console
+    vllm_log = (tmp_path / "logs" / "vllm.log").read_text()
+    for line in ("INFO", "Reloading weights inplace", "NUMA binding"):
+        assert line in vllm_log, vllm_log[-3000:]
+    console = result.stdout + result.stderr
+    for line in ("INFO", "Reloading weights", "RotaryEmbedding", "NUMA binding", "Loading safetensors"):
+        assert line not in console, console[-3000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
 
 
