@@ -70,7 +70,7 @@ from megatron_rl.checkpoint.state import _fsync_dir  # reused: one fsync-a-direc
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.layout import check_layout
 from megatron_rl.config.schema import ParallelConfig
-from megatron_rl.models.hf_config import UnsupportedModelError, load_hf_config, model_shape, parse_hf_config
+from megatron_rl.models.hf_config import UnsupportedModelError, load_hf_config, model_shape, parse_hf_config, refuse_quantized
 from megatron_rl.models.loading import SafetensorsCheckpoint, check_checkpoint_names
 from megatron_rl.models.families import get_family
 from megatron_rl.models.mapping import Shard, mapping_for, named_weights
@@ -327,6 +327,7 @@ def convert_hf_to_mcore(
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = load_hf_config(hf_dir)
+    refuse_quantized(hf_config, str(hf_dir / "config.json"))
     arch = parse_hf_config(hf_config, source=str(hf_dir / "config.json"))
     for layout in target_layouts:
         check_target_layout(hf_config, layout)

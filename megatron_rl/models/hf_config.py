@@ -187,6 +187,17 @@ def parse_hf_config(hf_config: dict, source: str = "config.json") -> HFArch:
     return family_of(hf_config, source).parse(hf_config, source)
 
 
+def refuse_quantized(hf_config: dict, source: str) -> None:
+    """Weights stored quantized (e.g. DeepSeek-V3's published fp8 blocks) cannot be loaded: the error says so.
+
+    The shape is still planned from such a config.json; only reading its weights is refused.
+    """
+    quantization = hf_config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise fail(source, f"quantization_config (quant_method={method!r}) is set: megatron_rl loads bf16/fp16/fp32 weights; dequantize the checkpoint to bf16 first")
+
+
 def model_shape(hf_config: dict) -> ModelShape:
     """The numbers a parallel layout must divide (for megatron_rl.config.check_layout)."""
     arch = parse_hf_config(hf_config)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.models.hf_config import UnsupportedModelError, load_hf_config, parse_hf_config
+from megatron_rl.models.hf_config import UnsupportedModelError, load_hf_config, parse_hf_config, refuse_quantized
 from megatron_rl.models.families import get_family
 from megatron_rl.models.mapping import GlobalNamer, named_weights, Shard, check_split_dim, expected_hf_names, is_expert_param, mapping_for, unwrap_model
 
@@ -122,7 +122,9 @@ def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike, ctx) -> None:
     """Copy the HF checkpoint in `hf_dir` into this rank's parameters (every parameter is written)."""
     from megatron_rl.models.build import model_info
 
-    arch = parse_hf_config(load_hf_config(hf_dir), source=f"{hf_dir}/config.json")
+    hf_config = load_hf_config(hf_dir)
+    refuse_quantized(hf_config, f"{hf_dir}/config.json")
+    arch = parse_hf_config(hf_config, source=f"{hf_dir}/config.json")
     info = model_info(model_chunks)
     if arch != info.arch:
         raise UnsupportedModelError(f"{hf_dir}/config.json describes another model than the one built ({arch} vs {info.arch})")

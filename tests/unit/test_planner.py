@@ -41,6 +41,39 @@ def test_parameter_counts_match_the_published_totals(name, total, active):
     assert spec.active_params() == pytest.approx(active, rel=0.02)
 
 
+@pytest.mark.parametrize(
+    "name, total, active, active_counts_embeddings",
+    [
+        ("deepseek-v3", 671e9, 37e9, True),  # model card: 671B total, 37B activated (the multi-token-prediction layer not counted)
+        ("glm-4.5-air", 106e9, 12e9, False),  # model card: 106B total, 12B active (embedding and LM head left out)
+        ("moonlight-16b-a3b", 16e9, None, None),  # model card: 16B total
+    ],
+)
+def test_sigmoid_router_families_match_the_published_totals(name, total, active, active_counts_embeddings):
+    spec = _spec(name)
+    assert spec.total_params() == pytest.approx(total, rel=0.02)
+    if active is not None:
+        counted = spec.active_params() - (0 if active_counts_embeddings else spec.embedding_params())
+        assert counted == pytest.approx(active, rel=0.03)
+
+
+def test_tiny_deepseek_v3_count_equals_a_hand_count_of_every_tensor():
+    from megatron_rl.models.tiny import tiny_hf_config
+
+    h, v, heads, nope, rope, vd, r_q, r_kv, e, f_e, f = 64, 256, 4, 32, 32, 32, 48, 32, 8, 32, 128
+    attention = (h * r_q + r_q + r_q * heads * (nope + rope)  # q_a_proj, q_a_layernorm, q_b_proj
+                 + h * (r_kv + rope) + r_kv + r_kv * heads * (nope + vd)  # kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
+                 + heads * vd * h)  # o_proj
+    norms = 2 * h
+    dense = 3 * h * f
+    moe = h * e + e + e * 3 * h * f_e + 3 * h * f_e  # gate weight + e_score_correction_bias, experts, one shared expert
+    total = 2 * v * h + (attention + norms + dense) + 2 * (attention + norms + moe) + h
+    spec = spec_from_hf_config(tiny_hf_config("deepseek_v3"))
+    assert spec.moe_layers == (False, True, True)
+    assert spec.total_params() == total
+    assert spec.active_params() == total - 2 * (e - 2) * 3 * h * f_e
+
+
 TINY_MOE = {
     "model_type": "qwen3_moe",
     "architectures": ["Qwen3MoeForCausalLM"],

@@ -21,6 +21,9 @@ def test_the_promised_presets_exist():
         "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml",
         "qwen3-235b-a22b-gspo-32x8h100.yaml",
         "mixtral-8x7b-dapo-4x8h100.yaml",
+        "deepseek-v3-gspo-64x8h100.yaml",
+        "moonlight-16b-a3b-gspo-1x8h100.yaml",
+        "glm-4.5-air-gspo-32x8h100.yaml",
         "tiny-gspo.yaml",
         "tiny-dapo.yaml",
         "tiny-dr_grpo.yaml",
@@ -32,7 +35,7 @@ def test_the_promised_presets_exist():
         assert f"algorithms/{name}.yaml" in fragments
     for name in ("1x8-h100", "4x8-h100", "32x8-h100", "cpu-1", "cpu-2"):
         assert f"clusters/{name}.yaml" in fragments
-    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "tiny-moe"):
+    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "tiny-moe", "deepseek-v3", "moonlight-16b-a3b", "glm-4.5-air"):
         assert f"models/{name}.yaml" in fragments
 
 
@@ -95,6 +98,18 @@ MODEL_CARDS = {
     ),
     "mixtral-8x7b": dict(
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2
+    ),
+    "deepseek-v3": dict(
+        num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512, q_lora_rank=1536, n_routed_experts=256, num_experts_per_tok=8,
+        first_k_dense_replace=3, n_group=8, topk_group=4,
+    ),
+    "moonlight-16b-a3b": dict(
+        num_hidden_layers=27, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=None, n_routed_experts=64, num_experts_per_tok=6,
+        first_k_dense_replace=1, n_shared_experts=2,
+    ),
+    "glm-4.5-air": dict(
+        num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, n_routed_experts=128, num_experts_per_tok=8,
+        first_k_dense_replace=1, partial_rotary_factor=0.5,
     ),
 }
 

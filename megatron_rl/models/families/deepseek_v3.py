@@ -177,7 +177,7 @@ class DeepseekV3(SigmoidRouterMoE):
         r_q, r_kv = arch.q_lora_rank, arch.kv_lora_rank
         q = h * r_q + r_q * a * (n + p) if r_q else h * a * (n + p)
         kv = h * (r_kv + p) + r_kv * a * (n + v)
-        return q + kv + a * v * h + self.attention_replicated_params(arch)
+        return q + kv + a * v * h + r_q + r_kv
 
     def attention_replicated_params(self, arch: HFArch) -> int:
         """The latents' norms and the down-projections (replicated over TP, as TE's duplicated linears)."""

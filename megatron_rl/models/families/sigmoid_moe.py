@@ -32,12 +32,6 @@ class SigmoidRouterMoE(Family):
     moe = True
     shared_expert_module = "shared_experts"
 
-    def check(self, cfg: dict, source: str) -> None:
-        super().check(cfg, source)
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method") if isinstance(cfg["quantization_config"], dict) else None
-            raise fail(source, f"quantization_config (quant_method={method!r}) is set: megatron_rl loads bf16/fp32 weights; dequantize the checkpoint first")
-
     def moe_fields(self, cfg: dict, num_layers: int, source: str) -> dict:
         num_experts, topk = self.experts_and_topk(cfg, source, self.model_type)
         if cfg.get("scoring_func", "sigmoid") != "sigmoid":
