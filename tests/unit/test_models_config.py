@@ -94,11 +94,28 @@ def test_dense_layers_from_mlp_only_layers_and_sparse_step():
         (tiny_hf_config("qwen3", rope_parameters={"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.25}), "partial_rotary_factor=0.25"),
         (tiny_hf_config("qwen3", layer_types=["full_attention", "sliding_attention"]), r"layer_types with \['full_attention', 'sliding_attention'\]"),
         ([1, 2], "expected a JSON object"),
+        # DeepSeek-V3 / GLM-4.5: what megatron-core cannot route or rotate the same way, named by key.
+        (tiny_hf_config("deepseek_v3", rope_scaling={"rope_type": "llama3", "factor": 8.0}), r"rope_type='llama3' is not supported for deepseek_v3; supported: default, yarn"),
+        (tiny_hf_config("deepseek_v3", norm_topk_prob=False), r"norm_topk_prob=false is not supported"),
+        (tiny_hf_config("deepseek_v3", n_group=4, topk_group=2, num_experts_per_tok=2), r"n_group=4 with num_experts_per_tok=2 and topk_group=2"),
+        (tiny_hf_config("deepseek_v3", scoring_func="softmax"), r"scoring_func='softmax'"),
+        (tiny_hf_config("deepseek_v3", first_k_dense_replace=3), r"first_k_dense_replace=3 leaves no MoE layer"),
+        (tiny_hf_config("deepseek_v3", num_key_value_heads=2), r"num_key_value_heads=2 differs from num_attention_heads=4"),
+        (tiny_hf_config("glm4_moe", partial_rotary_factor=1.5), r"partial_rotary_factor=1.5: expected a fraction"),
     ],
 )
 def test_unsupported_or_malformed_config(config, message):
     with pytest.raises(UnsupportedModelError, match=message):
         parse_hf_config(config)
+
+
+def test_quantized_weights_are_refused_by_name_but_planned():
+    from megatron_rl.models.hf_config import refuse_quantized
+
+    config = tiny_hf_config("deepseek_v3", quantization_config={"quant_method": "fp8", "fmt": "e4m3"})
+    assert parse_hf_config(config).family == "deepseek_v3"  # the planner still reads its shape
+    with pytest.raises(UnsupportedModelError, match=r"quantization_config \(quant_method='fp8'\).*dequantize"):
+        refuse_quantized(config, "config.json")
 
 
 def test_model_directory_errors(tmp_path):
