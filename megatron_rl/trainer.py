@@ -243,26 +243,21 @@ class Trainer:
 
     def _start_engine(self):
         """Rank 0's engine (None elsewhere); with several colocated engines every rank joins their start."""
-        from megatron_rl.config.core import replace
-        from megatron_rl.plan.launch import colocated_engines
-        from megatron_rl.rollout import make_engine
+        from megatron_rl.rollout import make_engine, resolve_placement
         from megatron_rl.rollout.colocated import start_colocated_servers
 
-        rollout, ctx = self.cfg.rollout, self.ctx
-        engines = colocated_engines(rollout, self.cfg.cluster, ctx.world_size) if rollout.engine == "vllm" else 1
-        if engines > 1:
+        ctx = self.ctx
+        placement = resolve_placement(self.cfg.rollout, world_size=ctx.world_size, cluster=self.cfg.cluster)
+        rollout = placement.rollout_config(self.cfg.rollout)
+        if placement.kind == "colocated_servers":
             self._colocated = start_colocated_servers(
-                self.cfg.model.path, rollout, engines, rank=ctx.rank, world_size=ctx.world_size,
+                self.cfg.model.path, rollout, placement.engines, rank=ctx.rank, world_size=ctx.world_size,
                 local_rank=ctx.local_rank, group=ctx.world_group, seed=self.cfg.train.seed, log_dir=self.cfg.logging.dir,
             )
         if ctx.rank != 0:
             return None
         if self._colocated is not None:
             return self._colocated.engine(rollout)
-        if rollout.multiprocessing is None:
-            # vLLM creates its process groups on the default (trainer's) world when it runs in this
-            # process, and the other trainer ranks would never join them: give it its own process.
-            rollout = replace(rollout, multiprocessing=self.ctx.world_size > 1)
         engine = make_engine(self.cfg.model.path, rollout)
         if ctx.world_size == 1:  # the export needs no other rank: a restarted engine re-exports by itself
             bucket_bytes = int(rollout.weight_bucket_mb * (1 << 20))

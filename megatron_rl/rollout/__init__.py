@@ -7,6 +7,8 @@
 engine.py: protocol, errors, bounded restart-and-retry; vllm_engine.py:
 in-process vllm.LLM; server_engine.py: OpenAI-compatible vLLM servers;
 colocated.py: servers hosted by trainer ranks (rollout.engines > 1);
+placement.py: which of the four placements a config asks for (the one place
+the interacting settings are decided); push.py: the one push protocol;
 worker_ext.py: runs inside vLLM's worker (weight pushes, MoE re-pack,
 routed-expert capture); routing.py: matching captures to samples;
 sampling.py: SamplingSpec -> vLLM; rewards.py: reward functions.
@@ -14,6 +16,7 @@ Importing this package does not import vLLM.
 """
 
 from megatron_rl.config.core import ConfigError
+from megatron_rl.rollout.placement import Placement, resolve_placement
 from megatron_rl.rollout.engine import (
     EngineStartError,
     PromptError,
@@ -28,14 +31,18 @@ from megatron_rl.rollout.vllm_engine import VLLMEngine
 
 
 def make_engine(model_dir, config, **kwargs) -> RolloutEngine:
-    """The engine a RolloutConfig names: in-process (engine=vllm) or servers (engine=vllm_server)."""
-    if config.engine == "vllm_server":
-        if not config.server_urls:
-            raise ConfigError(
-                "rollout.engine=vllm_server needs rollout.server_urls=[http://host:port, ...] (servers started with "
-                "`megatron-rl serve`), or a launch by launch/slurm.sbatch with cluster.rollout_gpus, which starts them"
-            )
+    """The engine a RolloutConfig places (rollout.placement): servers at server_urls, or one vLLM engine in this
+    process or its own. Colocated servers (rollout.engines > 1) are started by every trainer rank instead
+    (rollout.colocated.start_colocated_servers)."""
+    placement = resolve_placement(config)
+    config = placement.rollout_config(config)
+    if placement.kind == "remote_servers":
         return VLLMServerEngine(config.server_urls, config, model_dir=model_dir, **kwargs)
+    if placement.kind == "colocated_servers":
+        raise ConfigError(
+            f"rollout.engines={placement.engines}: colocated engines are vLLM servers hosted by the trainer's ranks, "
+            "started on every rank by megatron_rl.rollout.colocated.start_colocated_servers (the trainer does this)"
+        )
     return VLLMEngine(model_dir, config, **kwargs)
 
 
@@ -51,4 +58,6 @@ __all__ = [
     "VLLMServer",
     "VLLMServerEngine",
     "make_engine",
+    "Placement",
+    "resolve_placement",
 ]

@@ -102,9 +102,10 @@ class ColocatedServers:
 
     def engine(self, rollout: RolloutConfig) -> VLLMServerEngine:
         """Rank 0's engine over every server (its own restarted by the engine, the others by their hosts)."""
-        if rollout.weight_broadcast_backend == "auto":
-            # engine 0's first worker shares rank 0's GPU, which NCCL refuses: go through host memory
-            rollout = replace(rollout, weight_broadcast_backend="gloo")
+        from megatron_rl.rollout.placement import resolve_placement
+
+        # the transport and backend colocated servers get (rollout.placement: gloo, engine 0 shares rank 0's GPU)
+        rollout = resolve_placement(replace(rollout, engines=len(self.urls))).rollout_config(rollout)
         return VLLMServerEngine([self.server, *self.urls[1:]], rollout)
 
     def stop(self) -> None:

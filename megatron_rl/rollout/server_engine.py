@@ -57,6 +57,7 @@ from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_pr
 from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request
+from megatron_rl.rollout.placement import server_transport
 from megatron_rl.rollout.push import PushBrokenError, PushResult, PushTarget, WeightsLostError, stream_push
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
@@ -240,7 +241,7 @@ class VLLMServerEngine:
         self.restarts = 0
         self.weights_lost = False  # True while a server serves other weights than weight_version says
         self.last_push: PushResult | None = None
-        self.weight_transport = "rpc" if self.config.weight_transport == "rpc" else "broadcast"
+        self.weight_transport = server_transport(self.config)
         self._broadcast: BroadcastSender | None = None
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
         self._lock = threading.RLock()  # generate() and pushes from different threads take turns

@@ -116,15 +116,14 @@ class VLLMEngine:
         return bool(self.config.return_routed_experts and self.config.routed_experts_include_prompt)
 
     def _resolve_transport(self) -> str:
-        transport = self.config.weight_transport
-        if transport == "auto":
-            return "broadcast" if self.multiprocessing else "rpc"
-        if transport == "broadcast" and not self.multiprocessing:
-            raise EngineStartError(
-                "rollout.weight_transport=broadcast needs the engine core in its own process "
-                "(rollout.multiprocessing=true); in the trainer's process it gets tensors by reference (weight_transport=rpc)"
-            )
-        return transport
+        """rpc or broadcast, as rollout.placement decides for one engine (in this process or its own)."""
+        from megatron_rl.config.core import ConfigError, replace
+        from megatron_rl.rollout.placement import resolve_placement
+
+        try:
+            return resolve_placement(replace(self.config, engine="vllm", engines=1)).transport
+        except ConfigError as error:
+            raise EngineStartError(str(error)) from error
 
     def engine_args(self) -> dict[str, Any]:
         """Keyword arguments of vllm.LLM for this engine."""
