@@ -74,7 +74,16 @@ class _Runner:
                 shape = f.get_slice(name).get_shape()
                 self.params[name] = torch.zeros(shape, dtype=torch.float32)
 
-    def reload_weights(self, weights_iterator, is_checkpoint_format: bool = True) -> None:
+    def get_model(self):
+        import torch
+
+        return torch.nn.Module()  # no fused-MoE layers to re-pack
+
+    def reload_weights(self, weights_iterator=None, weights_path: str | None = None, is_checkpoint_format: bool = True) -> None:
+        if weights_iterator is None:  # like vLLM: the weights of a model directory (a broken push's restore)
+            from safetensors.torch import load_file
+
+            weights_iterator = load_file(str(Path(weights_path) / "model.safetensors")).items()
         for name, tensor in weights_iterator:
             self.params[name].copy_(tensor)
 

@@ -48,7 +48,16 @@ class _Runner:
         self.model_config = type("ModelConfig", (), {"model": model_dir})()
         self.loaded: dict[str, torch.Tensor] = {}
 
-    def reload_weights(self, weights_iterator, is_checkpoint_format: bool = True) -> None:
+    def get_model(self):
+        import torch
+
+        return torch.nn.Module()  # no fused-MoE layers to re-pack
+
+    def reload_weights(self, weights_iterator=None, weights_path: str | None = None, is_checkpoint_format: bool = True) -> None:
+        if weights_iterator is None:  # like vLLM: the weights of a model directory
+            from safetensors.torch import load_file
+
+            weights_iterator = load_file(str(Path(weights_path) / "model.safetensors")).items()
         self.loaded = {name: tensor.clone() for name, tensor in weights_iterator}
 
 
