@@ -76,6 +76,7 @@ class Trainer:
     def __init__(self, cfg: RLConfig, ctx, logs: LibraryLogs | None = None):
         """logs: where vLLM's start-up output goes (megatron_rl.console); None leaves it on the console."""
         from megatron_rl.actor import Actor
+        from megatron_rl.actor.offload import ActorOffload
         from megatron_rl.data.dataset import PromptDataset
         from megatron_rl.data.tokenizer import load_tokenizer
         from megatron_rl.metrics import MetricsLogger
@@ -105,6 +106,7 @@ class Trainer:
         self._recent_rewards: deque[float] = deque(maxlen=10)  # train.stop_at_reward looks at the last 10 steps
         self.reward_fn = get_reward_fn(cfg.data.reward)
         self.actor = Actor.from_config(cfg, ctx)
+        self._offload = ActorOffload(self.actor.model, self.actor.optimizer, cfg.train.offload)
         self.step, self.weight_version = 0, 0
         resumed = self._maybe_resume()
         self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
@@ -126,6 +128,7 @@ class Trainer:
         self._stream = None  # asynchronous rollout (train.max_staleness > 0), on rank 0
         # The engine serves exactly the trainer's weights from the first step on (also after a resume).
         self._sync_weights(self.weight_version)
+        self._offload.to_host()  # until the first step's old-policy forward (train.offload)
         self._executor = ThreadPoolExecutor(max_workers=1) if cfg.train.off_policy_lag else None
         self._pending: tuple[Future, dict] | None = None
         if cfg.train.max_staleness and ctx.rank == 0:
@@ -167,6 +170,7 @@ class Trainer:
         from megatron_rl.actor import train_batch_from_rollouts
 
         experience = self._experience(step)  # rank 0 only
+        self._offload.to_device()  # the actor's memory back from the host (train.offload)
         whole = train_batch_from_rollouts(experience.rollouts, experience.advantages) if experience is not None else None
         batch = self.actor.distribute(whole)  # this rank's rows only
         del whole
@@ -178,7 +182,16 @@ class Trainer:
         start = time.perf_counter()
         self._sync_weights(step + 1)
         metrics["time/weight_sync_s"] = time.perf_counter() - start
+        self._offload_actor(metrics)
         return metrics
+
+    def _offload_actor(self, metrics: dict[str, float]) -> None:
+        """train.offload: the actor's memory to the host until the next step's old-policy forward."""
+        if self._offload.mode == "none":
+            return
+        start = time.perf_counter()
+        metrics["offload/bytes"] = float(self._offload.to_host())
+        metrics["time/offload_s"] = time.perf_counter() - start
 
     # -- stages ------------------------------------------------------------------------------------
 
@@ -230,7 +243,7 @@ class Trainer:
         from megatron_rl.weight_sync import push_weights
 
         bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
-        with self._engine_held():
+        with self._offload.on_device(), self._engine_held():
             push_weights(
                 self.engine, lambda: self.actor.export_hf_weights(bucket_bytes), version,
                 group=self.ctx.world_group, max_attempts=self.cfg.rollout.max_restarts + 1,
@@ -297,9 +310,10 @@ class Trainer:
             **self.actor.schedule_state(),
             "config": to_dict(self.cfg),
         }
-        return save_checkpoint(
-            self.cfg.checkpoint.dir, self.step, self.actor.state_dict(), trainer_state, keep_last=self.cfg.checkpoint.keep_last
-        )
+        with self._offload.on_device():
+            return save_checkpoint(
+                self.cfg.checkpoint.dir, self.step, self.actor.state_dict(), trainer_state, keep_last=self.cfg.checkpoint.keep_last
+            )
 
     def _maybe_resume(self) -> bool:
         from megatron_rl.checkpoint.state import load_checkpoint, resolve_checkpoint

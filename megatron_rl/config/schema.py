@@ -164,6 +164,10 @@ class TrainConfig:
     always computed, with gradient, when algorithm.entropy_coeff > 0)."""
     seed: int = 42
     """Seed for data order, sampling and everything random in the loop."""
+    offload: Literal["none", "optimizer", "all"] = "none"
+    """Move the actor's memory to (pinned) host memory while the engine generates and back before the
+    old-policy forward: optimizer = the optimizer's state; all = also parameters and gradient buffers
+    (megatron_rl.actor.offload). Needs synchronous generation (off_policy_lag 0, max_staleness 0)."""
     off_policy_lag: Literal[0, 1] = 0
     """1 = generate step k+1 while training step k (importance-corrected one-step off-policy)."""
     max_staleness: int = 0
@@ -195,6 +199,12 @@ class TrainConfig:
         if self.max_staleness < 0 or self.partial_rollout_tokens < 0:
             raise ConfigError(
                 f"train.max_staleness={self.max_staleness}, train.partial_rollout_tokens={self.partial_rollout_tokens}: must be >= 0"
+            )
+        if self.offload != "none" and (self.off_policy_lag or self.max_staleness):
+            raise ConfigError(
+                f"train.offload={self.offload} with train.off_policy_lag={self.off_policy_lag}, train.max_staleness="
+                f"{self.max_staleness}: offload frees the actor's memory while the engine generates, but there "
+                "generation overlaps training; set train.offload=none or generate synchronously"
             )
         if self.max_staleness and self.off_policy_lag:
             raise ConfigError(

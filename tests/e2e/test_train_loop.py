@@ -151,6 +151,20 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
         assert _comparable(mine) == _comparable(theirs), f"step {mine['step']} differs after resume"
 
 
+def test_offloaded_actor_logs_the_metrics_of_a_resident_one(model_dir, tmp_path):
+    # train.offload=all: parameters, gradient buffers and Adam's state go to host memory after every
+    # push and come back before the next step's forward (checkpoints in between); the run is unchanged.
+    args = ("train.steps=3", "checkpoint.save_every=1")
+    _run(_command("tiny-gspo.yaml", model_dir, tmp_path / "resident", *args))
+    _run(_command("tiny-gspo.yaml", model_dir, tmp_path / "offloaded", *args, "train.offload=all"))
+    got, want = read_metrics(tmp_path / "offloaded" / "metrics.jsonl"), read_metrics(tmp_path / "resident" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2]
+    for mine, theirs in zip(got, want):
+        assert mine["offload/bytes"] > 0
+        theirs = {**theirs, "offload/bytes": mine["offload/bytes"]}
+        assert _comparable(mine) == _comparable(theirs), f"step {mine['step']} differs with the actor offloaded"
+
+
 def test_tp2_ep2_trainer_pushes_exact_weights(model_dir, tmp_path):
     # 4 trainer processes (TP2 x EP2, expert TP 1): after each step's gather + push the
     # engine's logprobs of its own samples equal the sharded actor's (checked in _check_rows).

@@ -96,3 +96,14 @@ def test_asynchronous_training_options_are_checked():
     with pytest.raises(ConfigError, match="a stop string could span two chunks"):
         from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollout_tokens": 4}, "rollout": {"stop": ["\n"]}})
     assert from_dict(RLConfig, {"train": {"max_staleness": 2, "partial_rollout_tokens": 4}}).train.max_staleness == 2
+
+
+def test_offload_needs_synchronous_generation():
+    from megatron_rl.config import RLConfig, load_config
+
+    for overlap in ("train.off_policy_lag=1", "train.max_staleness=1"):
+        with pytest.raises(ConfigError, match="train.offload=all .*generation overlaps training"):
+            load_config(RLConfig, None, ["train.offload=all", overlap])
+    with pytest.raises(ConfigError, match="offload"):
+        load_config(RLConfig, None, ["train.offload=weights"])
+    assert load_config(RLConfig, None, ["train.offload=optimizer"]).train.offload == "optimizer"
