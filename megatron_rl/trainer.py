@@ -39,6 +39,7 @@ from typing import Sequence
 
 from megatron_rl.config import RLConfig, load_config, to_dict
 from megatron_rl.console import LibraryLogs, library_logs
+from megatron_rl.rollout import VLLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ class Trainer:
         from megatron_rl.actor import train_batch_from_rollouts
 
         experience = self._experience(step)  # rank 0 only
+        self._sleep_engine()
         self._offload.to_device()  # the actor's memory back from the host (train.offload)
         whole = train_batch_from_rollouts(experience.rollouts, experience.advantages) if experience is not None else None
         batch = self.actor.distribute(whole)  # this rank's rows only
@@ -184,6 +186,11 @@ class Trainer:
         metrics["time/weight_sync_s"] = time.perf_counter() - start
         self._offload_actor(metrics)
         return metrics
+
+    def _sleep_engine(self) -> None:
+        """rollout.sleep_level: the in-process engine sleeps while the actor trains (the next push wakes it)."""
+        if self.cfg.rollout.sleep_level and isinstance(self.engine, VLLMEngine):
+            self.engine.sleep()
 
     def _offload_actor(self, metrics: dict[str, float]) -> None:
         """train.offload: the actor's memory to the host until the next step's old-policy forward."""
@@ -243,6 +250,8 @@ class Trainer:
         from megatron_rl.weight_sync import push_weights
 
         bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.wake_up()  # rollout.sleep_level: awake for the push and the next generation
         with self._offload.on_device(), self._engine_held():
             push_weights(
                 self.engine, lambda: self.actor.export_hf_weights(bucket_bytes), version,

