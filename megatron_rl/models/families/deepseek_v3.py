@@ -67,6 +67,9 @@ class DeepseekV3(SigmoidRouterMoE):
         "rope_interleave": True,
         "attention_bias": False,
         "num_nextn_predict_layers": 0,
+        # As the published configs say (vLLM builds the expert bias only for noaux_tc).
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
     }
 
     def attention_fields(self, cfg: dict, source: str) -> dict:
