@@ -1,6 +1,7 @@
 """Step time and peak memory of the tiny MoE per parallel layout (CPU, gloo).
 
     python bench/layouts.py            # writes bench/results/layouts.json
+    python bench/layouts.py --families # adds DeepSeek-V3 and GLM-4.5 (single, TP2, PP2, EP2, TP2xEP2) to it
 
 Model: tiny Qwen3-MoE (4 layers, hidden 64, 8 experts top-2, vocab 256).
 Step: one optimizer step (Adam, distributed optimizer) over a global batch of
@@ -44,6 +45,10 @@ LAYOUTS = {
     "TP2xPP2xEP2": {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1},
 }
 WORLD = {"single": 1, "TP2": 2, "PP2": 2, "EP2": 2, "DP2": 2}
+# The newer families on the layouts their tests cover: DeepSeek-V3 (multi-latent attention, sigmoid
+# router, a dense first layer) and GLM-4.5 (partial rotary, q/k/v biases and norms, sigmoid router).
+FAMILY_LAYOUTS = ("single", "TP2", "PP2", "EP2", "TP2xEP2")
+FAMILIES = ("deepseek_v3", "glm4_moe")
 
 
 def _rss_mib() -> float:
@@ -111,6 +116,40 @@ def _bench_rank(rank: int, world_size: int, model_dir: str, layout: dict) -> dic
     return {"step_s": statistics.median(times), "peak_rss_mib": peak, "rss_growth_mib": peak - rss_start}
 
 
+def _run_layouts(model_dir: str, names) -> dict:
+    from tests.distributed.harness import run_distributed
+
+    results = {}
+    for name in names:
+        layout = LAYOUTS[name]
+        world = WORLD.get(name, 4)
+        ranks = run_distributed(_bench_rank, world, model_dir, layout, timeout=300)
+        step = max(r["step_s"] for r in ranks)
+        results[name] = {"world_size": world, "layout": layout, "step_ms": round(step * 1e3, 1)}
+        print(f"{name:12s} world {world}  step {results[name]['step_ms']:7.1f} ms", flush=True)
+    for entry in results.values():
+        entry["step_time_vs_single"] = round(entry["step_ms"] / results["single"]["step_ms"], 2)
+    return results
+
+
+def families_main() -> None:
+    """Step time per layout relative to the single rank for FAMILIES, added to bench/results/layouts.json."""
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    path = ROOT / "bench" / "results" / "layouts.json"
+    out = json.loads(path.read_text())
+    families = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in FAMILIES:
+            model_dir = str(make_tiny_model_dir(Path(tmp) / family, family, seed=0, num_hidden_layers=4, with_tokenizer=False))
+            print(family, flush=True)
+            families[family] = {"model": f"tiny {family}: 4 layers (the first dense), hidden 64, 8 experts top-2, vocab 256, fp32",
+                                "layouts": _run_layouts(model_dir, FAMILY_LAYOUTS)}
+    out["families"] = families
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
 def main() -> None:
     from megatron_rl.models.tiny import make_tiny_model_dir
     from tests.distributed.harness import run_distributed
@@ -151,4 +190,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    families_main() if sys.argv[1:] == ["--families"] else main()
