@@ -157,7 +157,9 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         """Start the server and wait until /health answers (EngineStartError with the log tail if it dies)."""
         self.check_model_dir()
-        env = {**os.environ, **self.environment()}
+        # the server's whole output goes to its log file: not to the trainer's vLLM log (megatron_rl.console)
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_CONFIG_PATH"}
+        env.update(self.environment())
         if self.log_path is None:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-server-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
