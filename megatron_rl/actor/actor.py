@@ -19,8 +19,9 @@ train_step, per mini-batch (one optimizer step):
   4. LR schedule step, optimizer step (gradient clipping inside), metrics.
 
 Data: rank 0 holds the step's batch; `actor.distribute` gives every rank only
-its DP rank's rows (actor.distribute), and logprobs and routes come back as
-that share's [B/D, T] tensors (summed over its TP x PP group only); metrics are
+its DP rank's rows (actor.distribute), and logprobs come back as that share's
+[B/D, T] tensors (summed over its TP x PP group only); R2 routes stay on the
+rank whose routers computed them (routing.RankRoutes); metrics are
 small reductions, identical on every rank. A whole batch given to every rank
 also works (each rank trains its rows; results are assembled over DP).
 """
@@ -38,7 +39,7 @@ from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, valida
 from megatron_rl.actor.distribute import scatter_shares
 from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config
 from megatron_rl.actor.plan import Microbatch, plan_step
-from megatron_rl.actor.routing import RoutingControl
+from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
 from megatron_rl.actor.step import (
     LogprobSettings,
     inference_loss,
@@ -65,8 +66,10 @@ class LogprobsWithRoutes(NamedTuple):
 
     logprobs: torch.Tensor
     """[B, T] float32, token-aligned (0 at position 0 and on padding)."""
-    routed_experts: torch.Tensor
-    """[B, T, L, K] int16: the experts the forward used (-1 past each row's computed width)."""
+    routed_experts: "torch.Tensor | RankRoutes"
+    """R2: `RankRoutes`, the experts this rank's routers used (its layers and tokens; the whole
+    [B, T, L, K] int16 tensor with `.gather(actor.route_groups(batch))`); under R3 the engine's
+    [B, T, L, K] routes that the forward replayed."""
     metrics: dict[str, float]
     """routing/engine_vs_trainer/... when the batch carries engine routes."""
 
@@ -273,10 +276,8 @@ class Actor:
         lengths = batch.lengths()
         routing = None if reference_model else self.routing
         recorded = None
-        if record and routing is not None and routing.num_moe_layers:
-            # expert id + 1, 0 = not computed; uint8 when it fits (a quarter of int32's all-reduce)
-            dtype = torch.uint8 if self.arch.num_experts < 255 else torch.int32
-            recorded = torch.zeros(batch.batch_size, batch.seq_len, routing.num_moe_layers, self.arch.moe_topk, dtype=dtype)
+        if record and routing is not None and routing.num_moe_layers:  # kept on this rank: no collective
+            recorded = RouteRecorder((batch.batch_size, batch.seq_len), routing.num_moe_layers, self.arch.moe_topk, self.arch.num_experts)
 
         def forward_step(data_iterator, model):
             inputs = next(data_iterator)
@@ -306,10 +307,15 @@ class Actor:
                             logprobs[row, :span] = values[i, :span]
         # Each row was written on one rank of its model-parallel group (last stage, TP rank 0).
         logprobs = self._assemble(batch, logprobs)
-        routes = None
-        if recorded is not None:
-            routes = self._assemble(batch, recorded).to(torch.int16) - 1
+        routes = recorded.finish(routing.layer_ids) if recorded is not None else None
         return logprobs, routes
+
+    def route_groups(self, batch: TrainBatch) -> list:
+        """The groups over which `RankRoutes.gather` assembles `batch`'s whole routes (TP x PP, CP, and DP
+        for a whole batch): a collective for inspection, not used in training."""
+        ctx = self.ctx
+        return [ctx.model_parallel_group, ctx.cp_group if ctx.cp_size > 1 else None,
+                ctx.dp_group if batch.row_ids is None and ctx.dp_size > 1 else None]
 
     def compute_logprobs(self, batch: TrainBatch, *, record_routes: bool = False):
         """log pi_theta of every token under the current policy, no gradient ([B, T], on every rank).
@@ -317,7 +323,8 @@ class Actor:
         With algorithm.routing_replay=R3 the forward replays batch.routed_experts (so
         that the old policy and the training forward route alike). With
         record_routes=True (R2) returns `LogprobsWithRoutes`: the logprobs, the
-        [B, T, L, K] experts this forward used, and, when the batch carries engine
+        experts this rank's routers used (`RankRoutes`, kept where they were
+        computed, for train_step to replay there), and, when the batch carries engine
         routes, per layer and overall: ``routing/engine_vs_trainer`` (fraction of
         tokens whose top-k set from the trainer's own router differs from the
         engine's) and ``routing/engine_vs_trainer_used`` (the same for the experts

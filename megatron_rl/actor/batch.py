@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_rl.actor.routing import RankRoutes
 
 
 class BatchError(ValueError):
@@ -50,9 +54,11 @@ class TrainBatch:
     routed_experts: torch.Tensor | None = None
     """[B, T, L, K] int16: the engine's top-k experts of each token per MoE layer (R3 source);
     L = MoE layers in model order, K = experts per token; -1 where not captured (padding)."""
-    old_routed_experts: torch.Tensor | None = None
-    """[B, T, L, K] int16: the trainer's own top-k experts in the old-policy forward (R2 source),
-    from ``Actor.compute_logprobs(batch, record_routes=True)``."""
+    old_routed_experts: "torch.Tensor | RankRoutes | None" = None
+    """The trainer's own top-k experts in the old-policy forward (R2 source), from
+    ``Actor.compute_logprobs(batch, record_routes=True)``: a `routing.RankRoutes` holding only
+    what this rank's routers computed (keyed by row and position of this batch), or a
+    [B, T, L, K] int16 tensor."""
     row_ids: torch.Tensor | None = None
     """[B] int64: for a data-parallel rank's share (`Actor.distribute`), each row's index in the
     step's batch; None = the whole step's batch (then every rank must hold the same one)."""
@@ -87,6 +93,9 @@ class TrainBatch:
         fields = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "old_routed_experts" and value is not None and not isinstance(value, torch.Tensor):
+                raise BatchError("batch.old_routed_experts holds this rank's recorded routes keyed by row: select rows "
+                                 "before actor.prepare_batch, or drop them with batch.replace(old_routed_experts=None)")
             fields[f.name] = value[rows] if isinstance(value, torch.Tensor) else value
         return TrainBatch(**fields)
 
@@ -187,7 +196,14 @@ def validate_batch(
                  fix="the reference model's forward diverged (check its weights for NaN)")
     for name in ("routed_experts", "old_routed_experts"):
         routes = getattr(batch, name)
-        if routes is not None:
+        if routes is not None and not isinstance(routes, torch.Tensor):  # routing.RankRoutes of this rank
+            if tuple(routes.batch_shape) != (B, T) or routes.num_moe_layers != num_moe_layers or routes.topk != topk:
+                raise BatchError(
+                    f"batch.{name} was recorded on a [B, T] = {tuple(routes.batch_shape)} batch with {routes.num_moe_layers} MoE "
+                    f"layers x top-{routes.topk}; this batch is {(B, T)} and the model {num_moe_layers} x top-{topk}: record "
+                    "the routes on this batch with actor.prepare_batch(batch)"
+                )
+        elif routes is not None:
             check_routes(routes, name, lengths, num_moe_layers=num_moe_layers, topk=topk, num_experts=num_experts,
                          batch_shape=(B, T), complete=name in complete_routes)
 

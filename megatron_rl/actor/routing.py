@@ -8,10 +8,13 @@ Replay, arXiv 2510.11370) replays the experts the rollout engine chose. The
 router logits stay live: the gates of the replayed experts still train the
 router.
 
-Cost: recorded routes are assembled on every rank as one [B, T, L, K] tensor
-(an all-reduce of B x T x L x K bytes over the world, uint8 for fewer than 255
-experts). Keeping each rank's rows, layers and sequence slice local would remove
-it; the global tensor keeps R2 and R3 on one code path.
+Where routes live: R2 routes stay on the rank whose routers computed them
+(`RankRoutes`: its DP share's rows, its pipeline stage's MoE layers, its
+sequence-parallel / CP tokens), keyed by (row, position), so the training
+forward of the same rows replays them on that rank whatever its microbatch
+plan; no collective moves them. Per rank that is B/D x T/(TP x CP) x L/PP x K
+bytes (uint8 ids for fewer than 256 experts). R3 routes come from the engine as
+[B, T, L, K] per row and travel with their rows (actor.distribute).
 
 Global layout (what the engine returns and what the actor records):
 ``routes[b, t, l, k]`` = the k-th expert MoE layer l (MoE layers in model
@@ -42,6 +45,8 @@ forwards).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -88,6 +93,77 @@ def microbatch_positions(layout: TokenLayout | Microbatch, lengths: torch.Tensor
     return rows, positions, (positions >= 0) & (positions < row_len - 1)
 
 
+@dataclass
+class RankRoutes:
+    """The R2 routes this rank's routers computed in one forward, keyed by (row, position).
+
+    keys [N] int64, sorted: row * seq_len + position (row in the batch the forward ran on);
+    experts [N, L_local, K] (uint8 / int16 expert ids) for the MoE layers `layer_ids` (global
+    MoE-layer index of each column, this rank's pipeline stage). Only the tokens this rank's
+    routers saw are held: its sequence-parallel slice and its CP chunks.
+    """
+
+    keys: torch.Tensor
+    experts: torch.Tensor
+    layer_ids: tuple[int, ...]
+    batch_shape: tuple[int, int]
+    num_moe_layers: int
+    topk: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank holds (keys and expert ids)."""
+        return self.keys.numel() * self.keys.element_size() + self.experts.numel() * self.experts.element_size()
+
+    def lookup(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts [N, L_local, K] int64, found [N] bool) at the tokens (rows [N], positions [N]); 0 where not found."""
+        wanted = rows.clamp(min=0) * self.batch_shape[1] + positions.clamp(min=0)
+        index = torch.searchsorted(self.keys, wanted).clamp(max=max(self.keys.numel() - 1, 0))
+        if self.keys.numel() == 0:
+            found = torch.zeros_like(wanted, dtype=torch.bool)
+            return torch.zeros(wanted.numel(), len(self.layer_ids), self.topk, dtype=torch.int64), found
+        found = (self.keys[index] == wanted) & (rows >= 0) & (positions >= 0) & (positions < self.batch_shape[1])
+        experts = torch.where(found[:, None, None], self.experts[index].to(torch.int64), 0)
+        return experts, found
+
+    def gather(self, groups: list) -> torch.Tensor:
+        """[B, T, L, K] int16 over `groups` (-1 where no rank computed a token): a collective for
+        inspection (tests, offline analysis), never on the training path."""
+        B, T = self.batch_shape
+        dense = torch.zeros(B * T, self.num_moe_layers, self.topk, dtype=torch.int32)
+        for column, layer in enumerate(self.layer_ids):
+            dense[self.keys, layer] = self.experts[:, column].to(torch.int32) + 1
+        for group in groups:  # several ranks may hold the same token (TP without SP): max is idempotent
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(dense, op=dist.ReduceOp.MAX, group=group)
+        return (dense.reshape(B, T, self.num_moe_layers, self.topk) - 1).to(torch.int16)
+
+
+class RouteRecorder:
+    """Collects one forward's recorded routes on this rank (see `RoutingControl.end_microbatch`)."""
+
+    def __init__(self, batch_shape: tuple[int, int], num_moe_layers: int, topk: int, num_experts: int) -> None:
+        self.batch_shape, self.num_moe_layers, self.topk = batch_shape, num_moe_layers, topk
+        self.dtype = torch.uint8 if num_experts <= 256 else torch.int16
+        self._keys: list[torch.Tensor] = []
+        self._experts: list[torch.Tensor] = []
+
+    def add(self, keys: torch.Tensor, experts: torch.Tensor) -> None:
+        self._keys.append(keys)
+        self._experts.append(experts.to(self.dtype))
+
+    def finish(self, layer_ids: list[int]) -> RankRoutes:
+        """Sorted by key; a token seen twice (the same row in two forwards) keeps its last record."""
+        keys = torch.cat(self._keys) if self._keys else torch.zeros(0, dtype=torch.int64)
+        experts = torch.cat(self._experts) if self._experts else torch.zeros(0, len(layer_ids), self.topk, dtype=self.dtype)
+        order = torch.arange(keys.numel() - 1, -1, -1)  # newest first, so unique's first occurrence is the newest
+        keys, experts = keys[order], experts[order]
+        unique, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+        first = torch.full((unique.numel(),), keys.numel(), dtype=torch.int64).scatter_reduce_(
+            0, inverse, torch.arange(keys.numel()), reduce="amin")
+        return RankRoutes(unique, experts[first].contiguous(), tuple(layer_ids), self.batch_shape, self.num_moe_layers, self.topk)
+
+
 class RoutingControl:
     """This rank's routers: replay, record and drift measurement (see the module docstring)."""
 
@@ -128,6 +204,27 @@ class RoutingControl:
         local = self._local(routes_mb)  # [N_local, L, K]
         return [local[:, g].contiguous().to(self.ctx.device) for g in self.layer_ids]
 
+    def _rank_lookup(self, routes: RankRoutes, layout: TokenLayout, lengths: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per local router [N_local, K] int64 from this rank's recorded routes (padding: experts 0..K-1), and found [N_local]."""
+        if routes.layer_ids != tuple(self.layer_ids):
+            raise ValueError(
+                f"recorded routes hold MoE layers {routes.layer_ids} of a [B, T] = {routes.batch_shape} batch, this rank's "
+                f"routers are layers {tuple(self.layer_ids)}: replay R2 routes on the rank and layout that recorded them "
+                "(actor.prepare_batch and actor.train_step on the same actor and batch)"
+            )
+        rows, positions = self._local(layout.rows), self._local(layout.positions)
+        experts, found = routes.lookup(rows, positions)
+        real = (rows >= 0) & (positions >= 0) & (positions < lengths[rows.clamp(min=0)])
+        if bool((real & ~found).any()):
+            missing = int((real & ~found).nonzero()[0, 0])
+            raise ValueError(
+                f"no recorded route on this rank for row {int(rows[missing])} position {int(positions[missing])}: R2 routes "
+                "are replayed on the rank that recorded them; record them with actor.prepare_batch(batch) on this batch share"
+            )
+        default = torch.arange(self.topk, dtype=torch.int64).expand_as(experts[:, 0])
+        per_layer = [torch.where(found[:, None], experts[:, c], default).contiguous().to(self.ctx.device) for c in range(len(self.layer_ids))]
+        return per_layer, found
+
     # -- one microbatch ---------------------------------------------------------------------------
 
     def begin_microbatch(
@@ -144,7 +241,11 @@ class RoutingControl:
             return
         layout = _layout(layout)
         if replay is not None:
-            for router, indices in zip(self.routers, self._per_layer(microbatch_routes(replay, layout, self.topk))):
+            if isinstance(replay, RankRoutes):
+                indices_per_layer = self._rank_lookup(replay, layout, lengths)[0]
+            else:
+                indices_per_layer = self._per_layer(microbatch_routes(replay, layout, self.topk))
+            for router, indices in zip(self.routers, indices_per_layer):
                 router.router_replay.set_target_indices(indices)
                 router.router_replay.set_router_replay_action(self._actions.REPLAY_FORWARD)
         elif record:
@@ -154,7 +255,13 @@ class RoutingControl:
             for router in self.routers:
                 router.router_replay.clear_router_replay_action()
         self._reference = None
-        if reference is not None:
+        if isinstance(reference, RankRoutes):
+            _, _, counted = microbatch_positions(layout, lengths)
+            self._reference, found = self._rank_lookup(reference, layout, lengths)
+            counted_local = torch.zeros(found.shape[0], max(self.num_moe_layers, 1), dtype=torch.bool)
+            counted_local[:, list(self.layer_ids)] = (self._local(counted) & found)[:, None]
+            self._counted = counted_local.to(self.ctx.device)
+        elif reference is not None:
             _, _, counted = microbatch_positions(layout, lengths)
             valid = (layout.rows >= 0) & (layout.positions >= 0) & (layout.positions < reference.shape[1])
             raw = gather_positions(reference.to(torch.int64), layout, valid, fill=-1)
@@ -165,20 +272,20 @@ class RoutingControl:
             self._counted = counted_local.to(self.ctx.device)
         self._active = True
 
-    def end_microbatch(self, layout: TokenLayout | Microbatch | None = None, record_into: torch.Tensor | None = None) -> None:
-        """After the model forward: store recorded routes into `record_into` ([B, T, L, K], expert id + 1)."""
+    def end_microbatch(self, layout: TokenLayout | Microbatch | None = None, record_into: RouteRecorder | None = None) -> None:
+        """After the model forward: add the routes this rank's routers recorded to `record_into`."""
         self._active = False
         if not self.routers:
             return
         if record_into is not None and layout is not None:
             layout = _layout(layout)
             rows, positions = self._local(layout.rows), self._local(layout.positions)
-            keep = (rows >= 0) & (positions >= 0) & (positions < record_into.shape[1])
-            for router, g in zip(self.routers, self.layer_ids):
-                recorded = router.router_replay.get_recorded_indices()
-                if recorded is None:
-                    raise RuntimeError("a router recorded no indices: is moe_router_fusion on (it bypasses RouterReplay)?")
-                record_into[rows[keep], positions[keep], g] = (recorded.cpu()[keep] + 1).to(record_into.dtype)
+            keep = (rows >= 0) & (positions >= 0) & (positions < record_into.batch_shape[1])
+            recorded = [router.router_replay.get_recorded_indices() for router in self.routers]
+            if any(r is None for r in recorded):
+                raise RuntimeError("a router recorded no indices: is moe_router_fusion on (it bypasses RouterReplay)?")
+            experts = torch.stack([r.cpu()[keep] for r in recorded], dim=1)  # [N_keep, L_local, K]
+            record_into.add(rows[keep] * record_into.batch_shape[1] + positions[keep], experts)
         for router in self.routers:
             if router.router_replay.router_replay_action == self._actions.REPLAY_FORWARD:
                 # Recomputation in backward (recompute_activations) pops this step's indices in order.
@@ -272,4 +379,4 @@ class RoutingControl:
         return out
 
 
-__all__ = ["RoutingControl", "local_tokens", "microbatch_positions", "microbatch_routes"]
+__all__ = ["RankRoutes", "RouteRecorder", "RoutingControl", "local_tokens", "microbatch_positions", "microbatch_routes"]

@@ -22,9 +22,11 @@ Sources for each term:
   shard, the actor's own target): 3.5 x the shard.
 - Batch share: each DP rank receives only its rows of the step (actor.distribute):
   S = prompts x samples / D sequences of up to T tokens. On the device, while the
-  old-policy forward assembles them: their float32 logprobs [S, T] and, for MoE
-  models recording or replaying routes, their [S, T, L, K] experts (1 byte each
-  below 255 experts, else 4; the replayed int16 routes as well under R3).
+  old-policy forward assembles them: their float32 logprobs [S, T]; for MoE models
+  recording routes (R2, drift metrics), the routes this rank's routers computed:
+  S x T / (SP x CP) tokens x (an 8-byte key + this stage's MoE layers x K expert
+  ids, 1 byte each up to 256 experts, else 2); for engine routes (R3, or
+  rollout.return_routed_experts), the rows' [S, T, L, K] int16 routes.
 - Engine: vLLM takes `gpu_memory_utilization` of each of its GPUs for its
   weights (split over its TP x PP GPUs) and its KV cache, 2 x layers x
   kv_heads x head_dim values per token.
@@ -172,16 +174,22 @@ def layer_activation_bytes(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) 
     return elements * act + extra_bytes
 
 
-def batch_share_bytes(spec: ModelSpec, cfg: RLConfig, dp: int) -> float:
-    """Device bytes of one DP rank's share of the step (see the module docstring)."""
-    rollout, algo = cfg.rollout, cfg.algorithm
+def batch_share_bytes(spec: ModelSpec, cfg: RLConfig, dp: int, stage_moe_layers: int | None = None) -> float:
+    """Device bytes of one DP rank's share of the step on a stage with `stage_moe_layers` (see the module docstring)."""
+    rollout, algo, par = cfg.rollout, cfg.algorithm, cfg.parallel
     seq = rollout.max_prompt_tokens + rollout.max_new_tokens
     rows = -(-cfg.train.prompts_per_step * rollout.n_samples // dp)
     total = rows * seq * 4.0  # float32 logprobs
-    if spec.is_moe and (algo.routing_replay != "none" or cfg.train.routing_drift_metrics or rollout.return_routed_experts):
-        route = 1 if spec.num_experts < 255 else 4
-        replayed = 2 if algo.routing_replay == "R3" else 0  # int16 engine routes
-        total += rows * seq * spec.num_moe_layers * spec.experts_per_token * (route + replayed)
+    if not spec.is_moe:
+        return total
+    engine_routes = algo.routing_replay == "R3" or rollout.return_routed_experts
+    if engine_routes:  # int16, every layer, travelling with the rows
+        total += rows * seq * spec.num_moe_layers * spec.experts_per_token * 2
+    if algo.routing_replay != "R3" and (algo.routing_replay == "R2" or cfg.train.routing_drift_metrics or engine_routes):
+        layers = spec.num_moe_layers if stage_moe_layers is None else stage_moe_layers
+        token_split = (par.tensor_parallel if par.use_sequence_parallel() else 1) * par.context_parallel
+        expert_id = 1 if spec.num_experts <= 256 else 2
+        total += rows * seq / token_split * (8 + layers * spec.experts_per_token * expert_id)
     return total
 
 
@@ -221,7 +229,7 @@ def stage_memory(spec: ModelSpec, cfg: RLConfig, world: int, microbatches: int, 
         logits = LOGITS_FACTOR * tokens * spec.padded_vocab(tp) / tp * prec.activation
     reference = params * prec.param if cfg.algorithm.beta > 0 else 0.0
     return StageMemory(
-        batch_share=batch_share_bytes(spec, cfg, dp),
+        batch_share=batch_share_bytes(spec, cfg, dp, sum(spec.moe_layers[i] for i in layers)),
         stage=stage,
         dense_params=round(dense),
         expert_params=round(expert),

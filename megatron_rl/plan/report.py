@@ -98,7 +98,7 @@ def render(p: Plan, console=None) -> None:
     memory.add_row("logits", _gib(s.logits), "last stage: vocab-parallel logits + grad + log-softmax")
     if s.reference:
         memory.add_row("reference model", _gib(s.reference), "algorithm.beta > 0")
-    memory.add_row("batch share", _gib(s.batch_share), "this DP rank's rows: logprobs + routes [B/D, T, L, K]")
+    memory.add_row("batch share", _gib(s.batch_share), "this DP rank's rows: logprobs + the routes its routers computed")
     memory.add_row("trainer total", _gib(s.total), "")
     if p.engine is not None and cluster.rollout_gpus == 0:
         memory.add_row("rollout engine", _gib(p.engine.reserved), f"colocated, weights {_gib(p.engine.weights)} GiB")

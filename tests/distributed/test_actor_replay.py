@@ -15,9 +15,12 @@ first), with megatron's distributed optimizer:
   replayed forward's logprobs equal the single rank's (the conversion to each
   rank's local tokens, sequence-parallel slice and local layers is right).
 
-The routes recorded on every layout equal the single rank's; the same holds
-with packed microbatches (THD, a 48-token budget) on one rank, TP2 and
-TP2xPP2xEP2, and for a DeepSeek-V3 model whose first two layers are dense (MoE
+The routes recorded on every layout equal the single rank's (gathered for the
+assertion only); each rank holds only the routes its routers computed (its DP
+rows, sequence-parallel / CP tokens and pipeline stage's layers: the bytes
+measured per rank shrink with the split), and training replays them there. The
+same holds with packed microbatches (THD, a 48-token budget) on one rank, TP2,
+CP2 and TP2xPP2xEP2, and for a DeepSeek-V3 model whose first two layers are dense (MoE
 layer l of the routes is decoder layer l + 2; PP2's first stage holds no
 router), with a sigmoid router, expert bias and group-limited top-k.
 """
@@ -38,6 +41,7 @@ WORLD2 = {
     "PP2": {"pipeline_parallel": 2},
     "EP2": {"expert_parallel": 2},
     "DP2": {},
+    "CP2/packed": {"context_parallel": 2},
 }
 WORLD4 = {
     "TP2xEP2": {"tensor_parallel": 2, "expert_parallel": 2},
@@ -104,7 +108,8 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict) -> dict | N
                         "prepare": prepare_metrics,
                         "train": train_metrics,
                         "old_logprobs": batch.old_logprobs,
-                        "old_routes": batch.old_routed_experts,
+                        "old_routes": _whole_routes(actor, batch),
+                        "held": _held_routes(ctx, batch.old_routed_experts),
                     }
                 finally:
                     actor.close()
@@ -112,6 +117,31 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict) -> dict | N
         finally:
             destroy_parallel(ctx, keep_world=True)
     return out if rank == 0 else None
+
+
+def _whole_routes(actor, batch):
+    """The whole [B, T, L, K] routes, gathered for the assertions only (training replays them where recorded)."""
+    from megatron_rl.actor.routing import RankRoutes
+
+    routes = batch.old_routed_experts
+    return routes.gather(actor.route_groups(batch)) if isinstance(routes, RankRoutes) else routes
+
+
+def _held_routes(ctx, routes) -> dict | None:
+    """What each rank holds of the recorded routes: tokens, local MoE layers, bytes (world-gathered on rank 0)."""
+    import torch.distributed as dist
+
+    from megatron_rl.actor.routing import RankRoutes
+
+    if not isinstance(routes, RankRoutes):
+        return None
+    mine = {"tokens": routes.keys.numel(), "layers": len(routes.layer_ids), "bytes": routes.nbytes,
+            "token_split": (ctx.tp_size if ctx.sequence_parallel else 1) * ctx.cp_size * ctx.dp_size, "pp": ctx.pp_size}
+    if ctx.world_size == 1:
+        return {"ranks": [mine]}
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone}
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +211,15 @@ def _check(name: str, case: dict, single: dict) -> None:
     assert recorded.shape == (B, T, MOE_LAYERS, TOPK)
     assert bool((recorded[real] >= 0).all())
     assert torch.equal(_sets(recorded)[real], _sets(expected)[real]), name
+    # Each rank holds only what its routers computed: its DP rows, SP / CP tokens and PP stage's layers.
+    ranks, whole = r2["held"]["ranks"], single["R2"]["held"]["ranks"][0]
+    split = ranks[0]["token_split"]
+    for held in ranks:
+        # tokens ~ 1 / (SP x CP x DP) of one rank's (+ sequence-parallel / CP padding), 8-byte key + uint8 ids
+        assert held["tokens"] <= whole["tokens"] / split * 1.25 + 8, (name, held, whole)
+        assert held["bytes"] == held["tokens"] * (8 + held["layers"] * TOPK), (name, held)
+    assert sum(held["layers"] for held in ranks) == MOE_LAYERS * len(ranks) // ranks[0]["pp"], (name, ranks)
+    print(f"{name:12s} held per rank (bytes) {[h['bytes'] for h in ranks]} of {whole['bytes']}")
     print(f"{name:12s} drift none {none['train']['routing/drift']:.3f}  R2 {r2['train']['routing/drift']} "
           f"(own {r2['train']['routing/drift_own']:.3f})  R3 {r3['train']['routing/drift']}  R3 logprobs {r3_err:.1e}")
 

@@ -57,3 +57,27 @@ def test_loss_scale_cancels_megatrons_averaging():
     # schedule: x CP / M; DDP: / (D x CP)  ->  the loss function returns loss_sum x M x D
     for m, d, cp in ((1, 1, 1), (3, 2, 1), (4, 4, 2)):
         assert loss_scale(m, d) * cp / m / (d * cp) == 1
+
+
+def test_rank_routes_are_keyed_by_row_and_position_whatever_the_microbatch_order():
+    from megatron_rl.actor.routing import RouteRecorder
+
+    B, T, L, K = 3, 5, 4, 2
+    recorder = RouteRecorder((B, T), num_moe_layers=L, topk=K, num_experts=8)
+    # two "microbatches" of this rank's layers 1 and 3: (row 2, t 0..1) then (row 0, t 3), (row 2, t 1) again
+    recorder.add(torch.tensor([2 * T + 0, 2 * T + 1]), torch.tensor([[[1, 2], [3, 4]], [[5, 6], [7, 0]]]))
+    recorder.add(torch.tensor([0 * T + 3, 2 * T + 1]), torch.tensor([[[6, 7], [1, 0]], [[2, 3], [4, 5]]]))
+    routes = recorder.finish([1, 3])
+    assert routes.keys.tolist() == [3, 10, 11] and routes.experts.dtype == torch.uint8
+    assert routes.nbytes == 3 * 8 + 3 * 2 * K
+    # looked up in another order, with a token never recorded (row 1) and padding (-1)
+    experts, found = routes.lookup(torch.tensor([2, 0, 1, -1, 2]), torch.tensor([1, 3, 0, 0, 0]))
+    assert found.tolist() == [True, True, False, False, True]
+    assert experts[0].tolist() == [[2, 3], [4, 5]]  # the later record of (2, 1) wins
+    assert experts[1].tolist() == [[6, 7], [1, 0]] and experts[4].tolist() == [[1, 2], [3, 4]]
+    # a position past T is not an alias of the next row's first token
+    assert not bool(routes.lookup(torch.tensor([1]), torch.tensor([T]))[1][0])
+    # the whole tensor (one rank: no group): layers 0 and 2 were computed elsewhere
+    whole = routes.gather([])
+    assert whole.shape == (B, T, L, K) and whole[2, 1, 3].tolist() == [4, 5] and whole[0, 3, 1].tolist() == [6, 7]
+    assert int((whole >= 0).all(dim=-1).sum()) == 3 * 2

@@ -243,9 +243,11 @@ def test_batch_share_is_this_dp_ranks_rows_with_their_routes():
     spec = _spec("qwen3-30b-a3b")
     cfg = load_config(RLConfig, CONFIGS / "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml")
     # TP 2 x CP 4 x DP 4 = 32: 64 prompts x 8 samples / 4 DP ranks = 128 rows of 33,792 tokens; float32
-    # logprobs + 48 MoE layers x top-8 uint8 routes (128 experts < 255) per token.
+    # logprobs + the recorded routes of this rank's tokens (1 / (SP 2 x CP 4)): an 8-byte key and
+    # 48 MoE layers x top-8 uint8 expert ids (128 experts) per token.
+    assert cfg.parallel.pipeline_parallel == 1 and cfg.algorithm.routing_replay != "R3"
     mem = stage_memory(spec, cfg, world=32, microbatches=32, stage=0)
-    assert mem.batch_share == 128 * 33792 * (4 + 48 * 8)
+    assert mem.batch_share == 128 * 33792 * 4 + 128 * 33792 / 8 * (8 + 48 * 8)
     halved = stage_memory(spec, cfg, world=64, microbatches=32, stage=0)  # DP 8: half the rows
     assert halved.batch_share == pytest.approx(mem.batch_share / 2)
 
