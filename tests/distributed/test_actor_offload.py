@@ -56,7 +56,7 @@ def _offload_round_trips(rank: int, world_size: int, model_dir: str) -> dict:
 
         offloaded, plain = make(), make()
         batch = _batch()
-        for step in range(2):
+        for _step in range(2):
             metrics = []
             for actor in (offloaded, plain):
                 prepared, _ = actor.prepare_batch(batch)
