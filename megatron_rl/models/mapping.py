@@ -220,11 +220,54 @@ class RopeRows:
         return [(self.hf_name, self._reordered(full, inverse=True))]
 
 
-Mapping = Direct | VocabPadded | QKV | GatedFC1 | RopeRows
+@dataclass(frozen=True)
+class GroupedExperts:
+    """A range of routed experts <-> megatron-core GroupedMLP's fused `weight1` / `weight2` (one tensor per EP rank).
+
+    GroupedMLP (transformer/moe/experts.py) stores the local experts' fc1 as
+    weight1 [H, E_local x F1] with F1 = 2 x ffn / TP (gated) and fc2 as
+    weight2 [E_local x ffn / TP, H]; its sharded_state_dict reads them as
+    weight1.view(E_local, H, F1).transpose(-1, -2) and weight2.view(E_local, ffn / TP, H).transpose(-1, -2),
+    i.e. per expert the transpose of what SequentialMLP holds: fc1 [gate_r; up_r], fc2 [H, ffn / TP].
+    `experts` are the per-expert mappings (GatedFC1 for weight1, Direct for weight2) of this
+    EP rank's experts; TP splits dim 1 of weight1 and dim 0 of weight2 (megatron's partition_dim).
+    """
+
+    experts: tuple[GatedFC1 | Direct, ...]
+    tp_dim: int
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return tuple(name for expert in self.experts for name in expert.hf_names)
+
+    def load(self, reader: HFReader, shard: Shard) -> torch.Tensor:
+        per_expert = [expert.load(reader, Shard(expert.tp_dim, shard.rank, shard.size)) for expert in self.experts]
+        stacked = torch.stack(per_expert).transpose(-1, -2)  # fc1: [E, H, F1]; fc2: [E, F, H]
+        if self.tp_dim == 1:  # megatron reads weight1 [H, E x F1] as .view(E, H, F1): same memory order
+            return stacked.reshape(stacked.shape[1], -1)
+        return stacked.reshape(-1, stacked.shape[-1])  # [E x F, H], read as .view(E, F, H)
+
+    def export(self, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        count = len(self.experts)
+        if self.tp_dim == 1:
+            per_rank = [s.reshape(count, s.shape[0], -1).transpose(-1, -2) for s in shards]  # [E, F1, H]
+        else:
+            per_rank = [s.reshape(count, -1, s.shape[-1]).transpose(-1, -2) for s in shards]  # [E, H, F]
+        out: list[tuple[str, torch.Tensor]] = []
+        for index, expert in enumerate(self.experts):
+            out += expert.export([part[index].contiguous() for part in per_rank])
+        return out
+
+
+Mapping = Direct | VocabPadded | QKV | GatedFC1 | RopeRows | GroupedExperts
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+_EXPERT = re.compile(
+    r"mlp\.experts\.(?:local_experts\.(?P<seq>\d+)\.(?P<seq_fc>linear_fc1|linear_fc2)\.weight"
+    r"|(?P<te_fc>linear_fc1|linear_fc2)\.weight(?P<te>\d+))"
+)
+"""SequentialMLP's local_experts.<e>.linear_fc<k>.weight, or TEGroupedMLP's linear_fc<k>.weight<e> (same tensor per expert)."""
 
 
 def mapping_for(arch: HFArch, global_name: str, padded_vocab: int) -> Mapping:
@@ -251,15 +294,39 @@ def mapping_for(arch: HFArch, global_name: str, padded_vocab: int) -> Mapping:
 
 
 def expert_mapping(rest: str, hf_experts: str, matrices: tuple[str, str, str]) -> Mapping | None:
-    """A routed expert's linear_fc1 / linear_fc2 (`rest` after decoder.layers.<i>.) <-> `hf_experts`.<e>.<gate|up|down>."""
+    """A routed expert's linear_fc1 / linear_fc2 (`rest` after decoder.layers.<i>.) <-> `hf_experts`.<e>.<gate|up|down>.
+
+    Both per-expert layouts map here: SequentialMLP (`mlp.experts.local_experts.<e>.linear_fc1.weight`)
+    and Transformer Engine's TEGroupedMLP (`mlp.experts.linear_fc1.weight<e>`), whose tensors are the same.
+    """
     expert = _EXPERT.fullmatch(rest)
     if not expert:
         return None
+    index, fc = (expert.group("seq"), expert.group("seq_fc")) if expert.group("seq") is not None else (expert.group("te"), expert.group("te_fc"))
+    return _one_expert(hf_experts, int(index), fc, matrices)
+
+
+def _one_expert(hf_experts: str, index: int, fc: str, matrices: tuple[str, str, str]) -> GatedFC1 | Direct:
     gate, up, down = matrices
-    prefix = f"{hf_experts}.{expert.group(1)}"
-    if expert.group(2) == "linear_fc1":
+    prefix = f"{hf_experts}.{index}"
+    if fc == "linear_fc1":
         return GatedFC1(f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight")
     return Direct(f"{prefix}.{down}.weight", tp_dim=1)
+
+
+def grouped_expert_mapping(
+    hf_experts: str, weight: str, first_expert: int, num_local_experts: int, matrices: tuple[str, str, str]
+) -> GroupedExperts:
+    """GroupedMLP's `weight1` (fc1) or `weight2` (fc2) holding experts [first_expert, first_expert + num_local_experts).
+
+    The fused tensor has no expert number in its name, so the EP rank's expert range is given here
+    (first_expert = ep_rank x num_local_experts).
+    """
+    if weight not in ("weight1", "weight2"):
+        raise UnsupportedModelError(f"GroupedMLP has parameters weight1 and weight2, not {weight!r}")
+    fc = "linear_fc1" if weight == "weight1" else "linear_fc2"
+    experts = tuple(_one_expert(hf_experts, first_expert + e, fc, matrices) for e in range(num_local_experts))
+    return GroupedExperts(experts, tp_dim=1 if weight == "weight1" else 0)
 
 
 def global_mcore_names(arch: HFArch) -> list[str]:
@@ -306,7 +373,7 @@ def check_split_dim(global_name: str, mapping: Mapping, param: torch.Tensor, *, 
         )
 
 
-_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)|(.*\.mlp\.experts\.linear_fc[12]\.weight)(\d+)()")
 _LOCAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 
@@ -324,7 +391,8 @@ class GlobalNamer:
         name = f"decoder.layers.{self._layer_numbers[int(match.group(1))]}.{match.group(2)}"
         expert = _LOCAL_EXPERT.fullmatch(name)
         if expert:
-            name = f"{expert.group(1)}{int(expert.group(2)) + self._expert_offset}{expert.group(3)}"
+            head, index, tail = (expert.group(1, 2, 3) if expert.group(1) is not None else expert.group(4, 5, 6))
+            name = f"{head}{int(index) + self._expert_offset}{tail}"
         return name
 
 
