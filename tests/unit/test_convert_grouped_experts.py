@@ -24,19 +24,23 @@ from megatron_rl.models.tiny import make_tiny_model_dir
 
 
 def _grouped_state_dict(prefix, hidden, ffn_tp, local, ep_rank, ep, tp_rank, tp):
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    """Empty tensors of one EP x TP rank in GroupedMLP's layout, for megatron's loader to fill."""
+    weight1, weight2 = torch.empty(hidden, local * 2 * ffn_tp), torch.empty(local * ffn_tp, hidden)
+    return _grouped_pieces(prefix, weight1, weight2, hidden, local, ep_rank, ep, tp_rank, tp)
 
-    replica = (0, 0, 0)
-    gate_up = torch.empty(local, 2 * ffn_tp, hidden)
-    w, v = torch.chunk(gate_up, 2, -2)
-    fc1 = [
-        ShardedTensor.from_rank_offsets(f"{prefix}experts.linear_fc1.weight", w.contiguous(), (0, ep_rank, ep), (1, tp_rank, 2 * tp), replica_id=replica),
-        ShardedTensor.from_rank_offsets(f"{prefix}experts.linear_fc1.weight", v.contiguous(), (0, ep_rank, ep), (1, tp + tp_rank, 2 * tp), replica_id=replica),
-    ]
-    fc2 = ShardedTensor.from_rank_offsets(
-        f"{prefix}experts.linear_fc2.weight", torch.empty(local, hidden, ffn_tp), (0, ep_rank, ep), (2, tp_rank, tp), replica_id=replica
-    )
-    return {"fc1_w": fc1[0], "fc1_v": fc1[1], "fc2": fc2}
+
+class _HFReader:
+    """The converter's reader interface over a dict of HF tensors."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name, dim=None, start=0, stop=None):
+        tensor = self.tensors[name]
+        return tensor if dim is None else tensor.narrow(dim, start, stop - start)
 
 
 @pytest.mark.parametrize("ep,tp", [(1, 1), (2, 2), (4, 1)])
@@ -54,13 +58,6 @@ def test_converted_checkpoint_reads_as_grouped_mlp_weights(tmp_path, ep, tp):
     hf = load_file(str(model_dir / "model.safetensors"))
     ckpt = resolve_mcore_dir(convert_hf_to_mcore(model_dir, tmp_path / "mcore"))
 
-    class Reader:
-        def shape(self, name):
-            return tuple(hf[name].shape)
-
-        def read(self, name, dim=None, start=0, stop=None):
-            return hf[name] if dim is None else hf[name].narrow(dim, start, stop - start)
-
     hidden, ffn, local = arch.hidden_size, hf_config["moe_intermediate_size"], arch.num_experts // ep
     matrices = ("gate_proj", "up_proj", "down_proj")
     with single_process_megatron(hf_config):
@@ -76,8 +73,8 @@ def test_converted_checkpoint_reads_as_grouped_mlp_weights(tmp_path, ep, tp):
                 pieces = loaded[f"ep{ep_rank}_tp{tp_rank}"]
                 weight1 = torch.cat([pieces["fc1_w"], pieces["fc1_v"]], -2).transpose(-1, -2).reshape(hidden, -1)
                 weight2 = pieces["fc2"].transpose(-1, -2).reshape(-1, hidden)
-                assert torch.equal(weight1, fc1.load(Reader(), Shard(1, tp_rank, tp)))
-                assert torch.equal(weight2, fc2.load(Reader(), Shard(0, tp_rank, tp)))
+                assert torch.equal(weight1, fc1.load(_HFReader(hf), Shard(1, tp_rank, tp)))
+                assert torch.equal(weight2, fc2.load(_HFReader(hf), Shard(0, tp_rank, tp)))
 
 
 def _grouped_pieces(prefix, weight1, weight2, hidden, local, ep_rank, ep, tp_rank, tp):
@@ -113,13 +110,6 @@ def test_checkpoint_written_in_grouped_mlp_layout_converts_back_bit_exact(tmp_pa
     hf = load_file(str(model_dir / "model.safetensors"))
     sequential = resolve_mcore_dir(convert_hf_to_mcore(model_dir, tmp_path / "mcore"))
 
-    class Reader:
-        def shape(self, name):
-            return tuple(hf[name].shape)
-
-        def read(self, name, dim=None, start=0, stop=None):
-            return hf[name] if dim is None else hf[name].narrow(dim, start, stop - start)
-
     hidden, local = arch.hidden_size, arch.num_experts // ep
     matrices = ("gate_proj", "up_proj", "down_proj")
     grouped_dir = tmp_path / "grouped"
@@ -133,7 +123,7 @@ def test_checkpoint_written_in_grouped_mlp_layout_converts_back_bit_exact(tmp_pa
                 fc1 = grouped_expert_mapping(f"model.layers.{layer}.mlp.experts", "weight1", ep_rank * local, local, matrices)
                 fc2 = grouped_expert_mapping(f"model.layers.{layer}.mlp.experts", "weight2", ep_rank * local, local, matrices)
                 for tp_rank in range(tp):
-                    weight1, weight2 = fc1.load(Reader(), Shard(1, tp_rank, tp)), fc2.load(Reader(), Shard(0, tp_rank, tp))
+                    weight1, weight2 = fc1.load(_HFReader(hf), Shard(1, tp_rank, tp)), fc2.load(_HFReader(hf), Shard(0, tp_rank, tp))
                     state[f"{prefix}ep{ep_rank}_tp{tp_rank}"] = _grouped_pieces(prefix, weight1, weight2, hidden, local, ep_rank, ep, tp_rank, tp)
         dist_checkpointing.save(state, str(grouped_dir))
     back = convert_mcore_to_hf(grouped_dir, tmp_path / "back", hf_dir=model_dir)
