@@ -10,7 +10,7 @@ number of steps (no early stop). Three runs in this one invocation, each a
 `python -m megatron_rl.train` process:
 
 * sync: generate -> train -> push, one after the other;
-* async S=1, S=2: train.max_staleness=S with partial rollouts of 4 tokens;
+* async S=1, S=2: train.max_staleness=S with partial rollouts (pushes interrupt generation);
 * async S=2 with sequence-level truncated IS (algorithm.tis_mode=sequence).
 
 Per run, from its metrics.jsonl (steps after the first, which includes start-up):
@@ -47,9 +47,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 MODES = {
     "sync": [],
-    "async_staleness_1": ["train.max_staleness=1", "train.partial_rollout_tokens=4"],
-    "async_staleness_2": ["train.max_staleness=2", "train.partial_rollout_tokens=4"],
-    "async_staleness_2_sequence_tis": ["train.max_staleness=2", "train.partial_rollout_tokens=4", "algorithm.tis_mode=sequence"],
+    "async_staleness_1": ["train.max_staleness=1", "train.partial_rollouts=true"],
+    "async_staleness_2": ["train.max_staleness=2", "train.partial_rollouts=true"],
+    "async_staleness_2_sequence_tis": ["train.max_staleness=2", "train.partial_rollouts=true", "algorithm.tis_mode=sequence"],
 }
 TARGET_REWARD = 0.8
 
@@ -124,7 +124,7 @@ def main() -> None:
         for mode, r in results.items() if mode != "sync"
     }
     report = {
-        "what": "tiny-gspo demo task, 16 prompts x 16 samples per step: sync vs async (max_staleness 1, 2, partial rollouts of 4 tokens; S=2 also with sequence TIS)",
+        "what": "tiny-gspo demo task, 16 prompts x 16 samples per step: sync vs async (max_staleness 1, 2, partial rollouts; S=2 also with sequence TIS)",
         "device": f"CPU ({os.cpu_count()} cores, shared), {platform.processor() or platform.machine()}",
         "load_average_at_start": round(load_start, 2),
         "steps_per_run": args.steps,

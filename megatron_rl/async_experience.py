@@ -3,8 +3,8 @@
 With train.max_staleness = S > 0 the rank holding the engine runs a producer
 thread that never waits for the trainer except to respect the bound:
 
-1. draw train.prompts_per_step prompts, generate rollout.n_samples each (in
-   chunks of train.partial_rollout_tokens when > 0: `rollout.partial`), score
+1. draw train.prompts_per_step prompts, generate rollout.n_samples each (with
+   train.partial_rollouts, interruptible by pushes: `rollout.partial`), score
    them, drop groups of equal rewards when dynamic sampling is on (it filters
    the stream), and queue each group tagged with its weight version (the
    oldest version any of its tokens was sampled with);
@@ -15,8 +15,10 @@ in order; a group with staleness k - version > S is dropped and counted
 (`async/dropped_stale_groups`), so every trained group satisfies the bound.
 At the end of the step the trainer pushes version k + 1 inside
 `paused_for_push()`: the push waits for the engine call in progress (a whole
-generation batch, or one chunk with partial rollouts), the producer then
-continues on the new weights. Generation stops for no longer than the push.
+generation batch; with partial rollouts, one decode step: the generation sees
+`push_waiting()`, stops and lets the push run, then continues the samples in
+flight), the producer then continues on the new weights. Generation stops for
+no longer than the push.
 
 Data position and resume: prompts are drawn in order and groups are consumed
 in the same order (FIFO), so the prompts whose groups were trained, dropped as
@@ -41,7 +43,7 @@ import torch
 
 from megatron_rl.algorithms import DynamicSamplingExhausted
 from megatron_rl.experience import Experience, assemble_experience, score_rollouts, step_seed
-from megatron_rl.rollout.partial import generate_in_chunks
+from megatron_rl.rollout.partial import generate_partial
 from megatron_rl.rollout.sampling import SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,10 @@ class AsyncExperienceStream:
                 self._engine_s += time.perf_counter() - start
                 self._cond.notify_all()
 
+    def push_waiting(self) -> bool:
+        """Whether a push (or evaluation) waits for the engine: a partial rollout stops after its current step."""
+        return self._push_pending
+
     def _produce(self) -> None:
         try:
             while True:
@@ -129,8 +135,8 @@ class AsyncExperienceStream:
         spec = SamplingSpec.from_config(cfg.rollout, seed=step_seed(cfg.train.seed, _STREAM_SEED_OFFSET + self._batch_index, 0))
         self._batch_index += 1
         token_ids = [p.token_ids for p in prompts]
-        if cfg.train.partial_rollout_tokens > 0:
-            rollouts = generate_in_chunks(self.engine, token_ids, spec, cfg.train.partial_rollout_tokens, self.engine_turn)
+        if cfg.train.partial_rollouts:
+            rollouts = generate_partial(self.engine, token_ids, spec, self.engine_turn, self.push_waiting)
         else:
             with self.engine_turn():
                 rollouts = self.engine.generate(token_ids, spec)

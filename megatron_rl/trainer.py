@@ -24,7 +24,8 @@ algorithm's importance-sampling correction (algorithm.tis_mode) then
 accounts for the lag. With train.max_staleness = S > 0 rollout runs
 continuously (megatron_rl.async_experience): each step trains on groups at
 most S versions old, pushes pause generation only for the push, and with
-train.partial_rollout_tokens samples in flight continue under new weights.
+train.partial_rollouts a push interrupts the samples in flight, which continue
+under the new weights.
 """
 
 from __future__ import annotations

@@ -173,10 +173,13 @@ class TrainConfig:
     max_staleness: int = 0
     """> 0 = asynchronous training: rollout runs continuously beside training and each step trains on groups
     sampled at most this many weight versions ago (older ones are dropped and counted); 0 = synchronous."""
+    partial_rollouts: bool = False
+    """With max_staleness > 0: a weight push interrupts the generation in progress after the engine's current
+    decode step; the samples in flight keep their tokens and continue under the new weights, each token
+    tagged with its weight version and engine logprob (rollout.partial). False = a push waits for the
+    generation batch in progress."""
     partial_rollout_tokens: int = 0
-    """With max_staleness > 0: generate in chunks of this many tokens so that a weight push interrupts
-    in-flight samples, which continue under the new weights (per-token versions); 0 = a push waits for
-    the generation batch in progress."""
+    """Replaced by partial_rollouts (generation is no longer chunked); only 0 is accepted."""
     eval_every: int = 0
     """Evaluate every this many steps (0 disables evaluation)."""
     stop_at_reward: float = 0.0
@@ -196,9 +199,13 @@ class TrainConfig:
             )
         if self.max_tokens_per_microbatch < 0:
             raise ConfigError(f"train.max_tokens_per_microbatch={self.max_tokens_per_microbatch}: must be >= 0 (0 = by count)")
-        if self.max_staleness < 0 or self.partial_rollout_tokens < 0:
+        if self.max_staleness < 0:
+            raise ConfigError(f"train.max_staleness={self.max_staleness}: must be >= 0")
+        if self.partial_rollout_tokens:
             raise ConfigError(
-                f"train.max_staleness={self.max_staleness}, train.partial_rollout_tokens={self.partial_rollout_tokens}: must be >= 0"
+                f"train.partial_rollout_tokens={self.partial_rollout_tokens}: chunked partial rollouts were replaced by "
+                "train.partial_rollouts=true (a push now interrupts generation after the current decode step, not at "
+                "a chunk boundary); set train.partial_rollouts=true and remove train.partial_rollout_tokens"
             )
         if self.offload != "none" and (self.off_policy_lag or self.max_staleness):
             raise ConfigError(
@@ -211,9 +218,9 @@ class TrainConfig:
                 f"train.off_policy_lag={self.off_policy_lag} with train.max_staleness={self.max_staleness}: pick one "
                 "(max_staleness=1 is the asynchronous form of a one-step lag)"
             )
-        if self.partial_rollout_tokens and not self.max_staleness:
+        if self.partial_rollouts and not self.max_staleness:
             raise ConfigError(
-                f"train.partial_rollout_tokens={self.partial_rollout_tokens} needs train.max_staleness >= 1 "
+                "train.partial_rollouts=true needs train.max_staleness >= 1 "
                 "(partial rollouts continue samples across the weight pushes of asynchronous training)"
             )
 
@@ -462,11 +469,12 @@ class RLConfig:
             )
 
     def _validate_partial_rollouts(self) -> None:
-        if self.train.partial_rollout_tokens and (self.rollout.return_routed_experts or self.rollout.stop):
+        if self.train.partial_rollouts and (self.rollout.return_routed_experts or self.rollout.stop):
             raise ConfigError(
-                f"train.partial_rollout_tokens={self.train.partial_rollout_tokens} with rollout.return_routed_experts="
-                f"{self.rollout.return_routed_experts}, rollout.stop={self.rollout.stop}: chunked generation records no "
-                "routed experts and a stop string could span two chunks; use stop_token_ids, or partial_rollout_tokens=0"
+                f"train.partial_rollouts=true with rollout.return_routed_experts={self.rollout.return_routed_experts}, "
+                f"rollout.stop={self.rollout.stop}: a continued sample's prefix is recomputed under the new weights, so "
+                "its recorded routes would not be those its tokens were sampled with, and a stop string could span the "
+                "interruption; use rollout.stop_token_ids instead of stop strings, or train.partial_rollouts=false"
             )
 
     def _validate_sampling_truncation(self) -> None:

@@ -104,9 +104,26 @@ def to_vllm_params(spec: SamplingSpec, prompt_index: int):
     return SamplingParams(**args, detokenize=bool(spec.stop))
 
 
+def to_vllm_segment_params(spec: SamplingSpec, max_new_tokens: int, seed: int | None):
+    """vllm.SamplingParams for one sample's segment of a partial rollout (rollout.partial): n=1, DELTA outputs."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    args = _common_args(replace(spec, n=1, max_new_tokens=max_new_tokens), seed)
+    return SamplingParams(**args, detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+
 def to_completion_request(spec: SamplingSpec, prompt_index: int, prompt_ids: list[int], model: str) -> dict[str, Any]:
     """Body of POST /v1/completions for one prompt: token ids in, token ids and logprobs out."""
     args = _common_args(spec, prompt_seed(spec.seed, prompt_index))
     body = {"model": model, "prompt": list(map(int, prompt_ids)), "return_token_ids": True}
+    body.update({k: v for k, v in args.items() if v is not None})
+    return body
+
+
+def to_streamed_segment_request(spec: SamplingSpec, max_new_tokens: int, seed: int | None, token_ids: list[int], model: str) -> dict[str, Any]:
+    """Body of a streamed POST /v1/completions for one sample's segment of a partial rollout (rollout.partial)."""
+    args = _common_args(replace(spec, n=1, max_new_tokens=max_new_tokens), seed)
+    body = {"model": model, "prompt": list(map(int, token_ids)), "return_token_ids": True, "stream": True}
     body.update({k: v for k, v in args.items() if v is not None})
     return body

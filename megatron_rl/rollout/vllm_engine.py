@@ -54,7 +54,9 @@ import torch
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
-from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError
+from megatron_rl.rollout.engine import generate_with_restarts, run_with_restarts, EngineStartError, PromptError, RolloutError
+from megatron_rl.rollout.interrupt import run_engine_steps
+from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest, check_partial_spec
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
 from megatron_rl.weight_sync.broadcast import BroadcastSender
@@ -424,6 +426,31 @@ class VLLMEngine:
             captures = decode_captures(raw) if isinstance(raw, (bytes, str)) else raw
             attach_routes(samples, CaptureIndex(captures), self.config.routed_experts_include_prompt)
         return Rollouts(samples=samples, n_samples=sampling.n, weight_version=version)
+
+
+    def generate_segment(
+        self, requests: list[SegmentRequest], spec: SamplingSpec, push_waiting: Callable[[], bool]
+    ) -> tuple[list[SegmentOutput], int]:
+        """Partial rollouts (rollout.partial): run `requests` step by step until all finish or a push waits.
+
+        One SegmentOutput per request and the weight version that sampled them (a push waits for the lock).
+        """
+        check_partial_spec(spec)
+        check_prompts([r.token_ids for r in requests], self.max_model_len, self.vocab_size)
+        with self._lock:
+            self._recover_weights()
+            outputs, _ = run_with_restarts(
+                lambda: self._segment_once(requests, spec, push_waiting), self._restart,
+                max_restarts=self.config.max_restarts, is_engine_failure=self._is_engine_failure,
+                what=f"partial-rollout segment of {len(requests)} requests",
+            )
+            return outputs, self.weight_version
+
+    def _segment_once(self, requests: list[SegmentRequest], spec: SamplingSpec, push_waiting: Callable[[], bool]) -> list[SegmentOutput]:
+        if self._llm is None or self._engine_core_dead():
+            raise RolloutError("the engine is not running (its process died or a restart failed)")
+        with self._dead_engine_watchdog():
+            return run_engine_steps(self._llm.llm_engine, requests, spec, push_waiting)
 
 
 def sleep_mode_available() -> bool:

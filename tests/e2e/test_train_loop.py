@@ -204,11 +204,11 @@ def _consumed_groups(rows: list[dict]) -> int:
 
 
 def test_async_staleness_bound_and_resume(model_dir, tmp_path):
-    # Rollout runs beside training in chunks of 3 tokens (partial rollouts), dynamic sampling filters
+    # Rollout runs beside training and pushes interrupt it (partial rollouts), dynamic sampling filters
     # the stream (groups of equal rewards are consumed, never trained); the second run resumes
     # the first's last checkpoint with a looser bound. Every trained group is within the bound, and
     # the data position is exactly the prompts consumed (none trained twice, in-flight ones regenerated).
-    common = ("train.partial_rollout_tokens=3", "algorithm.tis_mode=sequence_mask_tis", "checkpoint.save_every=2",
+    common = ("train.partial_rollouts=true", "algorithm.tis_mode=sequence_mask_tis", "checkpoint.save_every=2",
               "algorithm.dynamic_sampling=true", "data.reward=tests.e2e.test_train_loop:odd_length_reward")
     _run(_command("tiny-gspo.yaml", model_dir, tmp_path, "train.max_staleness=1", "train.steps=4", *common))
     _run(_command("tiny-gspo.yaml", model_dir, tmp_path, "train.max_staleness=2", "train.steps=6", "checkpoint.resume=auto", *common))

@@ -302,31 +302,52 @@ def test_engine_failure_restarts_and_repushes(moe_engine, models):
     assert max_logprob_error(models["moe1"], moe_engine.generate(PROMPTS, _spec()), 1.0) < TOL
 
 
-def test_partial_rollouts_continue_under_new_weights_with_per_token_logprobs(moe_engine, models):
-    """A push between two chunks: the samples keep their prefix, and each token's logprob is its version's."""
-    from megatron_rl.rollout.partial import generate_in_chunks
+def test_partial_rollouts_are_interrupted_inside_a_generation(moe_engine, models):
+    """A push lands after decode step 7 of 16: each sample keeps its 7 tokens and continues under the new weights.
 
+    References: engine.generate's tokens for the uninterrupted batch (same seeds) and HF transformers'
+    logprobs of every token under the weights of its own version.
+    """
+    from megatron_rl.rollout.partial import generate_partial
+
+    spec = _spec(max_new_tokens=16, ignore_eos=True, temperature=0.9)
     _push(moe_engine, models["moe0"], version=30)
-    state = hf_state_dict(models["moe1"])
-    calls = []
+    whole = moe_engine.generate(PROMPTS, spec)
 
-    def engine_turn():  # entered before each chunk; the trainer's push lands before the second one
-        if len(calls) == 1:
+    # no push: one segment, the tokens engine.generate gives, every token version 30
+    alone = generate_partial(moe_engine, PROMPTS, spec)
+    assert alone.metrics["segments"] == 1
+    assert [s.response_token_ids.tolist() for s in alone] == [s.response_token_ids.tolist() for s in whole]
+    assert all(s.token_versions.tolist() == [30] * 16 for s in alone)
+    assert max_logprob_error(models["moe0"], alone, 0.9) < TOL
+
+    # a push waits after step 7 (the first step is the prefill that samples token 1)
+    steps, turns = [], []
+    state = hf_state_dict(models["moe1"])
+
+    def push_waiting():
+        steps.append(moe_engine.weight_version)
+        return len(steps) == 7
+
+    def engine_turn():  # the push runs between the two segments, as the trainer's paused_for_push does
+        if turns:
             push_weights(moe_engine, bucketize(state.items(), 64 << 10), version=31)
-        calls.append(moe_engine.weight_version)
+        turns.append(moe_engine.weight_version)
         return contextlib.nullcontext()
 
-    spec = _spec(max_new_tokens=12, ignore_eos=True, temperature=0.9)
-    rollouts = generate_in_chunks(moe_engine, PROMPTS, spec, chunk_tokens=5, engine_turn=engine_turn)
-    assert calls == [30, 31, 31]  # chunks of 5, 5 and 2 tokens
-    assert len(rollouts) == len(PROMPTS) * 2 and rollouts.weight_version == 30
+    rollouts = generate_partial(moe_engine, PROMPTS, spec, engine_turn=engine_turn, push_waiting=push_waiting)
+    assert turns == [30, 31] and rollouts.metrics["segments"] == 2
+    assert rollouts.metrics["continued_samples"] == len(PROMPTS) * 2 and rollouts.weight_version == 30
     old_reference = hf_sampled_logprobs(models["moe0"], rollouts, 0.9)
     new_reference = hf_sampled_logprobs(models["moe1"], rollouts, 0.9)
-    for sample, old, new in zip(rollouts, old_reference, new_reference):
-        assert sample.response_length == 12 and sample.weight_version == 30
-        assert sample.token_versions.tolist() == [30] * 5 + [31] * 7
+    for sample, uninterrupted, old, new in zip(rollouts, whole, old_reference, new_reference):
         assert sample.prompt_token_ids.tolist() == PROMPTS[sample.prompt_index]
-        assert float((sample.rollout_logprobs[:5] - old[:5]).abs().max()) < TOL
-        assert float((sample.rollout_logprobs[5:] - new[5:]).abs().max()) < TOL
-    # The two versions really differ on the continued tokens.
-    assert max(float((s.rollout_logprobs[5:] - old[5:]).abs().max()) for s, old in zip(rollouts, old_reference)) > 1e-2
+        assert sample.response_length == 16 and sample.weight_version == 30
+        assert sample.token_versions.tolist() == [30] * 7 + [31] * 9
+        # the 7 tokens before the push are those of the uninterrupted batch: none lost, none repeated
+        assert sample.response_token_ids[:7].tolist() == uninterrupted.response_token_ids[:7].tolist()
+        assert float((sample.rollout_logprobs[:7] - old[:7]).abs().max()) < TOL
+        assert float((sample.rollout_logprobs[7:] - new[7:]).abs().max()) < TOL
+    # the two versions really differ on the continued tokens
+    assert max(float((s.rollout_logprobs[7:] - old[7:]).abs().max()) for s, old in zip(rollouts, old_reference)) > 1e-2
+

@@ -89,13 +89,19 @@ def test_asynchronous_training_options_are_checked():
 
     with pytest.raises(ConfigError, match="pick one"):
         from_dict(RLConfig, {"train": {"max_staleness": 1, "off_policy_lag": 1}})
-    with pytest.raises(ConfigError, match="partial_rollout_tokens=4 needs train.max_staleness >= 1"):
-        from_dict(RLConfig, {"train": {"partial_rollout_tokens": 4}})
+    with pytest.raises(ConfigError, match="partial_rollouts=true needs train.max_staleness >= 1"):
+        from_dict(RLConfig, {"train": {"partial_rollouts": True}})
     with pytest.raises(ConfigError, match="max_staleness=-1"):
         from_dict(RLConfig, {"train": {"max_staleness": -1}})
-    with pytest.raises(ConfigError, match="a stop string could span two chunks"):
-        from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollout_tokens": 4}, "rollout": {"stop": ["\n"]}})
-    assert from_dict(RLConfig, {"train": {"max_staleness": 2, "partial_rollout_tokens": 4}}).train.max_staleness == 2
+    with pytest.raises(ConfigError, match="a stop string could span the interruption"):
+        from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollouts": True}, "rollout": {"stop": ["\n"]}})
+    with pytest.raises(ConfigError, match="routes would not be those its tokens were sampled with"):
+        from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollouts": True}, "rollout": {"return_routed_experts": True}})
+    # the chunked form's key is refused with the name of its replacement; 0 (its default) still loads
+    with pytest.raises(ConfigError, match=r"partial_rollout_tokens=4: .*set train.partial_rollouts=true"):
+        from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollout_tokens": 4}})
+    assert from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollout_tokens": 0}}).train.partial_rollouts is False
+    assert from_dict(RLConfig, {"train": {"max_staleness": 2, "partial_rollouts": True}}).train.partial_rollouts is True
 
 
 def test_offload_needs_synchronous_generation():
