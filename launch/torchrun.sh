@@ -53,6 +53,7 @@ fi
 
 python=${PYTHON:-python3}
 launch_env=$("$python" -m megatron_rl.cli plan --launch-env --config "$config" "$@")  # NNODES=, NPROC_PER_NODE=
+"$python" -m megatron_rl.cli plan --check --config "$config" "$@"  # a layout that does not fit its GPUs stops here
 nnodes=$(sed -n 's/^NNODES=//p' <<<"$launch_env")
 if [[ $nnodes != 1 ]]; then
     echo "torchrun.sh: $config plans $nnodes trainer nodes: use launch/slurm.sbatch, or override cluster.nodes=1" >&2

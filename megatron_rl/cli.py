@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         "these comma-separated rollout hosts",
     )
     planner.add_argument("--server-port", type=int, default=8000, help="first port of the servers on a host (default 8000)")
+    planner.add_argument(
+        "--check", action="store_true",
+        help="print nothing and exit 0 when the layout fits its GPUs; else the verdict and exit 2 (what the launch "
+        "scripts run before they start a process)",
+    )
     serve = sub.add_parser(
         "serve",
         help="run a vLLM OpenAI server on model.path set up for the trainer (rollout.engine=vllm_server): "
@@ -78,6 +83,11 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         if args.launch_env:
             sys.stdout.write(launch_env(args.config, list(args.overrides)))
+            return 0
+        if args.check:
+            from megatron_rl.plan.report import require_fit
+
+            require_fit(load_config(RLConfig, args.config, list(args.overrides)))
             return 0
         if args.server_urls is not None:
             cfg = load_config(RLConfig, args.config, list(args.overrides))

@@ -56,7 +56,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from megatron_rl.models import load_hf_config, model_shape
     from megatron_rl.models.tiny import ensure_tiny_model_dir
     from megatron_rl.parallel import destroy_parallel, init_parallel
+    from megatron_rl.plan.report import require_fit
 
+    require_fit(cfg)  # GPU clusters: a layout that does not fit its GPUs stops here, before any device is touched
     if cfg.model.make_tiny_if_missing:
         ensure_tiny_model_dir(cfg.model.path, cfg.model.make_tiny_if_missing, seed=cfg.model.init_seed)
     with library_logs(cfg.logging.dir) as logs:
@@ -169,6 +171,10 @@ class Trainer:
         return bool(broadcast_object(reached, self.ctx))
 
     def train_one_step(self, step: int) -> dict[str, float]:
+        """One step, in the order that keeps the least on the device at once (megatron_rl.plan.memory, phases):
+        generate (the actor's offloaded state on the host) -> the engine sleeps -> the actor back -> train ->
+        the optimizer state and gradients out -> the engine's weights wake, push -> the parameters out -> the
+        engine's KV cache wakes."""
         from megatron_rl.actor import train_batch_from_rollouts
 
         experience = self._experience(step)  # rank 0 only
@@ -180,26 +186,33 @@ class Trainer:
         batch, metrics = self.actor.prepare_batch(batch)
         metrics = {**(experience.metrics if experience is not None else {}), **metrics, **self.actor.train_step(batch)}
         metrics["batch/share_bytes"] = float(self.actor.last_share_bytes)
+        del batch  # the push phase holds no rows of the step
         if self._pending is not None:  # the next step's generation must finish on the old weights
             self._pending[0].result()
         start = time.perf_counter()
+        offloaded = self._offload.to_host(["optimizer", "grads"])  # before the push: only the parameters stay
+        offload_s = time.perf_counter() - start
+        start = time.perf_counter()
         self._sync_weights(step + 1)
         metrics["time/weight_sync_s"] = time.perf_counter() - start
-        self._offload_actor(metrics)
+        start = time.perf_counter()
+        offloaded += self._offload.to_host()  # the parameters (train.offload=all): the device is the engine's
+        offload_s += time.perf_counter() - start
+        self._wake_engine()
+        if self._offload.mode != "none":
+            metrics["offload/bytes"] = float(offloaded)
+            metrics["time/offload_s"] = offload_s
         return metrics
 
     def _sleep_engine(self) -> None:
-        """rollout.sleep_level: the in-process engine sleeps while the actor trains (the next push wakes it)."""
+        """rollout.sleep_level: the engine sleeps while the actor trains (the push wakes its weights)."""
         if self.cfg.rollout.sleep_level and isinstance(self.engine, VLLMEngine):
             self.engine.sleep()
 
-    def _offload_actor(self, metrics: dict[str, float]) -> None:
-        """train.offload: the actor's memory to the host until the next step's old-policy forward."""
-        if self._offload.mode == "none":
-            return
-        start = time.perf_counter()
-        metrics["offload/bytes"] = float(self._offload.to_host())
-        metrics["time/offload_s"] = time.perf_counter() - start
+    def _wake_engine(self) -> None:
+        """The rest of a sleeping engine (its KV cache) wakes once the actor's memory has left the device."""
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.wake_up()
 
     # -- stages ------------------------------------------------------------------------------------
 
@@ -252,8 +265,8 @@ class Trainer:
 
         bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
         if isinstance(self.engine, VLLMEngine):
-            self.engine.wake_up()  # rollout.sleep_level: awake for the push and the next generation
-        with self._offload.on_device(), self._engine_held():
+            self.engine.wake_up(["weights"])  # rollout.sleep_level: the weights for the push, the KV cache after it
+        with self._offload.on_device(["params"]), self._engine_held():
             push_weights(
                 self.engine, lambda: self.actor.export_hf_weights(bucket_bytes), version,
                 group=self.ctx.world_group, max_attempts=self.cfg.rollout.max_restarts + 1,

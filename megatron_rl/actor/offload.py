@@ -1,7 +1,9 @@
 """The actor's memory handed to the host while the engine generates, and taken back before training.
 
     offload = ActorOffload(actor.model, actor.optimizer, mode="all")
-    offload.to_host()      # after the weight push: the engine gets the device for generation
+    offload.to_host(["optimizer", "grads"])   # after training: only the parameters stay for the weight push
+    ...                                       # push the weights
+    offload.to_host()      # the parameters too: the engine gets the device for generation
     ...                    # generate
     offload.to_device()    # before the old-policy logprobs and training
 
@@ -28,7 +30,10 @@ from typing import Iterable, Iterator, Literal
 
 import torch
 
+from megatron_rl.config.schema import OFFLOAD_PARTS
+
 OffloadMode = Literal["none", "optimizer", "all"]
+OffloadPart = Literal["optimizer", "grads", "params"]
 
 
 def _distinct_storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, torch.Tensor]:
@@ -40,15 +45,27 @@ def _distinct_storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, torc
     return found
 
 
+def param_tensors(model_chunks: list) -> list[torch.Tensor]:
+    """Parameters and megatron DDP's parameter buffers (which the parameters view, with the distributed optimizer)."""
+    tensors = [param for chunk in model_chunks for param in chunk.parameters()]
+    tensors += [buffer.param_data for buffer in _ddp_buffers(model_chunks)]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def grad_tensors(model_chunks: list) -> list[torch.Tensor]:
+    """Gradient views of the parameters and megatron DDP's gradient buffers."""
+    tensors = [g for chunk in model_chunks for p in chunk.parameters() for g in (p.grad, getattr(p, "main_grad", None))]
+    tensors += [buffer.grad_data for buffer in _ddp_buffers(model_chunks)]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
 def model_tensors(model_chunks: list) -> list[torch.Tensor]:
     """Parameters, their gradient views and megatron DDP's parameter and gradient buffers."""
-    tensors: list[torch.Tensor] = []
-    for chunk in model_chunks:
-        for param in chunk.parameters():
-            tensors += [param, param.grad, getattr(param, "main_grad", None)]
-        for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
-            tensors += [buffer.param_data, buffer.grad_data]
-    return [t for t in tensors if isinstance(t, torch.Tensor)]
+    return param_tensors(model_chunks) + grad_tensors(model_chunks)
+
+
+def _ddp_buffers(model_chunks: list) -> list:
+    return [b for chunk in model_chunks for b in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]]
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
@@ -64,40 +81,55 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
 
 
 class ActorOffload:
-    """Moves the actor's storages to the host and back (see the module docstring)."""
+    """Moves the actor's storages to the host and back (see the module docstring).
+
+    The storages fall in three parts, each moved on its own: "optimizer" (state
+    and main parameters that are not the model's), "grads" (gradient buffers
+    and views) and "params" (the model's parameters and parameter buffers).
+    A storage shared by two parts belongs to the first of params, grads,
+    optimizer. The trainer moves the optimizer and gradients out before the
+    weight push and the parameters after it, so that the push runs with only
+    the parameters resident (train.offload=all).
+    """
 
     def __init__(self, model_chunks: list, optimizer, mode: OffloadMode):
         if mode not in ("none", "optimizer", "all"):
             raise ValueError(f"train.offload={mode!r}: choose none, optimizer or all")
         self.model_chunks, self.optimizer, self.mode = model_chunks, optimizer, mode
+        self.parts: tuple[OffloadPart, ...] = OFFLOAD_PARTS[mode]  # type: ignore[assignment]
+        """The parts this mode moves."""
         # id(tensor) -> (the tensor, its storage's bytes on the host); host buffers are kept between offloads
         self._host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._offloaded: list[int] = []
+        self._offloaded: dict[OffloadPart, list[int]] = {}
         self.last_offloaded_bytes = 0
+        """Bytes on the host after the last to_host (all parts)."""
 
     @property
     def on_host(self) -> bool:
         return bool(self._offloaded)
 
-    def _chosen(self) -> list[torch.Tensor]:
-        """One tensor per storage this mode moves (found again at each offload: Adam's state appears at its
-        first step). The optimizer's main parameters may be the model's own (fp32 training): under
-        "optimizer" those stay, as the model's."""
-        if self.mode == "none":
-            return []
-        model = _distinct_storages(model_tensors(self.model_chunks))
-        optim = _distinct_storages(optimizer_tensors(self.optimizer))
-        if self.mode == "optimizer":
-            return [t for addr, t in optim.items() if addr not in model]
-        return list({**model, **optim}.values())
+    def _storages(self) -> dict[OffloadPart, list[torch.Tensor]]:
+        """One tensor per device storage of each part (found again at each offload: Adam's state appears at its
+        first step). The optimizer's main parameters may be the model's own (fp32 training): they are params."""
+        found_params = _distinct_storages(param_tensors(self.model_chunks))
+        found_grads = {a: t for a, t in _distinct_storages(grad_tensors(self.model_chunks)).items() if a not in found_params}
+        found_optim = {
+            a: t for a, t in _distinct_storages(optimizer_tensors(self.optimizer)).items()
+            if a not in found_params and a not in found_grads
+        }
+        return {"params": list(found_params.values()), "grads": list(found_grads.values()),
+                "optimizer": list(found_optim.values())}
 
-    def to_host(self) -> int:
-        """Copy the chosen storages to host memory and free them on the device; returns the bytes moved."""
-        if self.on_host or self.mode == "none":
+    def to_host(self, parts: Iterable[OffloadPart] | None = None) -> int:
+        """Copy the storages of `parts` (default: every part of the mode) to host memory and free them on the
+        device; returns the bytes this call moved. Parts outside the mode, or already on the host, are skipped."""
+        wanted = [p for p in (self.parts if parts is None else parts) if p in self.parts and p not in self._offloaded]
+        if not wanted:
             return 0
         pinned = torch.cuda.is_available()
-        chosen = self._chosen()
-        for tensor in chosen:
+        storages = self._storages()
+        chosen = {part: storages[part] for part in wanted}
+        for tensor in (t for tensors in chosen.values() for t in tensors):
             storage = tensor.untyped_storage()
             entry = self._host.get(id(tensor))
             if entry is None or entry[1].numel() != storage.nbytes():
@@ -106,35 +138,38 @@ class ActorOffload:
             entry[1].untyped_storage().copy_(storage, non_blocking=pinned)
         if pinned:
             torch.cuda.synchronize()  # the copies are done before the device memory is freed
-        for tensor in chosen:
-            tensor.untyped_storage().resize_(0)
-        self._offloaded = [id(t) for t in chosen]
+        moved = 0
+        for part, tensors in chosen.items():
+            for tensor in tensors:
+                moved += tensor.untyped_storage().nbytes()
+                tensor.untyped_storage().resize_(0)
+            self._offloaded[part] = [id(t) for t in tensors]
         if pinned:
             torch.cuda.empty_cache()  # freed blocks back to the device, for the engine
-        self.last_offloaded_bytes = sum(self._host[key][1].numel() for key in self._offloaded)
-        return self.last_offloaded_bytes
+        self.last_offloaded_bytes = sum(self._host[key][1].numel() for keys in self._offloaded.values() for key in keys)
+        return moved
 
-    def to_device(self) -> None:
-        """Give every offloaded storage its memory back and copy its bytes in (bit-exact)."""
-        if not self.on_host:
+    def to_device(self, parts: Iterable[OffloadPart] | None = None) -> None:
+        """Give the offloaded storages of `parts` (default: all) their memory back and copy their bytes in (bit-exact)."""
+        wanted = [p for p in (tuple(self._offloaded) if parts is None else parts) if p in self._offloaded]
+        if not wanted:
             return
         pinned = torch.cuda.is_available()
-        for key in self._offloaded:
-            tensor, host = self._host[key]
-            storage = tensor.untyped_storage()
-            storage.resize_(host.numel())
-            storage.copy_(host.untyped_storage(), non_blocking=pinned)
+        for part in wanted:
+            for key in self._offloaded.pop(part):
+                tensor, host = self._host[key]
+                storage = tensor.untyped_storage()
+                storage.resize_(host.numel())
+                storage.copy_(host.untyped_storage(), non_blocking=pinned)
         if pinned:
             torch.cuda.synchronize()
-        self._offloaded = []
 
     @contextmanager
-    def on_device(self) -> Iterator[None]:
-        """The actor on the device inside the block (a checkpoint, a weight push), back where it was after."""
-        was_on_host = self.on_host
-        self.to_device()
+    def on_device(self, parts: Iterable[OffloadPart] | None = None) -> Iterator[None]:
+        """`parts` (default: all) on the device inside the block (a checkpoint, a weight push), back where they were after."""
+        was_on_host = [p for p in (tuple(self._offloaded) if parts is None else parts) if p in self._offloaded]
+        self.to_device(was_on_host)
         try:
             yield
         finally:
-            if was_on_host:
-                self.to_host()
+            self.to_host(was_on_host)

@@ -135,6 +135,11 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.sgd_momentum={self.sgd_momentum}: must be >= 0")
 
 
+OFFLOAD_PARTS: dict[str, tuple[str, ...]] = {"none": (), "optimizer": ("optimizer",), "all": ("optimizer", "grads", "params")}
+"""What each train.offload mode moves to the host: the optimizer's state, the gradient buffers, the parameters
+(megatron_rl.actor.offload moves them; megatron_rl.plan.memory counts what that frees)."""
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Batch shape of one RL step and how it is cut into optimizer steps and microbatches."""
@@ -166,7 +171,8 @@ class TrainConfig:
     """Seed for data order, sampling and everything random in the loop."""
     offload: Literal["none", "optimizer", "all"] = "none"
     """Move the actor's memory to (pinned) host memory while the engine generates and back before the
-    old-policy forward: optimizer = the optimizer's state; all = also parameters and gradient buffers
+    old-policy forward: optimizer = the optimizer's state; all = also parameters and gradient buffers, the
+    optimizer's state and gradients before the weight push and the parameters after it
     (megatron_rl.actor.offload). Needs synchronous generation (off_policy_lag 0, max_staleness 0)."""
     off_policy_lag: Literal[0, 1] = 0
     """1 = generate step k+1 while training step k (importance-corrected one-step off-policy)."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_rl.config.schema import RLConfig
+from megatron_rl.config.schema import OFFLOAD_PARTS, RLConfig
 
 if TYPE_CHECKING:
     from megatron_rl.plan.model_spec import ModelSpec
@@ -49,6 +49,12 @@ CPU_RUNTIME_OVERHEAD_GIB = 1.0
 """Python, torch and megatron-core loaded in one process."""
 ENGINE_OVERHEAD_GIB = {"gpu": 2.0, "cpu": 0.7}
 """vLLM's own activations and buffers beside weights and KV cache (0.7 GiB measured on CPU, notes/vllm-on-cpu.md)."""
+PUSH_BUCKETS_TRAINER = 2
+"""Weight-sync buckets the pushing rank holds at once: the export's bucket and the broadcast's packing buffer
+(2.0 measured, bench/results/weight_sync.json)."""
+PUSH_BUCKETS_ENGINE = 3
+"""Buckets an engine worker holds at once while it loads a push: the received bucket and a fused layer's
+parts staged until the layer is complete (at most 3.0 measured, bench/results/weight_sync.json)."""
 LOGITS_FACTOR = 3.5
 """Logits shard + its gradient + up to 1.5x working memory of the vocab-parallel log-softmax."""
 
@@ -279,12 +285,67 @@ def engine_memory(spec: ModelSpec, cfg: RLConfig) -> EngineMemory:
     )
 
 
-def trainer_budget(cfg: RLConfig, engine: EngineMemory) -> float:
-    """Bytes the trainer may use on one device, after the colocated engine and the runtime."""
-    cluster = cfg.cluster
-    if cluster.gpus_per_node == 0:  # CPU: rank 0 hosts the in-process engine
-        return cluster.gpu_memory_gib * GIB - engine.reserved - CPU_RUNTIME_OVERHEAD_GIB * GIB
-    usable = cluster.gpu_memory_gib * GIB - GPU_RUNTIME_OVERHEAD_GIB * GIB
-    if cluster.rollout_gpus == 0:  # colocated: the engine keeps its share of every GPU
-        usable -= engine.reserved
-    return usable
+def device_budget(cfg: RLConfig) -> float:
+    """Bytes one device offers the trainer and a colocated engine together, after the runtime."""
+    overhead = GPU_RUNTIME_OVERHEAD_GIB if cfg.cluster.gpus_per_node > 0 else CPU_RUNTIME_OVERHEAD_GIB
+    return (cfg.cluster.gpu_memory_gib - overhead) * GIB
+
+
+@dataclass(kw_only=True, frozen=True)
+class PhaseMemory:
+    """What one device holds during one phase of an RL step."""
+
+    name: str
+    """generation, push or training."""
+    actor: float
+    """The actor's bytes on the device (what train.offload has not moved to the host)."""
+    engine: float
+    """The colocated engine's bytes on the device (what rollout.sleep_level has not released)."""
+    push_buffers: float = 0.0
+    """Weight-sync buckets alive during the push (PUSH_BUCKETS_TRAINER + PUSH_BUCKETS_ENGINE)."""
+
+    @property
+    def total(self) -> float:
+        return self.actor + self.engine + self.push_buffers
+
+
+def phase_memory(stage: StageMemory, engine: EngineMemory | None, cfg: RLConfig, model_bytes: float) -> list[PhaseMemory]:
+    """Bytes on the worst device in each phase of a step, in the trainer's order (megatron_rl.trainer):
+
+    1. generation: the engine awake (weights + KV cache, its whole reservation);
+       the actor's states less what train.offload moved to the host;
+    2. training: every actor term (weights, gradients, optimizer state,
+       activations, logits, reference, batch share); the engine asleep at
+       rollout.sleep_level 1 or 2 keeps only its own overhead (vLLM's sleep
+       mode: level 1 moves the weights to host memory and drops the KV cache,
+       level 2 drops both; vllm/entrypoints/llm.py, LLM.sleep), at 0 all of it;
+    3. push: the optimizer state and gradients have left (offload) before the
+       engine's weights wake (not its KV cache, woken after the push, once the
+       parameters have left too): parameters + the engine's weights + the
+       push's buckets.
+    Offload and sleep free nothing on CPU, where host and device are one memory.
+    An engine on GPUs of its own (cluster.rollout_gpus) is not on the device.
+    model_bytes: the whole model in the engine's dtype (no bucket is larger).
+    """
+    gpu = cfg.cluster.gpus_per_node > 0
+    moved = OFFLOAD_PARTS[cfg.train.offload] if gpu else ()
+    s = stage
+    kept = {
+        "params": 0.0 if "params" in moved else s.weights,
+        "grads": 0.0 if "grads" in moved else s.grads,
+        "optimizer": 0.0 if "optimizer" in moved else s.optimizer,
+    }
+    colocated = engine is not None and cfg.cluster.rollout_gpus == 0
+    awake = engine.reserved if colocated else 0.0
+    overhead = ENGINE_OVERHEAD_GIB["gpu" if gpu else "cpu"] * GIB
+    sleeps = colocated and gpu and cfg.rollout.sleep_level > 0
+    bucket = min(cfg.rollout.weight_bucket_mb * (1 << 20), model_bytes)
+    push_buffers = bucket * (PUSH_BUCKETS_TRAINER + (PUSH_BUCKETS_ENGINE if colocated else 0))
+    return [
+        PhaseMemory(name="generation", actor=sum(kept.values()) + s.reference, engine=awake),
+        PhaseMemory(name="training", actor=s.total, engine=overhead if sleeps else awake),
+        PhaseMemory(
+            name="push", actor=s.weights + kept["grads"] + kept["optimizer"] + s.reference,
+            engine=engine.weights + overhead if sleeps else awake, push_buffers=push_buffers,
+        ),
+    ]

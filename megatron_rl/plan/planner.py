@@ -12,9 +12,12 @@
 5. the rollout engine: its TP inside a node and dividing the heads, its GPUs
    dividing the GPUs it runs on, its KV cache holding at least one sequence;
 6. memory: the worst pipeline stage's weights, gradients, optimizer state,
-   activations, logits and this DP rank's batch share (logprobs, routes)
-   against what the device has left; CP needs packed sequences, and a packed
-   token budget must hold one full-length sequence padded to the SP/CP multiple.
+   activations, logits and this DP rank's batch share (logprobs, routes),
+   and a colocated engine, in each phase of a step (generation, training,
+   weight push: what train.offload and rollout.sleep_level free,
+   plan.memory.phase_memory); the largest phase against what the device has
+   after the runtime; CP needs packed sequences, and a packed token budget
+   must hold one full-length sequence padded to the SP/CP multiple.
 Layout errors raise ConfigError; a layout that does not fit in memory returns
 a Plan whose `fits` is False and whose `verdict()` names the numbers.
 """
@@ -31,10 +34,13 @@ from megatron_rl.plan.launch import LaunchShape, colocated_engines, launch_shape
 from megatron_rl.plan.memory import (
     GIB,
     EngineMemory,
+    PhaseMemory,
     StageMemory,
+    device_budget,
     engine_memory,
+    phase_memory,
+    precision_for,
     tokens_per_microbatch,
-    trainer_budget,
     worst_stage,
 )
 
@@ -60,40 +66,57 @@ class Plan:
     """Rollout engines (0: external servers)."""
     stage: StageMemory
     engine: EngineMemory | None
+    phases: list[PhaseMemory]
+    """What the worst device holds in each phase of a step (generation, training, push)."""
     budget: float
-    """Bytes the trainer may use on one device."""
+    """Bytes one device offers the trainer and a colocated engine, after the runtime."""
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def peak(self) -> PhaseMemory:
+        """The phase that needs the most memory."""
+        return max(self.phases, key=lambda phase: phase.total)
+
+    @property
     def fits(self) -> bool:
-        return self.stage.total <= self.budget
+        return self.peak.total <= self.budget
 
     def verdict(self) -> str:
-        need, have = self.stage.total / GIB, self.budget / GIB
+        peak = self.peak
+        need, have = peak.total / GIB, self.budget / GIB
         if self.fits:
-            return f"fits: {need:.1f} GiB of {have:.1f} GiB per device ({100 * need / have:.0f}%)"
+            return f"fits: {need:.1f} GiB of {have:.1f} GiB per device at the peak ({peak.name}, {100 * need / have:.0f}%)"
         s = self.stage
-        parts = ", ".join(
-            f"{name} {value / GIB:.1f}"
-            for name, value in (
-                ("weights", s.weights),
-                ("grads", s.grads),
-                ("optimizer", s.optimizer),
-                ("activations", s.activations),
-                ("logits", s.logits),
-                ("reference", s.reference),
-                ("batch share", s.batch_share),
-            )
-            if value
-        )
+        terms = (("weights", s.weights), ("grads", s.grads), ("optimizer", s.optimizer), ("activations", s.activations),
+                 ("logits", s.logits), ("reference", s.reference), ("batch share", s.batch_share))
+        if peak.name == "training":
+            actor = ", ".join(f"{name} {value / GIB:.1f}" for name, value in terms if value)
+        else:
+            actor = f"actor {peak.actor / GIB:.1f}"
+        parts = actor + (f", engine {peak.engine / GIB:.1f}" if peak.engine else "") + (
+            f", push buckets {peak.push_buffers / GIB:.1f}" if peak.push_buffers else "")
         return (
-            f"does not fit: pipeline stage {s.stage} needs {need:.1f} GiB per device ({parts}) but only "
-            f"{have:.1f} GiB are left for the trainer; {_hint(self)}"
+            f"does not fit: in the {peak.name} phase pipeline stage {s.stage} needs {need:.1f} GiB per device ({parts}) "
+            f"but the device has {have:.1f} GiB after the runtime; {_hint(self)}"
         )
 
 
 def _hint(plan: Plan) -> str:
-    s, cfg = plan.stage, plan.cfg
+    s, cfg, peak = plan.stage, plan.cfg, plan.peak
+    colocated = plan.engine is not None and cfg.cluster.rollout_gpus == 0 and cfg.cluster.gpus_per_node > 0
+    if colocated and peak.name != "training" and cfg.train.offload != "all":
+        return (
+            f"the actor's states stay on the device beside the engine (train.offload={cfg.train.offload}): set "
+            "train.offload=all (or optimizer) and rollout.sleep_level=2, so that the actor and the engine take "
+            "turns on the device, or lower rollout.gpu_memory_utilization"
+        )
+    if colocated and peak.name == "training" and not cfg.rollout.sleep_level:
+        return (
+            f"the engine keeps its {peak.engine / GIB:.1f} GiB while the actor trains (rollout.sleep_level=0): set "
+            "rollout.sleep_level=2 (with train.offload=all) so that it releases them"
+        )
+    if colocated and peak.name != "training":
+        return "lower rollout.gpu_memory_utilization or rollout.weight_bucket_mb"
     states = s.weights + s.grads + s.optimizer
     if states >= s.activations + s.logits:
         return (
@@ -248,7 +271,6 @@ def plan(cfg: RLConfig, spec: ModelSpec) -> Plan:
     engines, engine, engine_warnings = _check_engine(cfg, spec, world_gpus)
     warnings += engine_warnings
     stage = worst_stage(spec, cfg, world, microbatches)
-    budget = trainer_budget(cfg, engine or EngineMemory(weights=0, reserved=0, kv_bytes_per_token=0, kv_tokens=0))
     return Plan(
         cfg=cfg,
         spec=spec,
@@ -261,6 +283,7 @@ def plan(cfg: RLConfig, spec: ModelSpec) -> Plan:
         engines=engines,
         stage=stage,
         engine=engine,
-        budget=budget,
+        phases=phase_memory(stage, engine, cfg, spec.total_params() * precision_for(cfg).param),
+        budget=device_budget(cfg),
         warnings=warnings,
     )

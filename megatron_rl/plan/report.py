@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from megatron_rl.config.core import ConfigError, load_config
@@ -32,12 +33,45 @@ def plan_preset(config_path: str, overrides: list[str] | None = None, model_conf
     return plan(cfg, load_spec(cfg, model_config))
 
 
+def require_fit(cfg: RLConfig) -> Plan | None:
+    """What a GPU launch asks before it starts a process: ConfigError with the verdict when `cfg` does not fit
+    its devices (or its layout is impossible). None, with a line on stderr, when the model's config.json cannot
+    be read here; None on CPU clusters (tiny runs, the memory is the machine's)."""
+    if cfg.cluster.gpus_per_node == 0:
+        return None
+    try:
+        spec = load_spec(cfg)
+    except ConfigError as err:
+        print(f"megatron-rl: memory not planned before the launch: {err}", file=sys.stderr)
+        return None
+    result = plan(cfg, spec)
+    if not result.fits:
+        raise ConfigError(f"{result.verdict()} (`megatron-rl plan --config ...` prints every phase)")
+    return result
+
+
 def _gib(value: float) -> str:
     return f"{value / GIB:.2f}"
 
 
 def _billions(value: float) -> str:
     return f"{value / 1e9:.3f} B" if value >= 1e8 else f"{value / 1e6:.3f} M"
+
+
+def _phase_table(p: Plan):
+    """Per-phase bytes on the worst device (plan.memory.phase_memory) against what it has."""
+    from rich.table import Table
+
+    cfg = p.cfg
+    title = f"Per phase: train.offload={cfg.train.offload}, rollout.sleep_level={cfg.rollout.sleep_level}"
+    table = Table(title=title)
+    for column in ("phase", "actor", "engine", "push buckets", "total GiB"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase in p.phases:
+        mark = " (peak)" if phase is p.peak else ""
+        table.add_row(phase.name + mark, _gib(phase.actor), _gib(phase.engine), _gib(phase.push_buffers), _gib(phase.total))
+    table.add_row("device", "", "", "", _gib(p.budget), end_section=True)
+    return table
 
 
 def render(p: Plan, console=None) -> None:
@@ -99,11 +133,9 @@ def render(p: Plan, console=None) -> None:
     if s.reference:
         memory.add_row("reference model", _gib(s.reference), "algorithm.beta > 0")
     memory.add_row("batch share", _gib(s.batch_share), "this DP rank's rows: logprobs + the routes its routers computed")
-    memory.add_row("trainer total", _gib(s.total), "")
-    if p.engine is not None and cluster.rollout_gpus == 0:
-        memory.add_row("rollout engine", _gib(p.engine.reserved), f"colocated, weights {_gib(p.engine.weights)} GiB")
-    memory.add_row("left for the trainer", _gib(p.budget), "after runtime overhead" + (" and engine" if cluster.rollout_gpus == 0 else ""))
+    memory.add_row("trainer total", _gib(s.total), "while training")
     console.print(memory)
+    console.print(_phase_table(p))
     if p.engine is not None and cluster.rollout_gpus:
         console.print(
             f"rollout GPUs: engine weights {_gib(p.engine.weights)} GiB of {_gib(p.engine.reserved)} GiB reserved per GPU"

@@ -68,6 +68,9 @@ from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 logger = logging.getLogger(__name__)
 
+SLEEP_TAGS = ("weights", "kv_cache")
+"""The memory vLLM's sleep mode releases (LLM.sleep), woken by tag (LLM.wake_up(tags))."""
+
 # Errors that are the caller's, not the engine's: never answered by a restart.
 NOT_ENGINE_FAILURES = (PromptError, WeightPushError, RoutedExpertsError, EngineStartError, WeightsLostError, PushBrokenError)
 
@@ -98,7 +101,8 @@ class VLLMEngine:
         self.engine_kwargs = dict(engine_kwargs or {})
         self.weight_version = 0
         self.restarts = 0
-        self.sleeping = False
+        self.asleep: set[str] = set()
+        """What of the engine sleeps (vLLM's memory tags, rollout.sleep_level): nothing, or weights and KV cache."""
         self._said_no_sleep_mode = False
         self._llm: Any = None
         self.weights_lost = False  # True while the engine serves other weights than weight_version says
@@ -177,7 +181,7 @@ class VLLMEngine:
             # trainer's thread count as it was (the builtin behind torch.set_num_threads still works)
             torch._C.set_num_threads(threads)
         self.start_seconds = time.perf_counter() - start
-        self.sleeping = False
+        self.asleep = set()
         self.model_info = self._rpc("mrl_model_info")
         self.max_model_len = int(self.model_info["max_model_len"])
         self.vocab_size = int(self.model_info["vocab_size"])
@@ -355,7 +359,7 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Put the engine to sleep at rollout.sleep_level while the trainer trains (see RolloutConfig.sleep_level)."""
         level = self.config.sleep_level
-        if not level or self.sleeping or self._llm is None:
+        if not level or self.asleep or self._llm is None:
             return
         if not sleep_mode_available() and not self._said_no_sleep_mode:
             logger.warning(
@@ -365,15 +369,17 @@ class VLLMEngine:
             self._said_no_sleep_mode = True
         with self._lock:
             self._llm.sleep(level=level)
-            self.sleeping = True
+            self.asleep = set(SLEEP_TAGS)
 
-    def wake_up(self) -> None:
-        """Wake a sleeping engine (weights and KV cache) for a weight push and the next generation."""
-        if not self.sleeping or self._llm is None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake what sleeps of `tags` (vLLM's "weights", "kv_cache"; None = all): the weights for a push,
+        the KV cache once the trainer's memory has left the device, everything before generating."""
+        waking = [t for t in (SLEEP_TAGS if tags is None else tags) if t in self.asleep]
+        if not waking or self._llm is None:
             return
         with self._lock:
-            self._llm.wake_up()
-            self.sleeping = False
+            self._llm.wake_up(tags=waking)
+            self.asleep -= set(waking)
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
@@ -389,6 +395,7 @@ class VLLMEngine:
                     "(prompt tokens served from the prefix cache are never routed; that setting turns the cache off)"
                 )
         with self._lock:
+            self.wake_up()
             self._recover_weights()
             return generate_with_restarts(
                 lambda: self._generate_once(prompts, sampling), self._restart,

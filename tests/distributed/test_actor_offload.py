@@ -41,6 +41,29 @@ def _optimizer_state(optimizer) -> list[torch.Tensor]:
             for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
 
 
+def _device_bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _staged_round_trip(actor) -> dict:
+    """The trainer's order (train.offload=all): optimizer state and gradients out before the weight push, the
+    parameters after it. What stays on the device at each stage, and the bytes after the round trip."""
+    from megatron_rl.actor.offload import ActorOffload, grad_tensors, param_tensors
+
+    offload = ActorOffload(actor.model, actor.optimizer, "all")
+    before = _snapshot(actor)
+    params, grads = param_tensors(actor.model), grad_tensors(actor.model)
+    resident = (_device_bytes(params), _device_bytes(grads), _device_bytes(_optimizer_state(actor.optimizer)))
+    moved_before_push = offload.to_host(["optimizer", "grads"])
+    for_push = (_device_bytes(params), _device_bytes(grads), _device_bytes(_optimizer_state(actor.optimizer)))
+    moved_after_push = offload.to_host()
+    generating = (_device_bytes(params), _device_bytes(grads), _device_bytes(_optimizer_state(actor.optimizer)))
+    offload.to_device()
+    exact = all(torch.equal(a, b) for a, b in zip(before, _snapshot(actor)))
+    return {"resident": resident, "for_push": for_push, "generating": generating, "exact": exact,
+            "moved": (moved_before_push, moved_after_push)}
+
+
 def _offload_round_trips(rank: int, world_size: int, model_dir: str) -> dict:
     from megatron_rl.actor import Actor
     from megatron_rl.actor.offload import ActorOffload, model_tensors
@@ -48,7 +71,7 @@ def _offload_round_trips(rank: int, world_size: int, model_dir: str) -> dict:
     from megatron_rl.parallel import destroy_parallel, init_parallel
 
     ctx = init_parallel(ParallelConfig(timeout_s=60))
-    out: dict = {"exact": [], "freed": {}, "model_kept": None, "metrics_equal": []}
+    out: dict = {"exact": [], "freed": {}, "model_kept": None, "metrics_equal": [], "staged": []}
     try:
         def make():
             return Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(lr=1e-2), train=TrainConfig(),
@@ -72,6 +95,7 @@ def _offload_round_trips(rank: int, world_size: int, model_dir: str) -> dict:
                 offload.to_device()
                 after = _snapshot(offloaded)
                 out["exact"].append(all(torch.equal(a, b) for a, b in zip(before, after)) and len(before) == len(after))
+            out["staged"].append(_staged_round_trip(offloaded))
         offloaded.close(), plain.close()
     finally:
         destroy_parallel(ctx, keep_world=True)
@@ -90,3 +114,9 @@ def test_offload_round_trip_is_bit_exact_and_training_unchanged(tmp_path):
         assert moved > 0 and optim_bytes == 0 and model_bytes > 0, (rank, result["freed"])
         moved, model_bytes, optim_bytes = result["freed"]["all"]
         assert moved > 0 and model_bytes == 0 and optim_bytes == 0, (rank, result["freed"])
+        for staged in result["staged"]:
+            params, grads, optim = staged["resident"]
+            assert params > 0 and grads > 0 and optim > 0, staged
+            # before the push only the parameters stay; after it nothing; the bytes come back bit-exact
+            assert staged["for_push"] == (params, 0, 0) and staged["generating"] == (0, 0, 0), staged
+            assert staged["moved"][1] == params and staged["moved"][0] >= grads + optim and staged["exact"], staged

@@ -339,3 +339,78 @@ def test_train_with_a_bad_key_says_which_before_starting(capsys):
     assert main(["train", "--config", "configs/tiny-gspo.yaml", "algorithm.eps_hgh=1"]) == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "'algorithm.eps_hgh'" in err and "eps_high" in err
+
+
+# ---- phases: what offload and sleep free on a colocated GPU ----
+
+ONE_NODE = CONFIGS / "qwen3-30b-a3b-gspo-1x8h100.yaml"
+
+
+def _qwen3_30b_on_one_node_by_hand():
+    """Qwen3-30B-A3B on one device of 1x8 H100 (TP 2, EP 8, DP 4, expert-DP 1), counted from its config.json."""
+    h, layers, vocab_padded = 2048, 48, 152064  # vocab 151,936 padded to a multiple of 128 x TP
+    split = 2048 * 4096 * 2 + 2 * 2048 * 512  # q and o (32 heads x 128), k and v (4 heads x 128): over TP 2
+    replicated = 2 * h + 2 * 128 + h * 128  # two norms, q/k norms, router (128 experts)
+    dense = layers * (replicated + split / 2) + 2 * (vocab_padded / 2) * h + h  # untied embedding + output, final norm
+    experts = layers * (128 // 8) * 3 * h * 768  # 16 of 128 experts per layer on this rank
+    total_hf = layers * (replicated + split + 128 * 3 * h * 768) + 2 * 151936 * h + h  # the whole model, unpadded
+    return dense, experts, total_hf
+
+
+def test_phases_of_the_one_node_preset_equal_a_hand_count():
+    plan = plan_preset(str(ONE_NODE))
+    cfg = plan.cfg
+    assert (cfg.train.offload, cfg.rollout.sleep_level, cfg.cluster.rollout_gpus) == ("all", 2, 0)
+    dense, experts, total_hf = _qwen3_30b_on_one_node_by_hand()
+    assert (plan.stage.dense_params, plan.stage.expert_params) == (dense, experts)
+    weights = 2 * (dense + experts)  # bf16
+    grads = 4 * (dense + experts)  # fp32 gradient buffer
+    optimizer = 12 * (dense / 4 + experts / 1)  # fp32 main copy + Adam's two moments, over DP 4 / expert-DP 1
+    engine_awake = 0.8 * 80 * GIB  # gpu_memory_utilization x the GPU
+    engine_weights = 2 * total_hf / 4  # bf16 over the engine's TP 4
+    engine_asleep = 2 * GIB  # vLLM's own buffers (plan.memory.ENGINE_OVERHEAD_GIB)
+    buckets = 5 * 512 * 2**20  # 2 on the pushing rank + 3 on an engine worker, 512 MB each
+    phases = {p.name: p for p in plan.phases}
+    # generation: every state of the actor on the host, the engine awake
+    assert (phases["generation"].actor, phases["generation"].engine) == (0, engine_awake)
+    # training: the whole actor, the engine asleep at level 2
+    activations = plan.stage.activations + plan.stage.logits + plan.stage.batch_share
+    assert phases["training"].actor == pytest.approx(weights + grads + optimizer + activations)
+    assert phases["training"].engine == engine_asleep
+    # push: optimizer state and gradients already on the host; parameters + the woken engine weights + buckets
+    assert phases["push"].actor == pytest.approx(weights)
+    assert phases["push"].engine == pytest.approx(engine_weights + engine_asleep)
+    assert phases["push"].push_buffers == buckets
+    assert plan.budget == (80 - 3) * GIB
+    assert plan.peak.name == "training" and plan.fits, plan.verdict()
+
+
+@pytest.mark.parametrize(
+    "overrides, peak, names",
+    [
+        (["train.offload=none"], "generation", "train.offload=none"),
+        (["train.offload=optimizer"], "generation", "train.offload=optimizer"),
+        (["rollout.sleep_level=0"], "training", "rollout.sleep_level=0"),
+    ],
+)
+def test_without_offload_or_sleep_the_one_node_preset_is_refused_before_launch(overrides, peak, names, capsys):
+    dense, experts, _ = _qwen3_30b_on_one_node_by_hand()
+    plan = plan_preset(str(ONE_NODE), overrides)
+    assert not plan.fits and plan.peak.name == peak
+    if overrides == ["train.offload=optimizer"]:  # parameters and gradients stay beside the engine
+        assert plan.peak.actor == pytest.approx(6 * (dense + experts))
+    # what the launch scripts run before they start a process: exit 2, the verdict naming the setting
+    assert main(["plan", "--check", "--config", str(ONE_NODE), *overrides]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert f"does not fit: in the {peak} phase" in err and names in err and "rollout.sleep_level=2" in err
+    assert main(["plan", "--check", "--config", str(ONE_NODE)]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
+def test_offload_and_sleep_free_nothing_on_cpu():
+    plain = plan_preset(str(CONFIGS / "tiny-gspo.yaml"))
+    handed_off = plan_preset(str(CONFIGS / "tiny-gspo.yaml"), ["train.offload=all", "rollout.sleep_level=2"])
+    assert [p.total for p in handed_off.phases] == [p.total for p in plain.phases]
+    engine = plain.engine.reserved  # the in-process engine shares rank 0's memory in every phase
+    assert all(p.engine == engine for p in plain.phases)
+    assert plain.phases[1].actor == plain.stage.total
