@@ -10,8 +10,11 @@ number of steps (no early stop). Three runs in this one invocation, each a
 `python -m megatron_rl.train` process:
 
 * sync: generate -> train -> push, one after the other;
-* async S=1, S=2: train.max_staleness=S with partial rollouts (pushes interrupt generation);
-* async S=2 with sequence-level truncated IS (algorithm.tis_mode=sequence).
+* async S=1, S=2: train.max_staleness=S with partial rollouts (pushes interrupt generation) and the
+  decoupled correction asynchronous training requires (algorithm.tis_mode=token:
+  each token weighted by pi_old / pi_rollout, applied per token under gspo);
+* async S=2 with the sequence-level correction instead (algorithm.tis_mode=sequence:
+  one weight per sequence, the geometric mean of its token ratios).
 
 Per run, from its metrics.jsonl (steps after the first, which includes start-up):
 * step_s: median wall time per step; samples_per_s = 256 / mean step time;
@@ -45,10 +48,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+ASYNC = ["train.partial_rollouts=true", "algorithm.tis_mode=token"]
 MODES = {
     "sync": [],
-    "async_staleness_1": ["train.max_staleness=1", "train.partial_rollouts=true"],
-    "async_staleness_2": ["train.max_staleness=2", "train.partial_rollouts=true"],
+    "async_staleness_1": ["train.max_staleness=1", *ASYNC],
+    "async_staleness_2": ["train.max_staleness=2", *ASYNC],
     "async_staleness_2_sequence_tis": ["train.max_staleness=2", "train.partial_rollouts=true", "algorithm.tis_mode=sequence"],
 }
 TARGET_REWARD = 0.8
@@ -124,7 +128,7 @@ def main() -> None:
         for mode, r in results.items() if mode != "sync"
     }
     report = {
-        "what": "tiny-gspo demo task, 16 prompts x 16 samples per step: sync vs async (max_staleness 1, 2, partial rollouts; S=2 also with sequence TIS)",
+        "what": "tiny-gspo demo task, 16 prompts x 16 samples per step: sync vs async (max_staleness 1, 2, partial rollouts, token-level decoupled IS; S=2 also with sequence TIS)",
         "device": f"CPU ({os.cpu_count()} cores, shared), {platform.processor() or platform.machine()}",
         "load_average_at_start": round(load_start, 2),
         "steps_per_run": args.steps,

@@ -257,11 +257,6 @@ def _check_options(name, cfg, denom, ref_logprobs, rollout_logprobs, entropy) ->
     if cfg.tis_mode != "none":
         if rollout_logprobs is None:
             raise ValueError(f"{name}: algorithm.tis_mode={cfg.tis_mode!r} needs rollout_logprobs from the rollout engine")
-        if name == "gspo" and get_is_correction(cfg.tis_mode).level == "token":
-            raise ValueError(
-                f"gspo: algorithm.tis_mode={cfg.tis_mode!r} is a per-token correction and GSPO's term is per sequence; "
-                "use tis_mode=sequence, sequence_mask or sequence_mask_tis (or loss=gspo_token)"
-            )
 
 
 def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom, ref_logprobs, rollout_logprobs, entropy,
@@ -490,8 +485,16 @@ def gspo_loss(logprobs, old_logprobs, advantages, response_mask, cfg, denom, *,
         L   = (1/N_seq) sum_i l(s_i, A_i)      (+ beta KL, - entropy bonus as sequence means of token means)
 
     Default clip range 3e-4 / 4e-4 (GSPO Sec. 5.1). Each row must hold a whole
-    sequence. An IS correction must be sequence-level here (the term is per sequence).
+    sequence. A sequence-level IS correction multiplies the sequence's term. A
+    token-level one (the decoupled objective of AReaL, Fu et al. 2025, arXiv
+    2505.24298, Sec. 5.2: each token's behaviour weight pi_old / pi_rollout on its
+    own gradient term, the clip around pi_old) is applied in GSPO's token form,
+    `gspo_token_loss`, whose value and gradient equal GSPO's when every weight is 1:
+    the gradient is then A_i s_i (1/|y_i|) sum_t w_t grad log pi_theta(y_it).
     """
+    if cfg.tis_mode != "none" and get_is_correction(cfg.tis_mode).level == "token":
+        return gspo_token_loss(logprobs, old_logprobs, advantages, response_mask, cfg, denom,
+                               ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, entropy=entropy)
     b = _prepare("gspo", logprobs, old_logprobs, advantages, response_mask, cfg, denom, ref_logprobs, rollout_logprobs, entropy)
     eps_low, eps_high = clip_range(cfg, "gspo")
     # A_i is 0 for rows without valid tokens, so their term is 0.

@@ -18,7 +18,7 @@ ADVANTAGE_NAMES = ("dr_grpo", "grpo", "rloo")
 IS_CORRECTION_NAMES = ("icepop", "sequence", "sequence_mask", "sequence_mask_tis", "token", "token_mask")
 """The names megatron_rl.algorithms.IS_CORRECTIONS registers (a test keeps the two in step)."""
 TOKEN_LEVEL_IS_CORRECTIONS = ("icepop", "token", "token_mask")
-"""Those whose weight is per token (not applicable to gspo's per-sequence term)."""
+"""Those whose weight is per token (gspo applies them in its token form, as gspo_token)."""
 
 
 @dataclass(kw_only=True)
@@ -56,8 +56,9 @@ class AlgorithmConfig:
     (megatron_rl.algorithms.importance): token / sequence (truncated IS, min(rho, C)), token_mask /
     sequence_mask (masked IS: drop tokens / whole sequences whose ratio leaves [is_lower, is_upper]),
     icepop (token masking outside a two-sided band), sequence_mask_tis (sequence masking, truncated
-    sequence weight), or none. Sequence ratios are geometric means of token ratios; gspo needs a
-    sequence-level one."""
+    sequence weight), or none. Sequence ratios are geometric means of token ratios; gspo applies a
+    token-level one in its token form (each token's gradient term carries its own weight). Asynchronous
+    training (train.max_staleness > 0) needs one: token is AReaL's decoupled objective there."""
     tis_cap: float | None = None
     """Cap C of truncated weights min(rho, C); None = the correction's default (2)."""
     is_lower: float | None = None
@@ -118,11 +119,6 @@ class AlgorithmConfig:
             raise ConfigError(
                 f"algorithm.tis_mode={self.tis_mode!r} is not an importance-sampling correction; "
                 f"valid names: none, {', '.join(IS_CORRECTION_NAMES)}"
-            )
-        if self.loss == "gspo" and self.tis_mode in TOKEN_LEVEL_IS_CORRECTIONS:
-            raise ConfigError(
-                f"algorithm.tis_mode={self.tis_mode} with algorithm.loss=gspo: GSPO's term is per sequence; "
-                "use tis_mode=sequence, sequence_mask or sequence_mask_tis (or loss=gspo_token)"
             )
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError(f"algorithm.tis_cap={self.tis_cap}: must be > 0")

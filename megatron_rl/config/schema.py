@@ -473,6 +473,29 @@ class RLConfig:
                 f"train.max_staleness={self.train.max_staleness}: the engine would sleep while it generates the next "
                 "batch; set rollout.sleep_level=0 or generate synchronously"
             )
+        self._validate_asynchronous_correction()
+
+    def _validate_asynchronous_correction(self) -> None:
+        """Asynchronous training without an importance-sampling correction is refused.
+
+        Step k trains on samples of weight versions k - max_staleness .. k, but its
+        old-policy forward (the ratio's anchor and clip centre) runs at version k:
+        without a correction the update treats the older policy's samples as samples
+        of the current one (on the demo task that halves the reward reached at
+        max_staleness 2, `bench/results/async.json`). tis_mode=token weights each
+        token by pi_old / pi_rollout: AReaL's decoupled objective (arXiv 2505.24298,
+        Sec. 5.2), which gspo applies per token. Bypass mode (the clip around the
+        sampling policy) is accepted too.
+        """
+        train, algo = self.train, self.algorithm
+        if train.max_staleness and algo.tis_mode == "none" and not algo.bypass_mode:
+            raise ConfigError(
+                f"train.max_staleness={train.max_staleness} with algorithm.tis_mode=none: each step trains on samples up to "
+                f"{train.max_staleness} weight versions old while its ratio is taken against the current weights, so nothing "
+                "corrects for the older policy that sampled them; set algorithm.tis_mode=token (each token weighted by "
+                "pi_old / pi_rollout: the decoupled objective, per token also under loss=gspo), or algorithm.bypass_mode=true "
+                "(the clip then bites around the sampling policy)"
+            )
 
     def _validate_partial_rollouts(self) -> None:
         if self.train.partial_rollouts and (self.rollout.return_routed_experts or self.rollout.stop):

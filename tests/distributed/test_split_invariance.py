@@ -35,7 +35,6 @@ OPTION_SETS = {
     "token_mask": dict(tis_mode="token_mask", is_upper=1.03),
     "sequence_mask": dict(tis_mode="sequence_mask", is_lower=0.985, is_upper=1.01),
 }
-TOKEN_LEVEL = ("token", "token_mask", "icepop")
 B, T, K = 26, 10, 4
 NUM_EMPTY = 4  # rows 0..3 have no response tokens
 DT = torch.float64
@@ -127,8 +126,6 @@ def _worker(rank: int, world_size: int) -> list[dict]:
         for name in LOSSES:
             fn = get_policy_loss(name)
             for option_name, options in OPTION_SETS.items():
-                if name == "gspo" and options.get("tis_mode") in TOKEN_LEVEL:
-                    options = {**options, "tis_mode": "sequence" if options["tis_mode"] == "token" else "sequence_mask"}
                 cfg = AlgorithmConfig(loss=name, eps_low=0.05, eps_high=0.08, **options)
                 for token_advantages in ([False, True] if name == "gspo_token" else [False]):
                     # The single-process whole-batch computation.

@@ -100,8 +100,15 @@ def test_asynchronous_training_options_are_checked():
     # the chunked form's key is refused with the name of its replacement; 0 (its default) still loads
     with pytest.raises(ConfigError, match=r"partial_rollout_tokens=4: .*set train.partial_rollouts=true"):
         from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollout_tokens": 4}})
-    assert from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollout_tokens": 0}}).train.partial_rollouts is False
-    assert from_dict(RLConfig, {"train": {"max_staleness": 2, "partial_rollouts": True}}).train.partial_rollouts is True
+    token = {"tis_mode": "token"}
+    assert from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollout_tokens": 0}, "algorithm": token}).train.partial_rollouts is False
+    assert from_dict(RLConfig, {"train": {"max_staleness": 2, "partial_rollouts": True}, "algorithm": token}).train.partial_rollouts is True
+    # Asynchronous steps train on older weights' samples: a correction is required (bypass mode also counts).
+    with pytest.raises(ConfigError, match=r"max_staleness=2 with algorithm.tis_mode=none: .* set algorithm.tis_mode=token"):
+        from_dict(RLConfig, {"train": {"max_staleness": 2}})
+    for algorithm in ({"tis_mode": "sequence"}, {"bypass_mode": True}):
+        assert from_dict(RLConfig, {"train": {"max_staleness": 2}, "algorithm": algorithm}).train.max_staleness == 2
+    assert from_dict(RLConfig, {"algorithm": {"loss": "gspo", "tis_mode": "icepop"}}).algorithm.tis_mode == "icepop"
 
 
 def test_offload_needs_synchronous_generation():

@@ -115,6 +115,19 @@ def test_grpo_length_and_gspo_sequence_by_hand():
     assert grad[0].abs().sum() == 0 and metrics["sequences/sum"] == 1
 
 
+def test_gspo_applies_a_token_level_correction_to_each_token_by_hand():
+    # The decoupled objective under gspo: token t's term -A_i s_i w_t / |y_i| (s_i = 1 here), weights min(rho_t, 2):
+    # seq 0: -(0.4 + 1.5 + 2) / 3 = -1.3; seq 1: 2 (1.2 + 0.9) / 2 = 2.1; over N_seq = 2 sequences.
+    value, grad, metrics, _ = _run("gspo", tis_mode="token")
+    assert value == pytest.approx((-1.3 + 2.1) / 2, rel=1e-12)
+    want = [[-0.4 / 3 / 2, -1.5 / 3 / 2, -2.0 / 3 / 2], [2 * 1.2 / 2 / 2, 2 * 0.9 / 2 / 2, 0.0]]
+    assert grad.tolist()[0] == pytest.approx(want[0], rel=1e-12) and grad.tolist()[1] == pytest.approx(want[1], rel=1e-12, abs=0)
+    assert metrics["is/truncated"] == pytest.approx(1 / 5) and metrics["sequences/sum"] == 2
+    # The sequence-level correction instead weights every token of a sequence by the geometric mean.
+    _, grad_seq, _, _ = _run("gspo", tis_mode="sequence")
+    assert grad_seq[0].tolist() == pytest.approx([-GEO0 / 3 / 2] * 3, rel=1e-12)
+
+
 def test_bounds_compare_ratios_in_log_space():
     cfg = AlgorithmConfig(loss="dapo", tis_mode="icepop", is_lower=0.39, is_upper=3.01)
     _, old, rollout = _inputs()

@@ -79,10 +79,10 @@ def reference_loss(name, lp, old, adv, mask, cfg, n_tok, n_seq, max_tokens, ref=
                 extras = extras + cfg.beta * ref_kl(lp[i, t], ref[i, t], cfg.kl_estimator)
             if cfg.entropy_coeff:
                 extras = extras - cfg.entropy_coeff * entropy[i, t]
-        if name == "gspo":
+        if name == "gspo" and cfg.tis_mode != "token":
             s = torch.exp(sum(lp[i, t] - old[i, t] for t in idx) / n)
             total = total + (ref_ppo(s, a_i, eps_low, eps_high, cfg.dual_clip_c) * seq_tis + extras / n) / n_seq
-        elif name == "gspo_token":
+        elif name in ("gspo", "gspo_token"):  # gspo with token TIS: each token's term carries its own weight
             s_i = torch.exp(sum(lp[i, t] - old[i, t] for t in idx) / n).detach()
             acc = torch.zeros((), dtype=DT)
             for t in idx:
@@ -146,8 +146,7 @@ def run(name, cfg, lp, old, adv, mask, ref, rollout, entropy, denom=None, max_to
 # Values and gradients against the reference.
 
 
-# gspo rejects token-level TIS (a per-token weight breaks its sequence ratio): tested below.
-LOSS_OPTION_PAIRS = [(n, o) for n in LOSSES for o in OPTION_SETS if not (n == "gspo" and OPTION_SETS[o].get("tis_mode") == "token")]
+LOSS_OPTION_PAIRS = [(n, o) for n in LOSSES for o in OPTION_SETS]
 
 
 @pytest.mark.parametrize("name,options", LOSS_OPTION_PAIRS, ids=[f"{n}-{o}" for n, o in LOSS_OPTION_PAIRS])
@@ -459,8 +458,6 @@ def test_errors_name_what_is_wrong():
         dapo(lp, old, adv, mask, AlgorithmConfig(loss="dapo", tis_mode="token"), denom)
     with pytest.raises(ValueError, match="entropy_coeff=0.1 needs"):
         dapo(lp, old, adv, mask, AlgorithmConfig(loss="dapo", entropy_coeff=0.1), denom)
-    with pytest.raises(ValueError, match="use tis_mode=sequence"):
-        get_policy_loss("gspo")(lp, old, adv, mask, AlgorithmConfig(loss="gspo", tis_mode="token"), denom, rollout_logprobs=rollout)
     with pytest.raises(ValueError, match="max_response_tokens"):
         get_policy_loss("dr_grpo")(lp, old, adv, mask, cfg, LossDenominators(global_num_tokens=5, global_num_sequences=2))
     with pytest.raises(TypeError, match="LossDenominators"):
