@@ -79,6 +79,13 @@ class ModelConfig:
     """Router z-loss coefficient (0 disables it)."""
     moe_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
     """Load-balancing loss type when moe_aux_loss_coeff > 0."""
+    moe_grouped_gemm: bool = False
+    """Run each MoE layer's routed experts as grouped GEMMs (megatron's moe_grouped_gemm): Transformer Engine's
+    TEGroupedMLP when TE imports, else megatron-core's GroupedMLP (the grouped_gemm kernels on GPU, bf16; on a
+    CPU build the compatibility layer's per-expert torch matmuls). False: SequentialMLP, one GEMM per expert."""
+    moe_permute_fusion: bool = False
+    """Transformer Engine's fused token permute / unpermute in the MoE dispatcher (megatron's moe_permute_fusion);
+    needs Transformer Engine."""
     recompute_activations: bool = False
     """Recompute each transformer layer in backward (full, uniform) to save activation memory."""
     init_seed: int = 1234

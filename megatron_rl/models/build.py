@@ -8,9 +8,12 @@ What is chosen here, once, instead of `if cuda:` branches elsewhere:
   * layer spec: Transformer Engine when model.transformer_impl allows it and TE
     imports, else megatron's local spec (torch RMSNorm, SequentialMLP experts);
   * dtype: model.dtype, auto = bfloat16 on GPU, float32 on CPU;
+  * routed experts (model.moe_grouped_gemm): SequentialMLP, or grouped GEMMs:
+    TEGroupedMLP with Transformer Engine, else megatron's GroupedMLP (on a CPU
+    build through the compatibility layer's torch grouped_gemm);
   * the settings megatron-core needs on a CPU build (see
     shared/notes/megatron-core-on-cpu.md): fp32, no dropout, no linear biases
-    except q/k/v, use_cpu_initialization, no grouped GEMM, no fusions.
+    except q/k/v, use_cpu_initialization, no fusions.
 """
 
 from __future__ import annotations
@@ -61,6 +64,36 @@ def use_transformer_engine(model_cfg: ModelConfig) -> bool:
     return available
 
 
+def grouped_gemm_kernels_available() -> bool:
+    """megatron's GroupedMLP has its kernels: the grouped_gemm package, or the CPU layer's torch stand-in."""
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    return grouped_gemm_util.grouped_gemm_is_available()
+
+
+def expert_settings(model_cfg: ModelConfig, use_te: bool, dtype: torch.dtype) -> dict[str, bool]:
+    """moe_grouped_gemm / moe_permute_fusion from the model config, refused (naming the key) where they cannot run."""
+    if model_cfg.moe_permute_fusion and not te_available():
+        raise ConfigError(
+            "model.moe_permute_fusion=true needs Transformer Engine's fused permute, which does not import here "
+            "(it needs CUDA and the transformer-engine[pytorch] wheel): set model.moe_permute_fusion=false"
+        )
+    if model_cfg.moe_grouped_gemm and not use_te and torch.cuda.is_available():
+        # Without TE the experts are megatron's GroupedMLP: the grouped_gemm CUDA kernels, bf16 only.
+        if not grouped_gemm_kernels_available():
+            raise ConfigError(
+                "model.moe_grouped_gemm=true without Transformer Engine builds megatron-core's GroupedMLP, which needs the "
+                "grouped_gemm package (pip install git+https://github.com/fanshiqing/grouped_gemm@v1.1.4); install it or "
+                "transformer-engine[pytorch] (TEGroupedMLP), or set model.moe_grouped_gemm=false"
+            )
+        if dtype != torch.bfloat16:
+            raise ConfigError(
+                f"model.moe_grouped_gemm=true with model.dtype={model_cfg.dtype} on GPU without Transformer Engine: "
+                "megatron-core's GroupedMLP kernels run in bfloat16 only; set model.dtype=bfloat16 (or auto)"
+            )
+    return dict(moe_grouped_gemm=model_cfg.moe_grouped_gemm, moe_permute_fusion=model_cfg.moe_permute_fusion)
+
+
 def hf_to_transformer_config(
     hf_config: dict,
     model_cfg: ModelConfig,
@@ -95,8 +128,7 @@ def hf_to_transformer_config(
             moe_router_load_balancing_type=model_cfg.moe_load_balancing_type if model_cfg.moe_aux_loss_coeff else "none",
             moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
             moe_z_loss_coeff=model_cfg.moe_z_loss_coeff or None,
-            moe_grouped_gemm=False,
-            moe_permute_fusion=False,
+            **expert_settings(model_cfg, use_te, dtype),
             moe_router_fusion=False,
         )
     recompute: dict[str, Any] = {}

@@ -314,6 +314,25 @@ def _one_expert(hf_experts: str, index: int, fc: str, matrices: tuple[str, str, 
     return Direct(f"{prefix}.{down}.weight", tp_dim=1)
 
 
+_GROUPED = re.compile(r"mlp\.experts\.(?P<weight>weight[12])(?:\[(?P<first>\d+):(?P<stop>\d+)\])?")
+"""GroupedMLP's fused tensors by global name: weight1 / weight2 (every expert), or weight1[a:b] (experts a..b-1, one EP rank's)."""
+
+
+def grouped_mapping_for(rest: str, hf_experts: str, num_experts: int, matrices: tuple[str, str, str]) -> GroupedExperts | None:
+    """GroupedMLP's `mlp.experts.weight<k>[a:b]` (`rest` after decoder.layers.<i>.) <-> experts a..b-1 of `hf_experts`, or None.
+
+    The fused tensors carry no expert number, so GlobalNamer appends the EP rank's range:
+    EP rank 1 of 2 with 8 experts holds `mlp.experts.weight1[4:8]`; without a range the name means every expert.
+    """
+    grouped = _GROUPED.fullmatch(rest)
+    if not grouped:
+        return None
+    first, stop = (int(grouped["first"]), int(grouped["stop"])) if grouped["first"] is not None else (0, num_experts)
+    if not 0 <= first < stop <= num_experts:
+        raise UnsupportedModelError(f"GroupedMLP tensor {rest!r} names experts [{first}, {stop}) of a model with {num_experts}")
+    return grouped_expert_mapping(hf_experts, grouped["weight"], first, stop - first, matrices)
+
+
 def grouped_expert_mapping(
     hf_experts: str, weight: str, first_expert: int, num_local_experts: int, matrices: tuple[str, str, str]
 ) -> GroupedExperts:
@@ -374,15 +393,21 @@ def check_split_dim(global_name: str, mapping: Mapping, param: torch.Tensor, *, 
 
 
 _LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)|(.*\.mlp\.experts\.linear_fc[12]\.weight)(\d+)()")
+_LOCAL_GROUPED = re.compile(r".*\.mlp\.experts\.weight[12]")
 _LOCAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 
 class GlobalNamer:
-    """Local parameter names of one model chunk -> global names (layer offset for PP, expert offset for EP)."""
+    """Local parameter names of one model chunk -> global names (layer offset for PP, expert offset for EP).
+
+    GroupedMLP's fused weight1 / weight2 hold all of an EP rank's experts: their global name gets the range,
+    decoder.layers.3.mlp.experts.weight1 -> decoder.layers.3.mlp.experts.weight1[4:8] on EP rank 1 of 2 (8 experts).
+    """
 
     def __init__(self, model: torch.nn.Module, ep_rank: int, num_local_experts: int) -> None:
         self._layer_numbers = [layer.layer_number - 1 for layer in model.decoder.layers] if hasattr(model, "decoder") else []
         self._expert_offset = ep_rank * num_local_experts
+        self._num_local_experts = num_local_experts
 
     def __call__(self, local_name: str) -> str:
         match = _LOCAL_LAYER.fullmatch(local_name)
@@ -393,6 +418,8 @@ class GlobalNamer:
         if expert:
             head, index, tail = (expert.group(1, 2, 3) if expert.group(1) is not None else expert.group(4, 5, 6))
             name = f"{head}{int(index) + self._expert_offset}{tail}"
+        elif _LOCAL_GROUPED.fullmatch(name):
+            name = f"{name}[{self._expert_offset}:{self._expert_offset + self._num_local_experts}]"
         return name
 
 

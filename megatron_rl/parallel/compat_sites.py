@@ -388,6 +388,29 @@ SITES: tuple[PatchSite, ...] = (
         "of it succeeds and sets HAVE_TE, then isinstance(self.linear_proj, TELinear) raises TypeError; "
         "HAVE_TE is set to False",
     ),
+    # Grouped-GEMM experts without their CUDA kernels ------------------------------------------
+    PatchSite(
+        name="grouped-gemm-fallback",
+        module=_MC + "transformer.moe.grouped_gemm_util",
+        target="grouped_gemm",
+        lines=(3, 6, 22),
+        expects=("ops = grouped_gemm.ops if grouped_gemm_is_available() else None",),
+        kind="attribute",
+        why="GroupedMLP (moe_grouped_gemm=True without Transformer Engine) needs the grouped_gemm CUDA package "
+        "(gg.ops.gmm); when it does not import, grouped_gemm and ops are bound to megatron_rl.parallel."
+        "grouped_gemm_cpu: per-expert torch matmuls over the tokens_per_expert splits, through autograd",
+    ),
+    PatchSite(
+        name="grouped-mlp-bf16",
+        module=_MC + "transformer.moe.experts",
+        target="GroupedMLP.forward",
+        lines=(225,),
+        expects=('assert self.config.bf16, "Currently GroupedMLP for MoE only supports bf16."',),
+        kind="method",
+        why="GroupedMLP.forward asserts bf16 because the CUDA grouped_gemm kernel is bf16-only; the CPU fallback "
+        "computes in any dtype, so an fp32 model runs the forward with a shallow copy of its config whose bf16 is True "
+        "(the forward reads nothing else of it that differs)",
+    ),
     # 6. torch norms with sequence parallel ------------------------------------------------------
     PatchSite(
         name="norm-sequence-parallel",

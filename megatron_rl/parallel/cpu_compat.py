@@ -500,6 +500,31 @@ def _keep_adam_step(old: Callable) -> Callable:
     return set_main_param_and_optimizer_states
 
 
+def _bind_grouped_gemm(site: PatchSite, module: types.ModuleType) -> None:
+    """grouped_gemm_util.grouped_gemm / .ops -> the torch fallback, when the CUDA package is absent."""
+    if getattr(module, "grouped_gemm", None) is not None:
+        return
+    from megatron_rl.parallel import grouped_gemm_cpu
+
+    _set_attribute(site, module, grouped_gemm_cpu.package)
+    module.ops = grouped_gemm_cpu.ops
+
+
+def _grouped_mlp_any_dtype(old: Callable) -> Callable:
+    def forward(self, *args, **kwargs):
+        if self.config.bf16:
+            return old(self, *args, **kwargs)
+        config = self.config
+        self.config = copy.copy(config)  # shallow: no __post_init__ re-validation
+        self.config.bf16 = True
+        try:
+            return old(self, *args, **kwargs)
+        finally:
+            self.config = config
+
+    return forward
+
+
 _REPLACERS: dict[str, Callable[[PatchSite, types.ModuleType], None]] = {
     "rng-get-state": lambda s, m: _patch_attr(s, m, lambda old: _cpu_get_rng_state),
     "rng-set-state": lambda s, m: _patch_attr(s, m, lambda old: _cpu_set_rng_state),
@@ -513,6 +538,8 @@ _REPLACERS: dict[str, Callable[[PatchSite, types.ModuleType], None]] = {
     "uneven-all-gather": lambda s, m: _patch_attr(s, m, _wrap_gather),
     "uneven-reduce-scatter": lambda s, m: _patch_attr(s, m, _wrap_reduce_scatter),
     "distopt-torch-adam-step": lambda s, m: _patch_attr(s, m, _keep_adam_step),
+    "grouped-gemm-fallback": _bind_grouped_gemm,
+    "grouped-mlp-bf16": lambda s, m: _patch_attr(s, m, _grouped_mlp_any_dtype),
 }
 
 

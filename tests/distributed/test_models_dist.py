@@ -7,6 +7,9 @@ at TP2xEP2 on 2 ranks, Mixtral at PP2xTP2, dense Qwen2 at TP2, and a Qwen3-MoE
 variant with a padded vocabulary (200 -> 256), tied embeddings (the last PP
 stage holds a copy), a dense layer and sharded safetensors at TP2 and PP2.
 Export runs with 96 KiB buckets, so the weights travel in many buckets.
+Qwen3-MoE and DeepSeek-V3 also run with their routed experts as megatron-core's
+GroupedMLP (moe_grouped_gemm: fused weight1 / weight2 holding an EP rank's
+experts, TP-split) on EP2 and TP2xEP2 (Qwen3-MoE with expert TP 2).
 
 The reference is transformers' own model, run in this (pytest) process on the
 same tiny checkpoint. Each launch re-initialises megatron's parallel state per
@@ -26,6 +29,8 @@ from tests.distributed.harness import run_distributed
 SEQ, BATCH = 16, 2
 BUCKET_BYTES = 96 << 10
 
+GROUPED = {"moe_grouped_gemm": True}  # routed experts as megatron-core's GroupedMLP (fused weight1 / weight2 per EP rank)
+
 WORLD2 = [
     ("qwen3_moe", {"tensor_parallel": 2, "expert_tensor_parallel": 2}),  # without EP, expert TP = TP
     ("qwen3_moe", {"expert_parallel": 2}),
@@ -40,12 +45,16 @@ WORLD2 = [
     ("glm4_moe", {"tensor_parallel": 2, "expert_tensor_parallel": 2}),
     ("glm4_moe", {"expert_parallel": 2}),
     ("glm4_moe", {"pipeline_parallel": 2}),
+    ("qwen3_moe", {"expert_parallel": 2}, GROUPED),
+    ("deepseek_v3", {"expert_parallel": 2}, GROUPED),
 ]
 WORLD4 = [
     ("qwen3_moe", {"tensor_parallel": 2, "expert_parallel": 2}),
     ("mixtral", {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_tensor_parallel": 2}),
     ("deepseek_v3", {"tensor_parallel": 2, "expert_parallel": 2}),
     ("glm4_moe", {"tensor_parallel": 2, "expert_parallel": 2}),
+    ("qwen3_moe", {"tensor_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 2}, GROUPED),
+    ("deepseek_v3", {"tensor_parallel": 2, "expert_parallel": 2}, GROUPED),
 ]
 
 
@@ -96,11 +105,13 @@ def _load_forward_export(rank: int, world_size: int, cases: list, dirs: dict) ->
     from megatron_rl.parallel import destroy_parallel, init_parallel
 
     results = []
-    for family, layout in cases:
+    for family, layout, *settings in cases:
         hf_config = load_hf_config(dirs[family])
         ctx = init_parallel(ParallelConfig(**layout), shape=model_shape(hf_config))
         try:
-            chunks = build_model(ModelConfig(path=dirs[family]), ctx)
+            chunks = build_model(ModelConfig(path=dirs[family], **(settings[0] if settings else {})), ctx)
+            if settings and not _experts_are_grouped(chunks):
+                raise AssertionError(f"{family} {layout} {settings}: the routed experts are not GroupedMLP")
             logits = forward_logits(chunks, ctx, sample_tokens(hf_config["vocab_size"]), hf_config["vocab_size"])
             exported, bucket_sizes, yielded = {}, [], []
             export = export_hf_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES)
@@ -115,6 +126,13 @@ def _load_forward_export(rank: int, world_size: int, cases: list, dirs: dict) ->
         finally:
             destroy_parallel(ctx, keep_world=True)
     return results
+
+
+def _experts_are_grouped(chunks) -> bool:
+    from megatron_rl.models.mapping import unwrap_model
+
+    experts = [layer.mlp.experts for chunk in chunks for layer in unwrap_model(chunk).decoder.layers if hasattr(layer.mlp, "experts")]
+    return bool(experts) and all(type(e).__name__ == "GroupedMLP" for e in experts)
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +180,9 @@ def _reference(model_dir: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 def _check(cases: list, results: list, dirs: dict) -> None:
-    refs = {family: _reference(dirs[family]) for family in {f for f, _ in cases}}
-    for i, (family, layout) in enumerate(cases):
+    refs = {family: _reference(dirs[family]) for family in {case[0] for case in cases}}
+    for i, (family, layout, *settings) in enumerate(cases):
+        layout = {**layout, **(settings[0] if settings else {})}  # named in the messages
         ref_logits, ref_tensors = refs[family]
         got = [r[i]["logits"] for r in results if r[i]["logits"] is not None]
         assert got, f"{family} {layout}: no last-stage logits"
@@ -179,7 +198,19 @@ def _check(cases: list, results: list, dirs: dict) -> None:
         counts = {len(r[i]["buckets"]) for r in results}
         assert len(counts) == 1 and counts.pop() > 3, f"{family} {layout}: bucket counts {[len(r[i]['buckets']) for r in results]}"
         assert all(size == 0 for r in results[1:] for size in r[i]["buckets"])
-        assert 0 < max(results[0][i]["buckets"]) <= BUCKET_BYTES
+        assert 0 < max(results[0][i]["buckets"]) <= _bucket_limit(dirs[family], layout)
+
+
+def _bucket_limit(model_dir: str, layout: dict) -> int:
+    """BUCKET_BYTES, or one GroupedMLP weight1 (H x E_local x 2 F fp32, all of an EP rank's experts) when larger:
+    a parameter larger than a bucket travels alone."""
+    if not layout.get("moe_grouped_gemm"):
+        return BUCKET_BYTES
+    from megatron_rl.models import load_hf_config, parse_hf_config
+
+    arch = parse_hf_config(load_hf_config(model_dir))
+    weight1 = arch.hidden_size * arch.num_experts // layout.get("expert_parallel", 1) * 2 * arch.moe_ffn_hidden_size * 4
+    return max(BUCKET_BYTES, weight1)
 
 
 def test_load_and_export_world2(model_dirs):

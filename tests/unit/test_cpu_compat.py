@@ -198,3 +198,26 @@ def test_rope_table_sliced_per_cp_rank(applied):
     table = torch.arange(8.0)[:, None, None, None]  # [s, 1, 1, d]: position p holds p
     assert rope_utils.get_pos_emb_on_this_cp_rank(table, 0, Group(2, 0)).flatten().tolist() == [0, 1, 6, 7]
     assert rope_utils.get_pos_emb_on_this_cp_rank(table, 0, Group(2, 1)).flatten().tolist() == [2, 3, 4, 5]
+
+
+def test_grouped_gemm_fallback_is_the_per_expert_product(applied):
+    """gg.ops.gmm: expert e's rows of a times b[e] (b[e]^T with trans_b), gradients through autograd, written out here."""
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    assert gg.grouped_gemm_is_available()
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([2, 0, 3])  # an expert without tokens
+    a = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 4, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = gg.ops.gmm(a, b, sizes, trans_b=False)
+    expected = torch.cat([a[:2] @ b[0], a[2:] @ b[2]])
+    assert out.shape == (5, 6) and torch.allclose(out, expected, atol=1e-12)
+    grad_out = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    out.backward(grad_out)
+    assert torch.allclose(a.grad, torch.cat([grad_out[:2] @ b[0].T, grad_out[2:] @ b[2].T]), atol=1e-12)
+    assert torch.allclose(b.grad[0], a[:2].T @ grad_out[:2], atol=1e-12) and torch.all(b.grad[1] == 0)
+    assert torch.allclose(b.grad[2], a[2:].T @ grad_out[2:], atol=1e-12)
+    transposed = gg.ops.gmm(a, b.transpose(-1, -2).contiguous(), sizes, trans_b=True)
+    assert torch.allclose(transposed, expected, atol=1e-12)
+    with pytest.raises(ValueError, match="sum to the rows of a"):
+        gg.ops.gmm(a, b, torch.tensor([1, 1, 1]))

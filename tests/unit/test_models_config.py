@@ -230,3 +230,12 @@ def test_float32_only_on_cpu():
     assert resolve_dtype(ModelConfig()) == torch.float32
     with pytest.raises(ConfigError, match="model.dtype=bfloat16"):
         resolve_dtype(ModelConfig(dtype="bfloat16"))
+
+
+def test_grouped_gemm_and_permute_fusion_settings():
+    config = _transformer_config("qwen3_moe", ModelConfig(moe_grouped_gemm=True))
+    assert config.moe_grouped_gemm and not config.moe_permute_fusion
+    if torch.cuda.is_available():
+        pytest.skip("Transformer Engine may import on a GPU machine")
+    with pytest.raises(ConfigError, match=r"model.moe_permute_fusion=true needs Transformer Engine.*set model.moe_permute_fusion=false"):
+        _transformer_config("qwen3_moe", ModelConfig(moe_permute_fusion=True))

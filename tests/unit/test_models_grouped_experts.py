@@ -68,6 +68,9 @@ def test_te_grouped_local_expert_numbers_become_global_on_an_ep_rank():
     assert namer("decoder.layers.1.mlp.experts.linear_fc1.weight1") == "decoder.layers.3.mlp.experts.linear_fc1.weight3"
     assert namer("decoder.layers.0.mlp.experts.linear_fc2.weight0") == "decoder.layers.2.mlp.experts.linear_fc2.weight2"
     assert namer("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight") == "decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"
+    # GroupedMLP's fused tensors hold the rank's experts [2, 4): the range goes into the global name.
+    assert namer("decoder.layers.1.mlp.experts.weight1") == "decoder.layers.3.mlp.experts.weight1[2:4]"
+    assert namer("decoder.layers.0.mlp.experts.weight2") == "decoder.layers.2.mlp.experts.weight2[2:4]"
 
 
 @pytest.mark.parametrize("ep,tp", [(1, 1), (2, 1), (1, 2), (2, 2)])
@@ -119,3 +122,9 @@ def test_family_maps_every_grouped_layout_of_a_moe_layer():
     assert fused.hf_names == tuple(name for m in sequential for name in m.hf_names)
     down = mapping_for(arch, f"{layer}.weight2", arch.vocab_size)
     assert down.hf_names == tuple(f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(arch.num_experts))
+    # One EP rank's range (GlobalNamer's names): experts 4..7 of 8.
+    upper = mapping_for(arch, f"{layer}.weight1[4:8]", arch.vocab_size)
+    assert upper.hf_names == tuple(name for m in sequential[4:] for name in m.hf_names)
+    assert mapping_for(arch, f"{layer}.weight2[4:8]", arch.vocab_size).hf_names == down.hf_names[4:]
+    with pytest.raises(UnsupportedModelError, match=r"experts \[4, 9\) of a model with 8"):
+        mapping_for(arch, f"{layer}.weight1[4:9]", arch.vocab_size)

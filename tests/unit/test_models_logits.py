@@ -34,6 +34,9 @@ VARIANTS = {
     # q/k/v biases, q/k norms, half of each head rotated, sigmoid router with expert bias, 2 groups, dense layer 0.
     "glm4_moe": ("glm4_moe", dict(init_std=0.1)),
     "glm4_moe_air": ("glm4_moe", dict(init_std=0.1, use_qk_norm=False, n_group=1, topk_group=1, routed_scaling_factor=1.0)),
+    # Routed experts as megatron-core's GroupedMLP (fused weight1 / weight2; on CPU the compatibility layer's grouped GEMM).
+    "qwen3_moe_grouped": ("qwen3_moe", {}, {"moe_grouped_gemm": True}),
+    "deepseek_v3_grouped": ("deepseek_v3", dict(init_std=0.1), {"moe_grouped_gemm": True}),
     # Rotary rows stored in halves, queries without a latent, YaRN scaling, no groups.
     "deepseek_v3_variant": (
         "deepseek_v3",
@@ -72,12 +75,14 @@ def test_logits_match_transformers(variant, parallel_ctx, model_root):
     from megatron_rl.models import build_model
     from megatron_rl.models.tiny import make_tiny_model_dir
 
-    family, overrides = VARIANTS[variant]
+    family, overrides, *settings = VARIANTS[variant]
     model_dir = make_tiny_model_dir(model_root / variant, family, seed=1, with_tokenizer=False, **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        (model,) = build_model(ModelConfig(path=str(model_dir)), parallel_ctx)
+        (model,) = build_model(ModelConfig(path=str(model_dir), **(settings[0] if settings else {})), parallel_ctx)
+    if settings:
+        assert all(type(layer.mlp.experts).__name__ == "GroupedMLP" for layer in model.decoder.layers if hasattr(layer.mlp, "experts"))
     model.eval()
     vocab = reference.config.vocab_size
     tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))

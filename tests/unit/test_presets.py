@@ -171,3 +171,14 @@ def test_a_missing_tiny_model_is_built_once_when_ranks_start_together(tmp_path):
     # The planner plans a missing tiny model from tiny_hf_config: the one built has that shape.
     assert parse_hf_config(load_hf_config(model_dir)) == parse_hf_config(tiny_hf_config("qwen3_moe"))
     assert sorted(p.name for p in model_dir.parent.iterdir()) == [".tiny-moe.lock", "tiny-moe"]
+
+
+def test_gpu_presets_run_the_experts_as_grouped_gemms():
+    """Every H100 preset builds grouped experts; the large-model ones (which assume Transformer Engine) fuse the permute too."""
+    gpu = [p for p in PRESETS if "h100" in p.name]
+    assert gpu
+    for path in gpu:
+        model = load_config(RLConfig, path).model
+        assert model.moe_grouped_gemm, path.name
+        assert model.moe_permute_fusion == (not path.name.startswith("tiny")), path.name
+    assert not load_config(RLConfig, CONFIGS / "tiny-gspo.yaml").model.moe_grouped_gemm  # CPU: off

@@ -257,7 +257,7 @@ class Family:
 
     def layer_mapping(self, arch: HFArch, layer: int, rest: str):
         """Mapping of one parameter of layer `layer` (`rest` after decoder.layers.<i>.), or None."""
-        from megatron_rl.models.mapping import Direct, GatedFC1, expert_mapping, grouped_expert_mapping
+        from megatron_rl.models.mapping import Direct, GatedFC1, expert_mapping, grouped_mapping_for
 
         hf = f"model.layers.{layer}"
         moe = f"{hf}.{self.moe_block}"
@@ -281,9 +281,8 @@ class Family:
         attention = self.attention_mapping(arch, hf, rest)
         if attention is not None:
             return attention
-        if rest in ("mlp.experts.weight1", "mlp.experts.weight2"):  # GroupedMLP: every expert of the single-rank model
-            return grouped_expert_mapping(f"{moe}.experts", rest.rsplit(".", 1)[1], 0, arch.num_experts, self.expert_matrices)
-        return expert_mapping(rest, f"{moe}.experts", self.expert_matrices)
+        grouped = grouped_mapping_for(rest, f"{moe}.experts", arch.num_experts, self.expert_matrices)  # GroupedMLP
+        return grouped if grouped is not None else expert_mapping(rest, f"{moe}.experts", self.expert_matrices)
 
     def hf_name_ignored(self, arch: HFArch, hf_name: str) -> bool:
         """A checkpoint tensor transformers does not load either (e.g. multi-token-prediction layers)."""
