@@ -226,14 +226,12 @@ class AsyncExperienceStream:
             torch.cat([g.truncated for g in groups]), group_ids, oldest, self.cfg, self.tokenizer,
         )
         staleness = [trainer_version - g.version for g in groups]
-        token_staleness = torch.cat([trainer_version - _token_versions(s) for s in samples]).to(torch.float64)
         versions_per_sample = max(int(_token_versions(s).unique().numel()) for s in samples)
         experience.metrics.update({
             "rollout/generate_s": engine_s,
             "async/wait_s": wait_s,
             "async/staleness_max": float(max(staleness)),
             "async/staleness_mean": sum(staleness) / len(staleness),
-            "async/token_staleness_mean": float(token_staleness.mean()),
             "async/versions_per_sample_max": float(versions_per_sample),
             "async/dropped_stale_groups": float(dropped),
             "async/filtered_groups": float(filtered),

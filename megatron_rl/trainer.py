@@ -180,7 +180,9 @@ class Trainer:
         experience = self._experience(step)  # rank 0 only
         self._sleep_engine()
         self._offload.to_device()  # the actor's memory back from the host (train.offload)
-        whole = train_batch_from_rollouts(experience.rollouts, experience.advantages) if experience is not None else None
+        whole = None
+        if experience is not None:
+            whole = train_batch_from_rollouts(experience.rollouts, experience.advantages, policy_version=self.weight_version)
         batch = self.actor.distribute(whole)  # this rank's rows only
         del whole
         batch, metrics = self.actor.prepare_batch(batch)

@@ -137,6 +137,8 @@ class Actor:
         self._width_multiple = (ctx.tp_size if ctx.sequence_parallel else 1) * (2 * ctx.cp_size if ctx.cp_size > 1 else 1)
         self.last_share_bytes = 0
         """Bytes of the last batch share this rank received (`distribute`)."""
+        self.max_staleness = max(train.max_staleness, train.off_policy_lag)
+        """Response tokens sampled more weight versions before the batch's policy_version leave the loss."""
 
     @classmethod
     def from_config(cls, cfg, ctx) -> "Actor":
@@ -184,7 +186,8 @@ class Actor:
     def _inputs(self, batch: TrainBatch, mb: Microbatch, lengths: torch.Tensor, *, with_loss_inputs: bool):
         ctx = self.ctx
         return microbatch_inputs(batch, mb, lengths, ctx.device, with_loss_inputs=with_loss_inputs,
-                                 multiple=self._width_multiple, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank)
+                                 multiple=self._width_multiple, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank,
+                                 max_staleness=self.max_staleness)
 
     def distribute(self, batch: TrainBatch | None) -> TrainBatch:
         """This rank's share of the step's batch: rank 0 passes the step's batch, every other rank None.
@@ -403,6 +406,9 @@ class Actor:
         layer ``routing/drift/layer_l``: fraction of tokens whose experts used in the
         training forward differ, as a set, from the old policy's; 0 under replay) and
         ``routing/drift_own`` (the router's own top-k instead of the used experts).
+        With batch.token_versions and batch.policy_version: ``async/token_staleness`` (mean
+        over response tokens) and ``/max``, and ``async/stale_tokens_masked/sum``, the tokens
+        more than `max_staleness` versions old, which leave the loss and its denominators.
         """
         t0 = time.perf_counter()
         if batch.old_logprobs is None:

@@ -51,6 +51,11 @@ class TrainBatch:
     """[B, T] float32: the rollout engine's logprob of each response token (TIS, mismatch metrics)."""
     ref_logprobs: torch.Tensor | None = None
     """[B, T] float32: the reference model's logprobs (needed when algorithm.beta > 0)."""
+    token_versions: torch.Tensor | None = None
+    """[B, T] int64: the weight version each response token was sampled with (-1 elsewhere); with
+    policy_version, response tokens more than train.max_staleness versions old leave the loss."""
+    policy_version: int | None = None
+    """The weight version of the policy this step trains (the trainer's weights when the step starts)."""
     routed_experts: torch.Tensor | None = None
     """[B, T, L, K] int16: the engine's top-k experts of each token per MoE layer (R3 source);
     L = MoE layers in model order, K = experts per token; -1 where not captured (padding)."""
@@ -184,10 +189,19 @@ def validate_batch(
     if bool(bad_adv.any()):
         b = int(torch.nonzero(bad_adv.reshape(B, -1).any(dim=1))[0])
         raise BatchError(f"advantages of sample {b} are not finite: check the rewards and the advantage estimator's std")
-    for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+    for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "token_versions"):
         values = getattr(batch, name)
         if values is not None and values.shape != tokens.shape:
             raise BatchError(f"{name} has shape {tuple(values.shape)}, tokens has {tuple(tokens.shape)}")
+    if batch.token_versions is not None and batch.policy_version is not None:
+        newer = mask & (batch.token_versions > batch.policy_version)
+        if bool(newer.any()):
+            b, t = (int(i) for i in torch.nonzero(newer)[0])
+            raise BatchError(
+                f"token_versions[{b}, {t}] = {int(batch.token_versions[b, t])} ({_name_position(batch, b, t)}) is newer than "
+                f"the policy being trained (policy_version={batch.policy_version}): set policy_version to the trainer's "
+                "weight version when the step starts"
+            )
     check_finite(batch, "rollout_logprobs", batch.rollout_logprobs,
                  fix="the rollout engine returned NaN/inf logprobs; drop these samples or check the engine's dtype (fp16 overflow)")
     check_finite(batch, "old_logprobs", batch.old_logprobs,
@@ -254,9 +268,9 @@ def check_routes(
             )
 
 
-def train_batch_from_rollouts(rollouts, advantages: torch.Tensor) -> TrainBatch:
+def train_batch_from_rollouts(rollouts, advantages: torch.Tensor, policy_version: int | None = None) -> TrainBatch:
     """A TrainBatch from `megatron_rl.data.batch.PaddedRollouts` (same layout; `Rollouts` are padded first)
-    and the advantages ([B] or [B, T])."""
+    and the advantages ([B] or [B, T]); policy_version: the weight version the step trains (see TrainBatch)."""
     padded = rollouts.to_padded() if hasattr(rollouts, "to_padded") else rollouts
     return TrainBatch(
         tokens=padded.tokens,
@@ -266,6 +280,8 @@ def train_batch_from_rollouts(rollouts, advantages: torch.Tensor) -> TrainBatch:
         sequence_lengths=padded.prompt_lengths + padded.response_lengths,
         rollout_logprobs=padded.rollout_logprobs,
         routed_experts=padded.routed_experts,
+        token_versions=padded.token_versions,
+        policy_version=policy_version,
     )
 
 

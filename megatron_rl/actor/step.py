@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_layout, unpack_index
 from megatron_rl.actor.plan import Microbatch
+from megatron_rl.algorithms.metrics import max_metric, mean_metric
 
 
 def loss_scale(num_microbatches: int, data_parallel_size: int) -> int:
@@ -71,6 +72,11 @@ class MicrobatchInputs:
     old_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    token_staleness: torch.Tensor | None = None
+    """[B_m, W_row] int64: the batch's policy version minus the weight version each token was sampled with
+    (when the batch carries both; `stale_tokens` are already out of response_mask and sequence_mask)."""
+    stale_tokens: torch.Tensor | None = None
+    """[B_m, W_row] bool: response tokens of this rank older than the staleness bound, left out of the loss."""
     row_index: torch.Tensor | None = None
     """Packed only: [B_m, W_row] int64, the flattened input position whose output scores row token t."""
     row_valid: torch.Tensor | None = None
@@ -105,11 +111,13 @@ def take_rows(values: torch.Tensor | None, mb: Microbatch, *, per_token: bool, f
 
 def microbatch_inputs(
     batch, mb: Microbatch, lengths: torch.Tensor, device: torch.device, *, with_loss_inputs: bool,
-    multiple: int = 1, cp_size: int = 1, cp_rank: int = 0,
+    multiple: int = 1, cp_size: int = 1, cp_rank: int = 0, max_staleness: int | None = None,
 ) -> MicrobatchInputs:
     """The tensors of microbatch `mb` of `batch` (a TrainBatch); token ids past each row's length are 0.
 
     multiple, cp_size, cp_rank: the packed layout's padding multiple and this rank's CP chunks.
+    max_staleness: with loss inputs and a batch carrying token_versions and policy_version, response
+    tokens whose staleness (policy_version - token version) exceeds it leave both masks (`stale_tokens`).
     """
     layout = microbatch_layout(mb, lengths, multiple=multiple, cp_size=cp_size, cp_rank=cp_rank)
     real = layout.real(lengths)
@@ -122,7 +130,15 @@ def microbatch_inputs(
         row_mb = Microbatch(mb.rows or (-1,), max([int(lengths[r]) for r in mb.rows], default=1))
         row_index, row_valid = unpack_index(layout, row_mb, lengths, row_mb.width)
     sequence_mask = take_rows(batch.response_mask, row_mb, per_token=True, fill=False)
+    token_staleness = stale = None
+    if with_loss_inputs and batch.token_versions is not None and batch.policy_version is not None:
+        token_staleness = batch.policy_version - take_rows(batch.token_versions, row_mb, per_token=True, fill=batch.policy_version)
+        if max_staleness is not None:
+            stale = sequence_mask & (token_staleness > max_staleness)
+            sequence_mask = sequence_mask & ~stale
     response_mask = sequence_mask if row_valid is None else sequence_mask & row_valid
+    if stale is not None and row_valid is not None:
+        stale = stale & row_valid  # counted on the CP rank that computes the token
     inputs = MicrobatchInputs(
         mb=mb,
         layout=layout,
@@ -133,6 +149,8 @@ def microbatch_inputs(
         sequence_mask=sequence_mask.to(device),
         row_index=None if row_index is None else row_index.to(device),
         row_valid=None if row_valid is None else row_valid.to(device),
+        token_staleness=None if token_staleness is None else token_staleness.to(device),
+        stale_tokens=None if stale is None else stale.to(device),
     )
     if with_loss_inputs:
         per_token_adv = batch.advantages.dim() == 2
@@ -212,9 +230,27 @@ def policy_loss(
             rollout_logprobs=inputs.rollout_logprobs,
             entropy=entropy,
         )
+        if inputs.token_staleness is not None:
+            metrics = {**metrics, **staleness_metrics(inputs)}
         return loss_sum * scale, metrics
 
     return loss_func
+
+
+def staleness_metrics(inputs: MicrobatchInputs) -> dict[str, torch.Tensor]:
+    """Per-token staleness over this rank's response tokens (those masked as too stale included).
+
+    ``async/token_staleness`` (mean) and ``/max``; ``async/stale_tokens_masked/sum``: tokens older
+    than the bound, left out of the loss and of the step's denominators.
+    """
+    stale = inputs.stale_tokens if inputs.stale_tokens is not None else torch.zeros_like(inputs.response_mask)
+    arrived = inputs.response_mask | stale
+    staleness = torch.where(arrived, inputs.token_staleness, 0).to(torch.float64)
+    return {
+        "async/token_staleness": mean_metric(staleness, arrived),
+        "async/token_staleness/max": max_metric(staleness, arrived),
+        "async/stale_tokens_masked/sum": stale.sum().to(torch.float64),
+    }
 
 
 __all__ = [
@@ -225,6 +261,7 @@ __all__ = [
     "loss_scale",
     "microbatch_inputs",
     "policy_loss",
+    "staleness_metrics",
     "take_rows",
     "token_aligned",
 ]

@@ -107,6 +107,8 @@ class PaddedRollouts:
     """[B, T, L, K] int16 aligned with `tokens`; -1 on padding (and on prompt positions when they were not captured)."""
     weight_version: int
     """Weight version of the rollouts."""
+    token_versions: torch.Tensor | None = None
+    """[B, T] int64: the weight version each response token was sampled with, -1 elsewhere."""
 
 
 @dataclass
@@ -147,6 +149,7 @@ class Rollouts:
         response_mask = torch.zeros(batch, total, dtype=torch.bool)
         attention_mask = torch.zeros(batch, total, dtype=torch.bool)
         logprobs = torch.zeros(batch, total, dtype=torch.float32)
+        versions = torch.full((batch, total), -1, dtype=torch.int64)
         routes = None
         first = self.samples[0].routed_experts
         if first is not None:
@@ -157,6 +160,7 @@ class Rollouts:
             attention_mask[b, : p + r] = True
             response_mask[b, p : p + r] = True
             logprobs[b, p : p + r] = s.rollout_logprobs
+            versions[b, p : p + r] = s.weight_version if s.token_versions is None else s.token_versions
             if routes is not None:
                 if s.routed_experts is None:
                     raise ValueError(f"sample {b} has no routed experts while sample 0 has")
@@ -171,4 +175,5 @@ class Rollouts:
             response_lengths=torch.tensor([s.response_length for s in self.samples], dtype=torch.int64),
             routed_experts=routes,
             weight_version=self.weight_version,
+            token_versions=versions,
         )
