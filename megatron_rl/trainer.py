@@ -40,7 +40,6 @@ from typing import Sequence
 
 from megatron_rl.config import RLConfig, load_config, to_dict
 from megatron_rl.console import LibraryLogs, library_logs
-from megatron_rl.rollout import VLLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +177,7 @@ class Trainer:
         from megatron_rl.actor import train_batch_from_rollouts
 
         experience = self._experience(step)  # rank 0 only
-        self._sleep_engine()
+        sleep_metrics = self._sleep_engine()
         self._offload.to_device()  # the actor's memory back from the host (train.offload)
         whole = None
         if experience is not None:
@@ -186,7 +185,7 @@ class Trainer:
         batch = self.actor.distribute(whole)  # this rank's rows only
         del whole
         batch, metrics = self.actor.prepare_batch(batch)
-        metrics = {**(experience.metrics if experience is not None else {}), **metrics, **self.actor.train_step(batch)}
+        metrics = {**(experience.metrics if experience is not None else {}), **metrics, **self.actor.train_step(batch), **sleep_metrics}
         metrics["batch/share_bytes"] = float(self.actor.last_share_bytes)
         del batch  # the push phase holds no rows of the step
         if self._pending is not None:  # the next step's generation must finish on the old weights
@@ -206,14 +205,16 @@ class Trainer:
             metrics["time/offload_s"] = offload_s
         return metrics
 
-    def _sleep_engine(self) -> None:
-        """rollout.sleep_level: the engine sleeps while the actor trains (the push wakes its weights)."""
-        if self.cfg.rollout.sleep_level and isinstance(self.engine, VLLMEngine):
-            self.engine.sleep()
+    def _sleep_engine(self) -> dict[str, float]:
+        """rollout.sleep_level: the engine sleeps while the actor trains (the push wakes its weights);
+        engine/sleep_frees_memory says whether that released its memory (0 where vLLM has no sleep mode)."""
+        if not self.cfg.rollout.sleep_level or self.engine is None:
+            return {}
+        return {"engine/sleep_frees_memory": float(self.engine.sleep())}
 
     def _wake_engine(self) -> None:
         """The rest of a sleeping engine (its KV cache) wakes once the actor's memory has left the device."""
-        if isinstance(self.engine, VLLMEngine):
+        if self.engine is not None:
             self.engine.wake_up()
 
     # -- stages ------------------------------------------------------------------------------------
@@ -266,7 +267,7 @@ class Trainer:
         from megatron_rl.weight_sync import push_weights
 
         bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
-        if isinstance(self.engine, VLLMEngine):
+        if self.engine is not None:
             self.engine.wake_up(["weights"])  # rollout.sleep_level: the weights for the push, the KV cache after it
         with self._offload.on_device(["params"]), self._engine_held():
             push_weights(

