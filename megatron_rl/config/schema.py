@@ -346,12 +346,9 @@ class RolloutConfig:
                 f"{self.request_timeout_s}: the start-up timeout must be >= 0 (0 = scaled with the model's size), "
                 "the request timeout > 0"
             )
-        if self.weight_transport == "broadcast" and self.engine == "vllm" and self.multiprocessing is False:
-            raise ConfigError(
-                "rollout.weight_transport=broadcast needs the engine in another process, but rollout.multiprocessing="
-                "false keeps it in the trainer's (where it gets tensors by reference): set rollout.multiprocessing=true "
-                "or rollout.weight_transport=rpc"
-            )
+        from megatron_rl.config.placement import check_rollout_section  # every placement rule lives there
+
+        check_rollout_section(self)
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_rl.config.core import ConfigError, load_config
-from megatron_rl.config.schema import ClusterConfig, RLConfig, RolloutConfig
+from megatron_rl.config.placement import colocated_engines, host_ranks  # noqa: F401  (placement's home; the planner's names)
+from megatron_rl.config.schema import RLConfig
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -56,51 +57,6 @@ def launch_shape(cfg: RLConfig) -> LaunchShape:
             f"processes (torchrun needs that); use a multiple of {c.gpus_per_node}"
         )
     return LaunchShape(nodes=c.nodes - c.rollout_gpus // c.gpus_per_node, procs_per_node=c.gpus_per_node)
-
-
-def colocated_engines(rollout: RolloutConfig, cluster: ClusterConfig, world_size: int) -> int:
-    """How many engines a colocated run (rollout.engine=vllm) on `world_size` trainer ranks starts.
-
-    rollout.engines when set, else one per TP x PP GPUs of the trainer on a GPU
-    cluster and one on CPU. An engine larger than a node (TP x PP above
-    gpus_per_node) is rank 0's single engine, spread over nodes by vLLM's own
-    multi-node executor. ConfigError names the value when the engines cannot be
-    placed: each is hosted by one rank (engines divides the world) and, on GPU,
-    takes that rank's GPU and the next TP x PP - 1 of its node.
-    """
-    size = rollout.tensor_parallel * rollout.pipeline_parallel
-    gpu = cluster.gpus_per_node > 0
-    if gpu and cluster.rollout_gpus:
-        raise ConfigError(
-            f"rollout.engine=vllm runs on the trainer's own GPUs, but cluster.rollout_gpus={cluster.rollout_gpus} sets "
-            "GPUs aside for rollout: serve them with `megatron-rl serve` and set rollout.engine=vllm_server, or set "
-            "cluster.rollout_gpus=0"
-        )
-    engines = rollout.engines or (max(1, world_size // size) if gpu and size <= cluster.gpus_per_node else 1)
-    if engines < 1 or world_size % engines:
-        raise ConfigError(
-            f"rollout.engines={engines} does not divide the {world_size} trainer ranks: each colocated engine is "
-            "hosted by one rank and uses the GPUs of the ranks after it; choose a divisor of the trainer's world size"
-        )
-    if gpu and engines > 1:
-        if cluster.gpus_per_node % size:  # also when an engine is larger than a node
-            raise ConfigError(
-                f"rollout.engines={engines}: one engine's rollout.tensor_parallel x pipeline_parallel = {size} GPUs do "
-                f"not divide the {cluster.gpus_per_node} GPUs of a node, and engines hosted by trainer ranks stay inside "
-                "a node: choose TP x PP dividing gpus_per_node, or rollout.engines=1 (one engine over several nodes)"
-            )
-        if world_size // engines < size:
-            raise ConfigError(
-                f"rollout.engines={engines} engines of rollout.tensor_parallel x pipeline_parallel = {size} GPUs need "
-                f"{engines * size} GPUs, more than the trainer's {world_size}: lower rollout.engines (0 = one per "
-                f"{size} GPUs)"
-            )
-    return engines
-
-
-def host_ranks(engines: int, world_size: int) -> list[int]:
-    """The trainer ranks that host the engines: the first rank of each equal share of the world."""
-    return [i * (world_size // engines) for i in range(engines)]
 
 
 @dataclass(kw_only=True, frozen=True)

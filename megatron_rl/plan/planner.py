@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.layout import check_layout
 from megatron_rl.config.schema import RLConfig
-from megatron_rl.plan.launch import LaunchShape, colocated_engines, launch_shape
+from megatron_rl.config.placement import colocated_engines
+from megatron_rl.plan.launch import LaunchShape, launch_shape
 from megatron_rl.plan.memory import (
     GIB,
     EngineMemory,

@@ -7,7 +7,7 @@
 engine.py: protocol, errors, bounded restart-and-retry; vllm_engine.py:
 in-process vllm.LLM; server_engine.py: OpenAI-compatible vLLM servers;
 colocated.py: servers hosted by trainer ranks (rollout.engines > 1);
-placement.py: which of the four placements a config asks for (the one place
+config/placement.py: which of the four placements a config asks for (the one place
 the interacting settings are decided); push.py: the one push protocol;
 worker_ext.py: runs inside vLLM's worker (weight pushes, MoE re-pack,
 routed-expert capture); routing.py: matching captures to samples;
@@ -16,7 +16,7 @@ Importing this package does not import vLLM.
 """
 
 from megatron_rl.config.core import ConfigError
-from megatron_rl.rollout.placement import Placement, resolve_placement
+from megatron_rl.config.placement import Placement, resolve_placement
 from megatron_rl.rollout.engine import (
     EngineStartError,
     PromptError,
@@ -31,7 +31,7 @@ from megatron_rl.rollout.vllm_engine import VLLMEngine
 
 
 def make_engine(model_dir, config, **kwargs) -> RolloutEngine:
-    """The engine a RolloutConfig places (rollout.placement): servers at server_urls, or one vLLM engine in this
+    """The engine a RolloutConfig places (config.placement): servers at server_urls, or one vLLM engine in this
     process or its own. Colocated servers (rollout.engines > 1) are started by every trainer rank instead
     (rollout.colocated.start_colocated_servers)."""
     placement = resolve_placement(config)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron_rl.config.core import replace
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.plan.launch import host_ranks
+from megatron_rl.config.placement import host_ranks
 from megatron_rl.rollout.engine import EngineStartError
 from megatron_rl.rollout.server_engine import VLLMServer, VLLMServerEngine
 from megatron_rl.weight_sync.broadcast import host_address
@@ -102,9 +102,9 @@ class ColocatedServers:
 
     def engine(self, rollout: RolloutConfig) -> VLLMServerEngine:
         """Rank 0's engine over every server (its own restarted by the engine, the others by their hosts)."""
-        from megatron_rl.rollout.placement import resolve_placement
+        from megatron_rl.config.placement import resolve_placement
 
-        # the transport and backend colocated servers get (rollout.placement: gloo, engine 0 shares rank 0's GPU)
+        # the transport and backend colocated servers get (config.placement: gloo, engine 0 shares rank 0's GPU)
         rollout = resolve_placement(replace(rollout, engines=len(self.urls))).rollout_config(rollout)
         return VLLMServerEngine([self.server, *self.urls[1:]], rollout)
 

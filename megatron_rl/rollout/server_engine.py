@@ -65,7 +65,7 @@ from megatron_rl.rollout.common import (
 from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request
-from megatron_rl.rollout.placement import server_transport
+from megatron_rl.config.placement import server_transport
 from megatron_rl.rollout.push import PushBrokenError, PushResult, PushTarget, WeightsLostError, stream_push
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64

@@ -129,9 +129,9 @@ class VLLMEngine:
         return bool(self.config.return_routed_experts and self.config.routed_experts_include_prompt)
 
     def _resolve_transport(self) -> str:
-        """rpc or broadcast, as rollout.placement decides for one engine (in this process or its own)."""
+        """rpc or broadcast, as config.placement decides for one engine (in this process or its own)."""
         from megatron_rl.config.core import ConfigError, replace
-        from megatron_rl.rollout.placement import resolve_placement
+        from megatron_rl.config.placement import resolve_placement
 
         try:
             return resolve_placement(replace(self.config, engine="vllm", engines=1)).transport

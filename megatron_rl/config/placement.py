@@ -1,4 +1,7 @@
-"""Where rollout engines run and how weights reach them: decided in one place.
+"""Where rollout engines run and how weights reach them: every placement rule, written once.
+
+Dependency-free (config validation, the planner and the launch scripts use it
+without torch); the engines read their decisions from it (rollout/).
 
 Seven settings interact: rollout.engine, server_urls, engines,
 multiprocessing, weight_transport, weight_broadcast_backend (and the
@@ -67,15 +70,27 @@ def resolve_placement(rollout: RolloutConfig, *, world_size: int = 1, cluster: C
     transport = rollout.weight_transport
     if transport == "auto":
         transport = "broadcast" if multiprocessing else "rpc"
+    check_transport_reaches_engine(transport, multiprocessing)
+    backend = "gloo" if rollout.weight_broadcast_backend == "auto" else rollout.weight_broadcast_backend
+    kind: PlacementKind = "engine_process" if multiprocessing else "in_process"
+    return Placement(kind, 1, transport, backend, multiprocessing)  # type: ignore[arg-type]
+
+
+def check_rollout_section(rollout: RolloutConfig) -> None:
+    """The placement rules the rollout section decides by itself (RolloutConfig.validate runs them at load time;
+    the rest needs the trainer's world size and cluster: resolve_placement)."""
+    if rollout.engine == "vllm" and rollout.multiprocessing is not None:
+        check_transport_reaches_engine(rollout.weight_transport, bool(rollout.multiprocessing))
+
+
+def check_transport_reaches_engine(transport: str, multiprocessing: bool) -> None:
+    """A broadcast needs the engine in a process of its own: in the trainer's it gets tensors by reference."""
     if transport == "broadcast" and not multiprocessing:
         raise ConfigError(
             "rollout.weight_transport=broadcast needs the engine in another process, but rollout.multiprocessing="
             "false keeps it in the trainer's (where it gets tensors by reference): set rollout.multiprocessing=true "
             "or rollout.weight_transport=rpc"
         )
-    backend = "gloo" if rollout.weight_broadcast_backend == "auto" else rollout.weight_broadcast_backend
-    kind: PlacementKind = "engine_process" if multiprocessing else "in_process"
-    return Placement(kind, 1, transport, backend, multiprocessing)  # type: ignore[arg-type]
 
 
 def server_transport(rollout: RolloutConfig) -> Literal["rpc", "broadcast"]:
@@ -86,6 +101,49 @@ def server_transport(rollout: RolloutConfig) -> Literal["rpc", "broadcast"]:
 def _colocated_count(rollout: RolloutConfig, cluster: ClusterConfig | None, world_size: int) -> int:
     if cluster is None:
         return rollout.engines or 1
-    from megatron_rl.plan.launch import colocated_engines
-
     return colocated_engines(rollout, cluster, world_size)
+
+
+def colocated_engines(rollout: RolloutConfig, cluster: ClusterConfig, world_size: int) -> int:
+    """How many engines a colocated run (rollout.engine=vllm) on `world_size` trainer ranks starts.
+
+    rollout.engines when set, else one per TP x PP GPUs of the trainer on a GPU
+    cluster and one on CPU. An engine larger than a node (TP x PP above
+    gpus_per_node) is rank 0's single engine, spread over nodes by vLLM's own
+    multi-node executor. ConfigError names the value when the engines cannot be
+    placed: each is hosted by one rank (engines divides the world) and, on GPU,
+    takes that rank's GPU and the next TP x PP - 1 of its node.
+    """
+    size = rollout.tensor_parallel * rollout.pipeline_parallel
+    gpu = cluster.gpus_per_node > 0
+    if gpu and cluster.rollout_gpus:
+        raise ConfigError(
+            f"rollout.engine=vllm runs on the trainer's own GPUs, but cluster.rollout_gpus={cluster.rollout_gpus} sets "
+            "GPUs aside for rollout: serve them with `megatron-rl serve` and set rollout.engine=vllm_server, or set "
+            "cluster.rollout_gpus=0"
+        )
+    engines = rollout.engines or (max(1, world_size // size) if gpu and size <= cluster.gpus_per_node else 1)
+    if engines < 1 or world_size % engines:
+        raise ConfigError(
+            f"rollout.engines={engines} does not divide the {world_size} trainer ranks: each colocated engine is "
+            "hosted by one rank and uses the GPUs of the ranks after it; choose a divisor of the trainer's world size"
+        )
+    if gpu and engines > 1:
+        if cluster.gpus_per_node % size:  # also when an engine is larger than a node
+            raise ConfigError(
+                f"rollout.engines={engines}: one engine's rollout.tensor_parallel x pipeline_parallel = {size} GPUs do "
+                f"not divide the {cluster.gpus_per_node} GPUs of a node, and engines hosted by trainer ranks stay inside "
+                "a node: choose TP x PP dividing gpus_per_node, or rollout.engines=1 (one engine over several nodes)"
+            )
+        if world_size // engines < size:
+            raise ConfigError(
+                f"rollout.engines={engines} engines of rollout.tensor_parallel x pipeline_parallel = {size} GPUs need "
+                f"{engines * size} GPUs, more than the trainer's {world_size}: lower rollout.engines (0 = one per "
+                f"{size} GPUs)"
+            )
+    return engines
+
+
+def host_ranks(engines: int, world_size: int) -> list[int]:
+    """The trainer ranks that host the engines: the first rank of each equal share of the world."""
+    return [i * (world_size // engines) for i in range(engines)]
