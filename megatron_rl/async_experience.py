@@ -104,6 +104,11 @@ class AsyncExperienceStream:
                 self._engine_s += time.perf_counter() - start
                 self._cond.notify_all()
 
+    def queued_groups(self) -> int:
+        """Groups generated and waiting for the trainer."""
+        with self._cond:
+            return len(self._queue)
+
     def push_waiting(self) -> bool:
         """Whether a push (or evaluation) waits for the engine: a partial rollout stops after its current step."""
         return self._push_pending

@@ -50,8 +50,12 @@ def main(config_path: str | None = None, overrides: Sequence[str] = ()) -> dict[
     return run(cfg)
 
 
-def run(cfg: RLConfig) -> dict[str, float]:
-    """Train with `cfg` in this process (one rank of a torchrun job, or alone); returns the last metrics."""
+def run(cfg: RLConfig, engine=None) -> dict[str, float]:
+    """Train with `cfg` in this process (one rank of a torchrun job, or alone); returns the last metrics.
+
+    engine: a rollout engine already started on cfg.model.path (one process only), which the run
+    uses instead of starting its own and leaves running: several runs in one process share it.
+    """
     from megatron_rl.models import load_hf_config, model_shape
     from megatron_rl.models.tiny import ensure_tiny_model_dir
     from megatron_rl.parallel import destroy_parallel, init_parallel
@@ -65,7 +69,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
         ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
         trainer = None
         try:
-            trainer = Trainer(cfg, ctx, logs=logs)
+            trainer = Trainer(cfg, ctx, logs=logs, engine=engine)
             return trainer.fit()
         finally:
             if trainer is not None:
@@ -76,8 +80,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
 class Trainer:
     """State of one run on this rank: data, actor, engine (rank 0), logger, step counters."""
 
-    def __init__(self, cfg: RLConfig, ctx, logs: LibraryLogs | None = None):
-        """logs: where vLLM's start-up output goes (megatron_rl.console); None leaves it on the console."""
+    def __init__(self, cfg: RLConfig, ctx, logs: LibraryLogs | None = None, engine=None):
+        """logs: where vLLM's start-up output goes (megatron_rl.console); None leaves it on the console.
+        engine: an engine already started on cfg.model.path, used and left running (see `run`)."""
         from megatron_rl.actor import Actor
         from megatron_rl.actor.offload import ActorOffload
         from megatron_rl.data.dataset import PromptDataset
@@ -113,8 +118,11 @@ class Trainer:
         self.step, self.weight_version = 0, 0
         resumed = self._maybe_resume()
         self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
+        self._own_engine = engine is None
+        if engine is not None and ctx.world_size > 1:
+            raise ValueError(f"an engine started beforehand serves a one-process run; this one has {ctx.world_size} ranks")
         with logs.engine_start() if logs is not None else contextlib.nullcontext():
-            self.engine = self._start_engine()
+            self.engine = self._start_engine() if engine is None else self._adopt(engine)
         self.logger = MetricsLogger(
             cfg.logging.dir,
             enabled=ctx.rank == 0,
@@ -303,6 +311,15 @@ class Trainer:
             engine.reexport_fn = lambda: self.actor.export_hf_weights(bucket_bytes)
         return engine
 
+    def _adopt(self, engine):
+        """An engine started beforehand: its recovery re-exports this run's weights (its first push follows)."""
+        from megatron_rl.rollout import VLLMEngine
+
+        if isinstance(engine, VLLMEngine):
+            bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+            engine.reexport_fn = lambda: self.actor.export_hf_weights(bucket_bytes)
+        return engine
+
     def evaluate(self) -> dict[str, float]:
         """Mean task reward of data.eval_samples samples on the next train.prompts_per_step prompts of data.eval_path."""
         from megatron_rl.actor.distribute import broadcast_object
@@ -362,7 +379,7 @@ class Trainer:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self.logger.close()
-        if self.engine is not None:
+        if self.engine is not None and self._own_engine:
             self.engine.shutdown()
         if self._colocated is not None:
             self._colocated.stop()
