@@ -11,7 +11,7 @@ to one of four placements:
 | placement          | when                                        | weights by                    |
 | ------------------ | ------------------------------------------- | ----------------------------- |
 | in_process         | engine=vllm, one engine, multiprocessing off | tensors by reference (rpc)   |
-| engine_process     | engine=vllm, one engine, multiprocessing on  | gloo broadcast (or rpc bytes) |
+| engine_process     | engine=vllm, one engine, multiprocessing on  | ipc handles with CUDA, else gloo broadcast (or rpc bytes) |
 | colocated_servers  | engine=vllm, engines > 1 (servers on ranks)  | gloo broadcast (or rpc)       |
 | remote_servers     | engine=vllm_server, server_urls             | broadcast, nccl on GPU (or rpc) |
 
@@ -19,7 +19,10 @@ multiprocessing unset = on when the trainer has several ranks (an engine in
 the trainer's process would start its process groups on the trainer's
 world). A broadcast into an engine that shares a trainer GPU (an engine
 process, colocated engine 0) uses gloo: NCCL refuses two ranks of one group
-on one GPU. Every engine kind drives the same push protocol (rollout.push).
+on one GPU; with CUDA an engine process gets memory handles instead (ipc:
+weight_sync.ipc, CUDA IPC from the trainer's own GPU; on the host, shared
+memory when asked for). Every engine kind drives the same push protocol
+(rollout.push).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class Placement:
     kind: PlacementKind
     engines: int
     """How many engines (servers, or 1 for an in-process engine or its own process)."""
-    transport: Literal["rpc", "broadcast"]
+    transport: Literal["rpc", "broadcast", "ipc"]
     broadcast_backend: Literal["auto", "nccl", "gloo"]
     multiprocessing: bool | None
     """The in-process engine's core runs in its own process (engine_process); None for servers (not theirs to set)."""
@@ -68,8 +71,8 @@ def resolve_placement(rollout: RolloutConfig, *, world_size: int = 1, cluster: C
         return Placement("colocated_servers", engines, server_transport(rollout), backend, None)
     multiprocessing = world_size > 1 if rollout.multiprocessing is None else bool(rollout.multiprocessing)
     transport = rollout.weight_transport
-    if transport == "auto":
-        transport = "broadcast" if multiprocessing else "rpc"
+    if transport == "auto":  # an engine process shares the trainer's GPU: memory handles with CUDA, no host copy
+        transport = ("ipc" if _cuda_available() else "broadcast") if multiprocessing else "rpc"
     check_transport_reaches_engine(transport, multiprocessing)
     backend = "gloo" if rollout.weight_broadcast_backend == "auto" else rollout.weight_broadcast_backend
     kind: PlacementKind = "engine_process" if multiprocessing else "in_process"
@@ -81,13 +84,16 @@ def check_rollout_section(rollout: RolloutConfig) -> None:
     the rest needs the trainer's world size and cluster: resolve_placement)."""
     if rollout.engine == "vllm" and rollout.multiprocessing is not None:
         check_transport_reaches_engine(rollout.weight_transport, bool(rollout.multiprocessing))
+    if rollout.engine == "vllm_server" or rollout.engines > 1:
+        server_transport(rollout)  # refuses ipc: memory handles reach one engine process only
 
 
 def check_transport_reaches_engine(transport: str, multiprocessing: bool) -> None:
-    """A broadcast needs the engine in a process of its own: in the trainer's it gets tensors by reference."""
-    if transport == "broadcast" and not multiprocessing:
+    """A broadcast or memory handles need the engine in a process of its own: in the trainer's it gets tensors by
+    reference."""
+    if transport in ("broadcast", "ipc") and not multiprocessing:
         raise ConfigError(
-            "rollout.weight_transport=broadcast needs the engine in another process, but rollout.multiprocessing="
+            f"rollout.weight_transport={transport} needs the engine in another process, but rollout.multiprocessing="
             "false keeps it in the trainer's (where it gets tensors by reference): set rollout.multiprocessing=true "
             "or rollout.weight_transport=rpc"
         )
@@ -95,7 +101,22 @@ def check_transport_reaches_engine(transport: str, multiprocessing: bool) -> Non
 
 def server_transport(rollout: RolloutConfig) -> Literal["rpc", "broadcast"]:
     """Servers (colocated or remote) take weights by broadcast unless rollout.weight_transport=rpc."""
+    if rollout.weight_transport == "ipc":
+        raise ConfigError(
+            "rollout.weight_transport=ipc hands memory handles to one engine process on the trainer's own device "
+            "(rollout.engine=vllm, one engine); servers take weights by broadcast or rpc: set "
+            "rollout.weight_transport=auto"
+        )
     return "rpc" if rollout.weight_transport == "rpc" else "broadcast"
+
+
+def _cuda_available() -> bool:
+    """Whether this process sees a CUDA device (torch imported only here: the rules above need no torch)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _colocated_count(rollout: RolloutConfig, cluster: ClusterConfig | None, world_size: int) -> int:

@@ -298,11 +298,13 @@ class RolloutConfig:
     30 s). Generation requests have no limit of their own: a server that answers /health is slow, not dead."""
     weight_bucket_mb: float = 512.0
     """Size of one weight-sync bucket in MB."""
-    weight_transport: Literal["auto", "rpc", "broadcast"] = "auto"
+    weight_transport: Literal["auto", "rpc", "broadcast", "ipc"] = "auto"
     """How pushed weights reach the engine. rpc: through the worker extension's RPC (tensors by reference to an
     in-process engine, safetensors bytes to an engine process or over HTTP to a server); broadcast: a
     torch.distributed broadcast from the pushing trainer rank into every engine worker (weight_broadcast_backend);
-    auto: rpc for an engine inside the trainer's process, broadcast for an engine process or servers."""
+    ipc: memory handles to an engine process on the trainer's own device (CUDA IPC on a GPU, shared memory on the
+    host; weight_sync.ipc); auto: rpc for an engine inside the trainer's process, ipc for an engine process when
+    CUDA is available (it shares the trainer's GPU), else broadcast; broadcast for servers."""
     weight_broadcast_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Backend of the weight broadcast. auto: nccl for servers when CUDA is available (their GPUs differ from the
     trainer's), gloo for an engine process next to the trainer (it shares the trainer's GPU, which NCCL refuses) or

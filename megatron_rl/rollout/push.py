@@ -10,7 +10,7 @@ reset its prefix cache. `stream_push` drives them all through one push:
 2. `mrl_begin_push(version)` on every engine;
 3. each bucket, as the export produces it, is checked against the
    announcement and sent to every engine at once (one broadcast into all
-   their workers, or an RPC per engine), then dropped: the pushing rank holds
+   their workers, a memory handle, or an RPC per engine), then dropped: the pushing rank holds
    about one bucket at a time (`peak_bytes`, measured);
 4. `mrl_commit_push` on every engine, then their prefix caches are reset
    (cached KV was computed with the old weights).
@@ -63,7 +63,8 @@ class PushResult:
     peak_bytes: int
     """Most bytes of exported tensors alive at once on the pushing rank during the push (allocation accounting)."""
     buffer_bytes: int = 0
-    """The broadcast packing buffer (about one bucket; 0 for RPC pushes)."""
+    """The broadcast packing buffer (about one bucket), or the most bytes of buckets shared by memory handle
+    alive at once (weight_sync.ipc); 0 for RPC pushes."""
     versions: list[int | None] = field(default_factory=list)
 
 
@@ -71,7 +72,8 @@ def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *
                 sender: Callable[[], BroadcastSender] | None, repack_moe: bool = True) -> PushResult:
     """Push `stream` into every target as `version` (see the module docstring).
 
-    sender: returns the formed broadcast group of all the targets' workers (broadcast transport), or None (RPC).
+    sender: returns what sends each bucket into all the targets' workers: the formed broadcast group
+    (weight_sync.broadcast.BroadcastSender) or memory handles (weight_sync.ipc.IpcSender); None: RPC.
     Raises WeightPushError (nothing moved) or PushBrokenError (chained to the failure; engines restored).
     """
     buckets = iter(stream)
@@ -92,7 +94,7 @@ def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *
             bucket = [(name, live.track(tensor)) for name, tensor in bucket]
             announced.check_bucket(bucket)
             if broadcast is not None:
-                broadcast.send(bucket, [partial(t.call, "mrl_broadcast_receive") for t in targets], names)
+                broadcast.send(bucket, [partial(t.call, broadcast.receive_method) for t in targets], names)
             else:
                 for target in targets:
                     target.call("mrl_stage_weights", target.encode(bucket))
@@ -110,9 +112,8 @@ def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *
             f"weight push v{version} broke midway ({type(error).__name__}: {error}); engines now serve versions "
             f"{dict(zip([t.name for t in targets], versions))} (None: not answering, to be restarted)", versions
         ) from error
-    buffer = broadcast._buffer if broadcast is not None else None
     return PushResult(commits=commits, tensors=len(announced.seen), bytes=announced.num_bytes, peak_bytes=live.peak,
-                      buffer_bytes=0 if buffer is None else int(buffer.numel()), versions=[int(version)] * len(targets))
+                      buffer_bytes=0 if broadcast is None else broadcast.buffer_bytes, versions=[int(version)] * len(targets))
 
 
 def restore_complete_versions(targets: list[PushTarget]) -> list[int | None]:

@@ -22,7 +22,9 @@ Weight transport (rollout.weight_transport): in-process, the worker gets
 tensors by reference through collective_rpc; with the engine core in a child
 process, buckets are broadcast from this process into the engine's workers
 (weight_sync.broadcast, gloo by default: the child shares this rank's GPU),
-or sent as safetensors bytes over vLLM's RPC (weight_transport=rpc).
+or sent as safetensors bytes over vLLM's RPC (weight_transport=rpc), or
+shared by memory handle (weight_transport=ipc, weight_sync.ipc: CUDA IPC
+from the trainer's GPU, the default with CUDA; shared memory on the host).
 
 Threads: generate() and update_weights() may be called from different
 threads (off-policy lag: the next batch generates while the trainer trains
@@ -70,6 +72,7 @@ from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
 from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.rollout.push import PushBrokenError, PushResult, PushTarget, WeightsLostError, stream_push
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
+from megatron_rl.weight_sync.ipc import IpcSender
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
 from megatron_rl.weight_sync.push import PushStats
 from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
@@ -129,7 +132,7 @@ class VLLMEngine:
         return bool(self.config.return_routed_experts and self.config.routed_experts_include_prompt)
 
     def _resolve_transport(self) -> str:
-        """rpc or broadcast, as config.placement decides for one engine (in this process or its own)."""
+        """rpc, broadcast or ipc, as config.placement decides for one engine (in this process or its own)."""
         from megatron_rl.config.core import ConfigError, replace
         from megatron_rl.config.placement import resolve_placement
 
@@ -327,6 +330,10 @@ class VLLMEngine:
             )
         return self._broadcast
 
+    def _ipc_sender(self) -> IpcSender:
+        """Memory handles from this rank's device into the engine process's worker (weight_sync.ipc), one per push."""
+        return IpcSender(timeout_s=self.config.request_timeout_s)
+
     def _push(self, stream: WeightStream, version: int, repack_moe: bool = True) -> PushResult:
         """One streamed push (rollout.push); a broken one leaves the engine on a complete version or stopped."""
         if self._llm is None or self._engine_core_dead():
@@ -334,7 +341,7 @@ class VLLMEngine:
         try:
             result = stream_push(
                 [self._target()], stream, version, manifest=self.manifest, repack_moe=repack_moe,
-                sender=self._broadcaster if self.weight_transport == "broadcast" else None,
+                sender={"broadcast": self._broadcaster, "ipc": self._ipc_sender}.get(self.weight_transport),
             )
         except PushBrokenError as error:
             self.weights_lost = True

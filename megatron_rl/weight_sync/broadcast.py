@@ -221,6 +221,9 @@ class BroadcastSender:
     would never get one (any number of engines works this way).
     """
 
+    receive_method = "mrl_broadcast_receive"
+    """The worker-extension method that takes part in one bucket's send (rollout.worker_ext)."""
+
     def __init__(self, backend: str = "auto", host: str = "127.0.0.1", timeout_s: float = 600.0):
         self.backend = resolve_backend(backend)
         self.host = host
@@ -232,6 +235,11 @@ class BroadcastSender:
     @property
     def connected(self) -> bool:
         return self.group is not None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the packing buffer (about the largest bucket)."""
+        return 0 if self._buffer is None else int(self._buffer.numel())
 
     def connect(self, joins: list[Callable[[str], Any]], workers_per_engine: list[int],
                 names: list[str] | None = None) -> None:

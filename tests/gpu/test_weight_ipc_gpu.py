@@ -1,0 +1,39 @@
+"""On one CUDA GPU: weights by CUDA IPC handle from the pushing process into an engine worker's process.
+
+No vLLM here (its CUDA build is not installed on the GPU machine): the worker
+process runs the real worker extension (rebuild from the handle, the streaming
+load) over a model runner that copies into a torch module's parameters on the
+same GPU, as in tests/unit/test_weight_ipc.py, which runs this on host memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_weight_ipc import (
+    WorkerProcess, check_push_by_handles, load_state, make_model_dir, push_by_handles, stream_of,
+)
+
+
+@pytest.mark.gpu
+def test_a_push_by_cuda_ipc_handles_loads_bit_exact_with_a_few_buckets_alive(tmp_path):
+    torch.cuda.set_device(0)
+    check_push_by_handles(tmp_path, "cuda:0")
+
+
+@pytest.mark.gpu
+def test_a_handle_from_another_gpu_is_refused_with_the_fix(tmp_path, monkeypatch):
+    import megatron_rl.weight_sync.ipc as ipc
+
+    model_dir = make_model_dir(tmp_path / "a", 0)
+    worker = WorkerProcess(model_dir, "cuda:0")
+    try:
+        monkeypatch.setattr(ipc, "gpu_uuid", lambda device: "GPU-not-this-one")  # the trainer's side says another GPU
+        with pytest.raises(Exception, match="not on the trainer's GPU.*weight_transport=broadcast"):
+            push_by_handles(worker, model_dir, stream_of(load_state(model_dir), "cuda:0"), 1, "cuda:0")
+        state = worker.call("state")
+        assert all(torch.equal(state[n], t) for n, t in load_state(model_dir).items())  # nothing was loaded
+    finally:
+        worker.stop()
+

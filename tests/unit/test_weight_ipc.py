@@ -1,0 +1,232 @@
+"""Weight pushes by memory handle (weight_sync.ipc) between two real processes, host shared memory here.
+
+The receiving process runs the real worker extension (rollout.worker_ext:
+mrl_begin_push, mrl_ipc_receive, the streaming load, mrl_commit_push,
+mrl_abort_push) over a model runner whose reload copies each tensor into a
+torch module's parameters, as vLLM's load does; the push is driven by
+rollout.push's one protocol. tests/gpu/test_weight_ipc_gpu.py runs the same
+with CUDA IPC handles on one GPU; tests/e2e/test_weight_ipc.py with the real
+vLLM engine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.config import ConfigError, RolloutConfig
+from megatron_rl.rollout import resolve_placement
+from megatron_rl.rollout.push import PushTarget, stream_push
+from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
+from megatron_rl.weight_sync.ipc import IpcError, IpcSender, export_handle, import_handle, shared_buffer
+from megatron_rl.weight_sync.stream import PushBrokenError, entries_of
+
+LAYERS = 24
+BUCKET_BYTES = 2 << 10
+
+
+def make_model_dir(path: Path, seed: int) -> Path:
+    """A safetensors checkpoint of LAYERS small layers of mixed dtypes (the names are what a manifest needs)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    state = {"embed.weight": torch.randn(32, 16, generator=g)}
+    for i in range(LAYERS):
+        state[f"layers.{i}.proj.weight"] = torch.randn(16, 16, generator=g)
+        state[f"layers.{i}.norm.weight"] = torch.randn(16, generator=g).to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"))
+    return path
+
+
+def load_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+class TorchModelRunner:
+    """What the worker extension needs of vLLM's model runner, over a torch module: reload copies each tensor
+    into the module's parameters (from an iterator, or a model directory when a broken push is restored)."""
+
+    def __init__(self, model_dir: str, device: str):
+        self.model_config = type("ModelConfig", (), {"model": model_dir})()
+        self.device = torch.device(device)
+        self.model = torch.nn.Module()
+        self.names: dict[str, str] = {}
+        for name, tensor in load_state(Path(model_dir)).items():
+            key = name.replace(".", "_")
+            self.model.register_parameter(key, torch.nn.Parameter(tensor.to(self.device), requires_grad=False))
+            self.names[name] = key
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+    def reload_weights(self, weights_iterator=None, weights_path: str | None = None, is_checkpoint_format: bool = True):
+        if weights_iterator is None:
+            weights_iterator = load_state(Path(weights_path)).items()
+        with torch.no_grad():
+            for name, tensor in weights_iterator:
+                getattr(self.model, self.names[name]).copy_(tensor)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _serve(conn, model_dir: str, device: str) -> None:
+    """An engine worker's process: the worker extension over a TorchModelRunner, called over a pipe."""
+    from megatron_rl.rollout.worker_ext import RolloutWorkerExtension
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+    class Worker(RolloutWorkerExtension):
+        def __init__(self):
+            self.rank = 0
+            self.model_runner = TorchModelRunner(model_dir, device)
+
+    worker = Worker()
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            return
+        try:
+            if method == "state":  # the module's parameters, copied to the host
+                value = {name: getattr(worker.model_runner.model, key).detach().cpu().clone()
+                         for name, key in worker.model_runner.names.items()}
+            else:
+                value = getattr(worker, method)(*args)
+            conn.send(("ok", value))
+        except Exception as error:  # noqa: BLE001 - returned like an RPC error
+            conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
+class WorkerProcess:
+    """One engine worker in a process of its own (spawned: a CUDA context does not survive fork)."""
+
+    def __init__(self, model_dir: Path, device: str = "cpu"):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, str(model_dir), device), daemon=True)
+        self.process.start()
+
+    def call(self, method: str, *args):
+        self.conn.send((method, args))
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.conn.send(("stop", ()))
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def stream_of(state: dict[str, torch.Tensor], device: str, tamper_at: int | None = None) -> WeightStream:
+    """`state` announced, then bucket by bucket as fresh copies on `device` (what the export yields)."""
+    buckets = list(bucketize(state.items(), BUCKET_BYTES))
+
+    def make():
+        for index, bucket in enumerate(buckets):
+            copies = [(name, tensor.to(device, copy=True)) for name, tensor in bucket]
+            if index == tamper_at:
+                copies[0] = (copies[0][0], torch.zeros(3, device=device))
+            yield copies
+
+    return WeightStream(entries_of(buckets), make())
+
+
+def push_by_handles(worker: WorkerProcess, model_dir: Path, stream: WeightStream, version: int, device: str):
+    """One push through rollout.push's protocol with memory handles; returns (result, the sender)."""
+    senders: list[IpcSender] = []
+
+    def sender() -> IpcSender:
+        senders.append(IpcSender(torch.device(device), timeout_s=120))
+        return senders[-1]
+
+    target = PushTarget("worker", worker.call, lambda bucket: bucket, lambda: None)
+    result = stream_push([target], stream, version, manifest=manifest_from_checkpoint(model_dir), sender=sender,
+                         repack_moe=False)
+    return result, senders[0]
+
+
+def check_push_by_handles(tmp_path: Path, device: str) -> None:
+    """A push of another checkpoint: the worker's parameters equal it bit for bit, and the trainer held a few
+    shared buckets at a time, each released once the worker's loading was past it."""
+    first, second = make_model_dir(tmp_path / "a", 0), make_model_dir(tmp_path / "b", 1)
+    target = load_state(second)
+    worker = WorkerProcess(first, device)
+    try:
+        assert not any(torch.equal(target[n], t) for n, t in worker.call("state").items())
+        result, sender = push_by_handles(worker, first, stream_of(target, device), 1, device)
+        state = worker.call("state")
+        assert set(state) == set(target)
+        for name, tensor in target.items():
+            assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+        assert result.commits[0]["version"] == 1 and worker.call("mrl_weight_version") == 1
+        model_bytes = sum(t.numel() * t.element_size() for t in target.values())
+        buckets = list(bucketize(target.items(), BUCKET_BYTES))
+        largest = max(sum(t.numel() * t.element_size() + 64 for _, t in b) for b in buckets)
+        assert len(buckets) >= 10
+        # alive at once: the bucket being loaded, the one queued, the one just shared, one whose release
+        # the worker reports with its next answer
+        assert 0 < result.buffer_bytes == sender.peak_alive_bytes <= 4 * largest < model_bytes / 2
+        assert sender.alive_buckets <= 3  # every earlier bucket was acknowledged and dropped during the push
+        sender.close()
+        assert sender.alive_bytes == 0
+    finally:
+        worker.stop()
+
+
+def test_a_push_by_shared_memory_handles_loads_bit_exact_with_a_few_buckets_alive(tmp_path):
+    check_push_by_handles(tmp_path, "cpu")
+
+
+def test_a_push_broken_midway_by_handles_restores_the_model_directory(tmp_path):
+    first, second = make_model_dir(tmp_path / "a", 0), make_model_dir(tmp_path / "b", 1)
+    worker = WorkerProcess(first)
+    try:
+        with pytest.raises(PushBrokenError, match="broke midway.*came as"):
+            push_by_handles(worker, first, stream_of(load_state(second), "cpu", tamper_at=5), 2, "cpu")
+        assert worker.call("mrl_weight_version") == 0  # the first buckets were loaded, then the directory again
+        state, original = worker.call("state"), load_state(first)
+        assert all(torch.equal(state[name], tensor) for name, tensor in original.items())
+    finally:
+        worker.stop()
+
+
+def test_a_handle_naming_anything_but_a_tensor_is_refused():
+    import os
+
+    with pytest.raises(IpcError, match="names posix.system.*refused"):
+        import_handle(pickle.dumps((os.system, ("true",))))
+    flat = shared_buffer(100, torch.device("cpu"))
+    flat.copy_(torch.arange(100, dtype=torch.uint8))
+    assert flat.is_shared() and torch.equal(import_handle(export_handle(flat)), torch.arange(100, dtype=torch.uint8))
+
+
+def test_ipc_transport_placement():
+    explicit = resolve_placement(RolloutConfig(multiprocessing=True, weight_transport="ipc"))
+    assert (explicit.kind, explicit.transport) == ("engine_process", "ipc")
+    auto = resolve_placement(RolloutConfig(multiprocessing=True))
+    assert auto.transport == ("ipc" if torch.cuda.is_available() else "broadcast")  # same GPU: handles with CUDA
+    with pytest.raises(ConfigError, match="weight_transport=ipc needs the engine in another process"):
+        resolve_placement(RolloutConfig(multiprocessing=False, weight_transport="ipc"))
+    with pytest.raises(ConfigError, match="weight_transport=ipc hands memory handles to one engine process"):
+        resolve_placement(RolloutConfig(engine="vllm_server", server_urls=["http://a:1"], weight_transport="ipc"))
+    with pytest.raises(ConfigError, match="weight_transport=ipc hands memory handles"):
+        resolve_placement(RolloutConfig(engines=2, weight_transport="ipc"), world_size=2)
+
+
+def test_auto_picks_ipc_for_an_engine_process_when_cuda_is_there(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_placement(RolloutConfig(multiprocessing=True)).transport == "ipc"
+    assert resolve_placement(RolloutConfig(multiprocessing=False)).transport == "rpc"  # in-process: references
+    assert resolve_placement(RolloutConfig(engines=2), world_size=2).transport == "broadcast"  # servers
+
