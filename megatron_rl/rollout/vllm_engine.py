@@ -21,7 +21,8 @@ the same threads.
 Weight transport (rollout.weight_transport): in-process, the worker gets
 tensors by reference through collective_rpc; with the engine core in a child
 process, buckets are broadcast from this process into the engine's workers
-(weight_sync.broadcast, gloo by default: the child shares this rank's GPU),
+(the default on CPU; weight_sync.broadcast over gloo: the child shares this
+rank's GPU),
 or sent as safetensors bytes over vLLM's RPC (weight_transport=rpc), or
 shared by memory handle (weight_transport=ipc, weight_sync.ipc: CUDA IPC
 from the trainer's GPU, the default with CUDA; shared memory on the host).

@@ -13,14 +13,17 @@ host on CPU) needs no process group: both can map the same memory. Per bucket:
    bucket: the same manifest check and streaming load (rollout.streaming_load),
    the same abort and recovery;
 4. each answer lists the buckets whose every view the worker has freed (its
-   loading is past them); the trainer drops its reference to those. The
-   exporting side must keep a CUDA buffer allocated while another process
-   maps it, so a bucket lives until the worker says it is done with it.
+   loading is past them); the trainer then reuses those buffers for the next
+   buckets (a fresh shared allocation costs page faults that took longer than
+   the copy on the host). The exporting side must keep a CUDA buffer
+   allocated while another process maps it, so a buffer is written again only
+   after the worker has said it is done with it.
 
 Buckets alive at once are bounded by the worker's loading, as for any push:
 the bucket being loaded, the one queued, and those holding parts of the layer
-vLLM's layerwise reload is completing. `IpcSender.peak_alive_bytes` measures
-it on the trainer (the bytes both processes share, counted once).
+vLLM's layerwise reload is completing. `IpcSender.peak_shared_bytes` measures
+what the trainer allocated for them (the bytes both processes share, counted
+once; reused buffers included); buffers go when the push ends.
 
 A handle is a pickle of torch's rebuild function and its arguments; the worker
 unpickles it with an allowlist (torch's rebuild functions, tensor and storage
@@ -37,8 +40,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import threading
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -62,11 +63,11 @@ def gpu_uuid(device: torch.device) -> str:
 
 
 def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 buffer of `nbytes` that another process can map: CUDA memory, or host shared memory."""
+    """A uint8 buffer of `nbytes` (at least 1) that another process can map: CUDA memory, or host shared memory."""
     if device.type == "cuda":
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
     storage = torch.UntypedStorage._new_shared(max(nbytes, 1))  # allocated shared: no copy by share_memory_()
-    return torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def export_handle(tensor: torch.Tensor) -> bytes:
@@ -118,28 +119,31 @@ def import_handle(handle: bytes, trainer_gpu: str = "") -> torch.Tensor:
 
 
 class IpcReceiver:
-    """Engine-worker end: opens each bucket's buffer and tells which buckets it has let go of."""
+    """Engine-worker end: opens each bucket's buffer and tells which buckets it has let go of.
+
+    A bucket is let go of when its memory is: the loading may keep views of views of it (vLLM's layerwise
+    reload keeps a fused layer's parts), so what is watched is the storage itself, not a tensor object.
+    """
 
     def __init__(self) -> None:
-        self._released: list[int] = []
-        self._lock = threading.Lock()
+        self._open: dict[int, tuple[Any, torch.device | None]] = {}  # bucket id -> (its mapped storage, weakly; CUDA device)
 
     def open(self, message: dict) -> Bucket:
-        """Views of the shared bucket a message from IpcSender describes; the bucket counts as released once
-        every view is freed (by whichever thread drops the last one)."""
+        """Views of the shared bucket a message from IpcSender describes."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
         flat = import_handle(message["handle"], str(message.get("trainer_gpu", "")))
-        bucket = unpack_bucket(message["layout"], flat)
-        weakref.finalize(flat, self._release, int(message["bucket_id"]))  # views keep `flat` alive (._base)
-        return bucket
+        device = flat.device if flat.is_cuda else None
+        self._open[int(message["bucket_id"])] = (StorageWeakRef(flat.untyped_storage()), device)
+        return unpack_bucket(message["layout"], flat)
 
     def take_released(self) -> list[int]:
-        with self._lock:
-            released, self._released = self._released, []
+        """Ids of the buckets opened since the last call whose memory nothing here holds any more."""
+        released = [bucket_id for bucket_id, (storage, _) in self._open.items() if storage.expired()]
+        devices = {self._open.pop(bucket_id)[1] for bucket_id in released}
+        for device in devices - {None}:  # copies out of a released bucket may still be queued on a stream
+            torch.cuda.synchronize(device)
         return released
-
-    def _release(self, bucket_id: int) -> None:
-        with self._lock:
-            self._released.append(bucket_id)
 
 
 class IpcSender:
@@ -155,27 +159,29 @@ class IpcSender:
         self.device = device if device is not None else default_device()
         self.timeout_s = float(timeout_s)
         self.trainer_gpu = gpu_uuid(self.device)
-        self._alive: dict[int, tuple[torch.Tensor, int]] = {}  # bucket id -> (buffer, engines still holding it)
+        self._alive: dict[int, tuple[torch.Tensor, int]] = {}  # bucket id -> (its buffer, engines still holding it)
+        self._free: list[torch.Tensor] = []  # released buffers, written again by later buckets
         self._next_id = 0
-        self.alive_bytes = 0
-        self.peak_alive_bytes = 0
-        """Most bytes of shared buckets alive at once (what the trainer and the engine share)."""
+        self.shared_bytes = 0
+        self.peak_shared_bytes = 0
+        """Most bytes of shared buffers allocated at once (what the trainer and the engine share)."""
 
     @property
     def buffer_bytes(self) -> int:
-        return self.peak_alive_bytes
+        return self.peak_shared_bytes
 
     def send(self, bucket: Bucket, receives: list[Callable[[dict], Any]], names: list[str] | None = None) -> list[Any]:
         """Share one bucket with every engine; returns each engine's answer to its receive call."""
         names = [f"engine {i}" for i in range(len(receives))] if names is None else list(names)
         layout = describe_bucket(bucket)
-        flat = pack_bucket(bucket, layout, self.device, out=shared_buffer(int(layout["nbytes"]), self.device))
+        buffer = self._buffer(int(layout["nbytes"]))
+        flat = pack_bucket(bucket, layout, self.device, out=buffer)
         if flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()  # the worker reads on its own streams
         bucket_id, self._next_id = self._next_id, self._next_id + 1
         message = {"bucket_id": bucket_id, "layout": layout, "handle": export_handle(flat), "trainer_gpu": self.trainer_gpu}
-        self._hold(bucket_id, flat, len(receives))
-        del flat
+        self._alive[bucket_id] = (buffer, len(receives))
+        del flat, buffer
         futures = call_in_threads(receives, [message] * len(receives), "weight-ipc-receive")
         wait_for_engines(futures, names, self.timeout_s,
                          what=f"a weight bucket of {layout['nbytes']} bytes by memory handle to {len(receives)} engine(s)")
@@ -190,23 +196,34 @@ class IpcSender:
         return len(self._alive)
 
     def close(self) -> None:
-        """Drop every bucket (the push ended: its workers finished or reloaded; torch keeps a CUDA block a
+        """Drop every buffer (the push ended: its workers finished or reloaded; torch keeps a CUDA block a
         consumer still maps until that consumer lets go of it)."""
         self._alive.clear()
-        self.alive_bytes = 0
+        self._free.clear()
+        self.shared_bytes = 0
 
-    def _hold(self, bucket_id: int, flat: torch.Tensor, engines: int) -> None:
-        self._alive[bucket_id] = (flat, engines)
-        self.alive_bytes += flat.numel()
-        self.peak_alive_bytes = max(self.peak_alive_bytes, self.alive_bytes)
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A released buffer of at least `nbytes` (the smallest that fits), else a new one (the released ones,
+        all too small, are let go: what is allocated stays what the worker holds plus what it let go of)."""
+        fitting = [b for b in self._free if b.numel() >= nbytes]
+        if fitting:
+            buffer = min(fitting, key=lambda b: b.numel())
+            self._free = [b for b in self._free if b is not buffer]
+            return buffer
+        self.shared_bytes -= sum(b.numel() for b in self._free)  # all too small: let them go
+        self._free = []
+        buffer = shared_buffer(nbytes, self.device)
+        self.shared_bytes += buffer.numel()
+        self.peak_shared_bytes = max(self.peak_shared_bytes, self.shared_bytes)
+        return buffer
 
     def _release(self, bucket_id: int) -> None:
         entry = self._alive.get(bucket_id)
         if entry is None:
             return
-        flat, holders = entry
+        buffer, holders = entry
         if holders > 1:
-            self._alive[bucket_id] = (flat, holders - 1)
+            self._alive[bucket_id] = (buffer, holders - 1)
             return
         del self._alive[bucket_id]
-        self.alive_bytes -= flat.numel()
+        self._free.append(buffer)

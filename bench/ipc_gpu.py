@@ -1,0 +1,240 @@
+"""Weights by memory handle between two processes on one device: push GB/s against a plain copy.
+
+    python bench/ipc_gpu.py                 # on a CUDA GPU: writes bench/results/ipc_<gpu name>.json
+    python bench/ipc_gpu.py --device cpu    # the host shared-memory variant of the same path (ipc_cpu.json)
+
+The pushing process exports a bf16 model (LAYERS layers of attention and MLP
+matrices) bucket by bucket as fresh copies on the device, as the trainer's
+export does, and pushes it through rollout.push's protocol with
+weight_sync.ipc's IpcSender (reduce_tensor handles). The engine-worker
+process runs the real worker extension (rollout.worker_ext: rebuild from the
+handle, manifest check, streaming load) over a model runner that copies each
+tensor into a torch module's parameters on the same device: what vLLM's load
+does, without vLLM (its CUDA build is not installed on the GPU machine).
+
+Reported: push GB/s (fastest of REPEATS after a warm-up, and the median),
+the same bytes copied once with `Tensor.copy_` on the device in the same run
+(the ratio copy time / push time says how close a push comes to moving its
+bytes once), the most bytes of shared buckets alive at once on the pushing
+side, and what the worker's loading held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REPEATS = 3
+
+
+def make_checkpoint(path: Path, hidden: int, layers: int) -> Path:
+    """A bf16 safetensors checkpoint: per layer q/k/v/o (hidden x hidden) and gate/up/down (hidden x 4 hidden)."""
+    import torch
+    from safetensors.torch import save_file
+
+    state = {}
+    for i in range(layers):
+        for name in ("q", "k", "v", "o"):
+            state[f"layers.{i}.attn.{name}.weight"] = torch.zeros(hidden, hidden, dtype=torch.bfloat16)
+        for name, shape in (("gate", (4 * hidden, hidden)), ("up", (4 * hidden, hidden)), ("down", (hidden, 4 * hidden))):
+            state[f"layers.{i}.mlp.{name}.weight"] = torch.zeros(shape, dtype=torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"))
+    return path
+
+
+class _Runner:
+    """vLLM's model runner as the worker extension sees it: reload copies into a module's parameters."""
+
+    def __init__(self, model_dir: str, device: str):
+        import torch
+        from safetensors import safe_open
+
+        self.model_config = type("ModelConfig", (), {"model": model_dir})()
+        self.model = torch.nn.Module()
+        self.keys = {}
+        with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                key = name.replace(".", "_")
+                self.model.register_parameter(key, torch.nn.Parameter(
+                    torch.zeros(shape, dtype=torch.bfloat16, device=device), requires_grad=False))
+                self.keys[name] = key
+        self.device = torch.device(device)
+
+    def get_model(self):
+        return self.model
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        import torch
+
+        with torch.no_grad():
+            for name, tensor in weights_iterator or []:
+                getattr(self.model, self.keys[name]).copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _serve(conn, model_dir: str, device: str) -> None:
+    import torch
+
+    from megatron_rl.rollout.worker_ext import RolloutWorkerExtension
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+    class Worker(RolloutWorkerExtension):
+        def __init__(self):
+            self.rank = 0
+            self.model_runner = _Runner(model_dir, device)
+
+    worker = Worker()
+    conn.send(("ok", None))
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            return
+        try:
+            if method == "checksum":  # a value to compare with the pushed weights
+                value = float(sum(p.float().sum() for p in worker.model_runner.model.parameters()))
+            else:
+                value = getattr(worker, method)(*args)
+            conn.send(("ok", value))
+        except Exception as error:  # noqa: BLE001 - returned like an RPC error
+            conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def _call(conn, method: str, *args):
+    conn.send((method, args))
+    status, value = conn.recv()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_rl.rollout.push import PushTarget, stream_push
+    from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
+    from megatron_rl.weight_sync.ipc import IpcSender
+    from megatron_rl.weight_sync.stream import entries_of
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_checkpoint(Path(tmp) / "model", hidden, layers)
+        manifest = manifest_from_checkpoint(model_dir)
+        generator = torch.Generator(device=device).manual_seed(0)
+        state = {name: torch.randn(t.shape, generator=generator, device=device).to(torch.bfloat16)
+                 for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+        num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        buckets = list(bucketize(state.items(), bucket_mb << 20))
+        context = multiprocessing.get_context("spawn")
+        conn, child = context.Pipe()
+        process = context.Process(target=_serve, args=(child, str(model_dir), device), daemon=True)
+        process.start()
+        conn.recv()
+        target = PushTarget("worker", lambda method, *args: _call(conn, method, *args), lambda b: b, lambda: None)
+        push_s, alive, staged = [], 0, 0
+        try:
+            for version in range(1, REPEATS + 2):
+                stream = WeightStream(entries_of(buckets), ([(n, t.clone()) for n, t in b] for b in buckets))
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                begin = time.perf_counter()
+                result = stream_push([target], stream, version, manifest=manifest, repack_moe=False,
+                                     sender=lambda: IpcSender(torch.device(device), timeout_s=600))
+                elapsed = time.perf_counter() - begin
+                if version > 1:  # the first push is a warm-up
+                    push_s.append(elapsed)
+                    alive, staged = max(alive, result.buffer_bytes), max(staged, result.commits[0]["peak_staged_bytes"])
+            pushed = _call(conn, "checksum")
+        finally:
+            conn.send(("stop", ()))
+            process.join(timeout=60)
+        expected = float(sum(t.float().sum() for t in state.values()))
+        copy_s = _plain_copy_s(state, device)
+    return {
+        "hidden": hidden, "layers": layers, "bytes": num_bytes, "bucket_mb": bucket_mb, "buckets": len(buckets),
+        "weights_arrived": abs(pushed - expected) <= 1e-3 * max(1.0, abs(expected)),
+        "push_s": [round(x, 4) for x in push_s],
+        "push_gb_per_s": round(num_bytes / min(push_s) / 1e9, 3),
+        "push_gb_per_s_median": round(num_bytes / statistics.median(push_s) / 1e9, 3),
+        "plain_copy_gb_per_s": round(num_bytes / min(copy_s) / 1e9, 3),
+        "push_vs_plain_copy_speed_ratio": round(min(copy_s) / min(push_s), 4),
+        "peak_shared_bytes": alive,
+        "peak_shared_in_buckets": round(alive / (bucket_mb << 20), 2),
+        "peak_engine_worker_staged_bytes": staged,
+        "peak_shared_vs_model": round(alive / num_bytes, 4),
+    }
+
+
+def _plain_copy_s(state: dict, device: str) -> list[float]:
+    import torch
+
+    targets = {k: torch.empty_like(v) for k, v in state.items()}
+
+    def copy() -> float:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for k, v in state.items():
+            targets[k].copy_(v)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - begin
+
+    copy()
+    return [copy() for _ in range(REPEATS)]
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/ipc_gpu.py needs a CUDA GPU (none here); `--device cpu` runs the shared-memory variant")
+    if args.device == "cuda":
+        device, name = "cuda:0", torch.cuda.get_device_name(0)
+        # bf16, 16 x hidden^2 parameters a layer: 16 x 4096^2 x 2 bytes = 537 MB; 2 and 16 layers (1.1 / 8.6 GB)
+        runs = [(4096, 2, 512), (4096, 16, 512), (4096, 16, 128)]
+    else:
+        device, name = "cpu", "cpu"
+        runs = [(1024, 8, 32), (1024, 8, 8)]  # 16 x 1024^2 x 2 bytes = 33.5 MB a layer, 268 MB in all
+    rows = [measure(device, *run) for run in runs]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    result = {
+        "device": name,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__}",
+        "transport": "reduce_tensor handles (CUDA IPC on a GPU, shared memory on the host), pushing process -> "
+                     "engine-worker process on the same device; worker extension loading into a module's parameters",
+        "dtype": "bfloat16",
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "runs": rows,
+        "note": "push = wall time from the first bucket to the worker's commit (fresh bucket copies made as the push "
+                "pulls them, as the export does); ratio = plain-copy time / push time of the same bytes on the same "
+                "device in the same run; shared bytes alive = buckets the pushing side still kept for the worker.",
+    }
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    out = ROOT / "bench" / "results" / f"ipc_{slug}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
