@@ -12,7 +12,11 @@ thread that never waits for the trainer except to respect the bound:
 
 The trainer's step k (its weights are version k) takes prompts_per_step groups
 in order; a group with staleness k - version > S is dropped and counted
-(`async/dropped_stale_groups`), so every trained group satisfies the bound.
+(`async/dropped_stale_groups`), so every trained group satisfies the bound
+(per token too: the batch carries each token's version, and the actor leaves
+tokens beyond the bound out of the loss, `async/stale_tokens_masked/sum`). The
+trainer's old-policy forward runs at version k, so the loss needs the
+behaviour correction algorithm.tis_mode (required by the config).
 At the end of the step the trainer pushes version k + 1 inside
 `paused_for_push()`: the push waits for the engine call in progress (a whole
 generation batch; with partial rollouts, one decode step: the generation sees

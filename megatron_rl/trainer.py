@@ -25,7 +25,11 @@ accounts for the lag. With train.max_staleness = S > 0 rollout runs
 continuously (megatron_rl.async_experience): each step trains on groups at
 most S versions old, pushes pause generation only for the push, and with
 train.partial_rollouts a push interrupts the samples in flight, which continue
-under the new weights.
+under the new weights. The batch carries each token's weight version and the
+version the step trains; the actor leaves tokens beyond the bound out of the
+loss, and an importance-sampling correction is required (config load refuses
+asynchronous training without one: the old-policy forward runs at the step's
+weights, the samples come from older ones).
 """
 
 from __future__ import annotations
