@@ -21,7 +21,10 @@ parallelism (each sequence in 2 x CP load-balanced chunks; GSPO's ratio from
 the log-ratio sum over the whole sequence) on CP2, CP2xEP2, CP2xTP2 and
 DP2xCP2. A DeepSeek-V3 model (multi-latent attention, sigmoid router with
 expert bias, a dense first layer) and a GLM-4.5 model give the single rank's
-gspo gradient on TP2, PP2, EP2 and TP2xEP2.
+gspo gradient on TP2, PP2, EP2 and TP2xEP2. A batch carrying per-token weight
+versions, 16 of its tokens beyond the staleness bound, distributed over DP2 x 3
+microbatches, gives the single rank's gspo and dapo update on the batch whose
+mask leaves those tokens out.
 
 The chain is anchored outside megatron_rl: the single-rank logprobs and the
 gspo and dapo gradients are checked against transformers' model and the
@@ -83,6 +86,35 @@ MLA_WORLD2 = {k: WORLD2[k] for k in ("TP2", "PP2", "EP2")}
 MLA_WORLD4 = {"TP2xEP2": WORLD4["TP2xEP2"]}
 
 
+# Per-token versions (the step trains version 3, the bound is 1): the first 4 response tokens of rows 0, 2, 4
+# and 9 were sampled at version 1 and leave the loss. DP2 x 3 microbatches, the batch distributed from rank 0,
+# must give the single rank's update on the batch whose response mask simply leaves those 16 tokens out.
+STALE_ROWS, STALE_PER_ROW, POLICY_VERSION = (0, 2, 4, 9), 4, 3
+STALE_LOSSES = ("gspo", "dapo")
+STALE_WORLD1 = {"single/stale-removed": ({}, {"micro_batch_size": B}, "alltoall")}
+STALE_WORLD2 = {"DP2x3mb/stale/shares": ({}, {"micro_batch_size": 2, "max_staleness": 1}, "alltoall")}
+
+
+def stale_tokens(batch) -> torch.Tensor:
+    stale = torch.zeros_like(batch.response_mask)
+    for row in STALE_ROWS:
+        start = int(batch.prompt_lengths[row])
+        stale[row, start : start + STALE_PER_ROW] = True
+    return stale
+
+
+def batch_for(name: str):
+    """make_batch(), with per-token versions for a /stale case, or without the stale tokens for its reference."""
+    batch = make_batch()
+    if name.endswith("/stale-removed"):
+        return batch.replace(response_mask=batch.response_mask & ~stale_tokens(batch))
+    if "/stale" in name:
+        versions = torch.where(batch.response_mask, POLICY_VERSION, -1)
+        versions[stale_tokens(batch)] = POLICY_VERSION - 2
+        return batch.replace(token_versions=versions, policy_version=POLICY_VERSION)
+    return batch
+
+
 def make_batch():
     """The step's batch (identical on every rank): tokens, masks, advantages (no old logprobs yet)."""
     from megatron_rl.actor import TrainBatch
@@ -122,7 +154,7 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
         shares = name.endswith("/shares")
         try:
             case = {"updates": {}, "metrics": {}}
-            batch = make_batch()
+            batch = batch_for(name)
             for loss in losses:
                 algorithm = AlgorithmConfig(loss=loss, eps_low=CLIP, eps_high=CLIP, beta=GRPO_BETA if loss == "grpo" else 0.0,
                                             max_response_tokens=T)
@@ -219,7 +251,8 @@ def glm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world1_all(model_dir, mla_dir, glm_dir):
-    runs = [(model_dir, WORLD1, None, LOSSES), (mla_dir, MLA_WORLD1, None, MLA_LOSSES), (glm_dir, MLA_WORLD1, None, MLA_LOSSES)]
+    runs = [(model_dir, WORLD1, None, LOSSES), (mla_dir, MLA_WORLD1, None, MLA_LOSSES), (glm_dir, MLA_WORLD1, None, MLA_LOSSES),
+            (model_dir, STALE_WORLD1, None, STALE_LOSSES)]
     return run_distributed(_runs, 1, runs, timeout=300)[0]
 
 
@@ -398,11 +431,19 @@ def world4(world4_all):
     return world4_all[0]
 
 
-def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, single, mla_dir, mla_single, glm_dir, glm_single):
-    runs = [(model_dir, WORLD2, single["old_logprobs"], LOSSES), *_family_runs(MLA_WORLD2, mla_dir, mla_single, glm_dir, glm_single)]
-    results, mla_results, glm_results = run_distributed(_runs, 2, runs, timeout=400)[0]
+def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, world1_all, single, mla_dir, mla_single, glm_dir, glm_single):
+    runs = [(model_dir, WORLD2, single["old_logprobs"], LOSSES), *_family_runs(MLA_WORLD2, mla_dir, mla_single, glm_dir, glm_single),
+            (model_dir, STALE_WORLD2, single["old_logprobs"], STALE_LOSSES)]
+    results, mla_results, glm_results, stale_results = run_distributed(_runs, 2, runs, timeout=400)[0]
     failures = _compare(results, single, _initial(model_dir))
     failures += _family_failures(mla_results, glm_results, mla_dir, mla_single, glm_dir, glm_single)
+    # tokens beyond the staleness bound, masked on each DP rank's share: the update of the batch without them
+    stale_reference = world1_all[3]["single/stale-removed"]
+    failures += _compare(stale_results, stale_reference, _initial(model_dir), STALE_LOSSES)
+    for loss in STALE_LOSSES:
+        metrics = stale_results["DP2x3mb/stale/shares"]["metrics"][loss]
+        assert metrics["async/stale_tokens_masked/sum"] == len(STALE_ROWS) * STALE_PER_ROW, metrics
+        assert metrics["async/token_staleness/max"] == 2 and metrics["tokens/sum"] == stale_reference["metrics"][loss]["tokens/sum"]
     assert not failures, "\n".join(failures)
 
 
