@@ -42,10 +42,23 @@ One microbatch forward, as the actor drives it:
 Replay data is set per microbatch because REPLAY_FORWARD uses only the last
 `set_target_indices` (several microbatches and pipeline schedules interleave
 forwards).
+
+Padding and the expert-bias update. A sigmoid router with an expert bias
+(aux-loss-free balancing) counts, in every forward with gradients, the tokens
+it sends to each expert (router.local_tokens_per_expert); megatron-core moves
+the bias by those counts after the step. Padding positions (padded rows, the
+end padding of packed sequences) are routed like any token. megatron-core
+0.16.1's own `padding_mask` cannot be used for this (Router._apply_expert_bias
+ANDs a [tokens, experts] map with a [tokens] mask: a shape error), so the hook
+on each router takes the padding positions' routes back out of that count, in
+the same forwards megatron counts in (gradients enabled: the training forward,
+or the recomputation in backward under recompute_activations, microbatches in
+order: a FIFO of padding masks per router).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -189,6 +202,9 @@ class RoutingControl:
                 self.routers.append(router)
                 self.layer_ids.append(moe_index[layer.layer_number - 1])
         self._hooks = [r.register_forward_hook(self._make_hook(i)) for i, r in enumerate(self.routers)]
+        self._counts_tokens = [bool(r.enable_expert_bias) for r in self.routers]
+        # Per router, the padding masks [N_local] of the microbatches whose counted forward is still to come (FIFO).
+        self._padding: list[deque] = [deque() for _ in self.routers]
         self._active = False
         self._reference: list[torch.Tensor] | None = None
         self._counted: torch.Tensor | None = None
@@ -240,6 +256,10 @@ class RoutingControl:
         if not self.routers:
             return
         layout = _layout(layout)
+        if any(self._counts_tokens):
+            padding = self._local(~layout.real(lengths)).to(self.ctx.device)
+            for queue in self._padding:
+                queue.append(padding)
         if replay is not None:
             if isinstance(replay, RankRoutes):
                 indices_per_layer = self._rank_lookup(replay, layout, lengths)[0]
@@ -295,6 +315,8 @@ class RoutingControl:
         """Clear actions and indices of every local router (after each forward_backward call)."""
         self._active = False
         self._reference = None
+        for queue in self._padding:
+            queue.clear()
         for router in self.routers:
             router.router_replay.clear_router_replay_action()
             router.router_replay.clear_indices()
@@ -336,8 +358,18 @@ class RoutingControl:
             return group_limited_topk(scores, router.topk, num_tokens, config.num_moe_experts, groups, group_topk)[1]
         return scores.topk(router.topk, dim=1).indices
 
+    def _uncount_padding(self, index: int, router, routing_map: torch.Tensor) -> None:
+        """Take the padding positions' routes out of the router's expert-bias token count (see the module docstring)."""
+        if not (self._counts_tokens[index] and torch.is_grad_enabled() and self._padding[index]):
+            return  # megatron counts only with gradients enabled (Router._apply_expert_bias)
+        padding = self._padding[index].popleft()
+        with torch.no_grad():
+            padded_routes = (routing_map & padding[:, None]).sum(dim=0)
+            router.local_tokens_per_expert -= padded_routes.to(router.local_tokens_per_expert.dtype)
+
     def _make_hook(self, index: int):
         def hook(router, args, output):
+            self._uncount_padding(index, router, output[1])
             if not self._active or self._reference is None:
                 return
             with torch.no_grad():
