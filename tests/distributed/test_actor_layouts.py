@@ -24,7 +24,9 @@ expert bias, a dense first layer) and a GLM-4.5 model give the single rank's
 gspo gradient on TP2, PP2, EP2 and TP2xEP2. A batch carrying per-token weight
 versions, 16 of its tokens beyond the staleness bound, distributed over DP2 x 3
 microbatches, gives the single rank's gspo and dapo update on the batch whose
-mask leaves those tokens out.
+mask leaves those tokens out. With their routed experts built as megatron-core's
+GroupedMLP (moe_grouped_gemm), Qwen3-MoE and DeepSeek-V3 give their
+SequentialMLP single rank's gspo gradient on 1, EP2 and TP2xEP2.
 
 The chain is anchored outside megatron_rl: the single-rank logprobs and the
 gspo and dapo gradients are checked against transformers' model and the
@@ -51,11 +53,15 @@ GRPO_BETA = 0.05
 TOLERANCE = 1e-5
 PACKED_TOLERANCE = 1e-6
 
-# name -> (layout, train settings, token dispatcher)
+# name -> (layout, train settings, token dispatcher[, {"model": ModelConfig fields, "losses": the losses run}])
 PACKED = {"pack_sequences": True, "max_tokens_per_microbatch": 64}  # the 40-token sequence fills more than half
+# Routed experts as megatron-core's GroupedMLP (fused weight1 / weight2; on CPU the compatibility layer's grouped GEMM),
+# gspo only: compared with the single rank's SequentialMLP experts.
+GROUPED = {"model": {"moe_grouped_gemm": True}, "losses": ("gspo",)}
 WORLD1 = {
     "single": ({}, {"micro_batch_size": B}, "alltoall"),
     "single/packed": ({}, PACKED, "alltoall"),
+    "single/grouped": ({}, {"micro_batch_size": B}, "alltoall", GROUPED),
 }
 WORLD2 = {
     "TP2": ({"tensor_parallel": 2, "expert_tensor_parallel": 2}, {"micro_batch_size": 3}, "alltoall"),
@@ -66,6 +72,7 @@ WORLD2 = {
     "EP2/packed": ({"expert_parallel": 2}, PACKED, "allgather"),
     "CP2/packed": ({"context_parallel": 2}, PACKED, "alltoall"),
     "CP2xEP2/packed": ({"context_parallel": 2, "expert_parallel": 2}, PACKED, "alltoall"),
+    "EP2/grouped": ({"expert_parallel": 2}, {"micro_batch_size": 3}, "alltoall", GROUPED),
 }
 WORLD4 = {
     "TP2xEP2": ({"tensor_parallel": 2, "expert_parallel": 2}, {"micro_batch_size": 2}, "alltoall"),
@@ -77,6 +84,7 @@ WORLD4 = {
     "TP2xPP2/shares": ({"tensor_parallel": 2, "pipeline_parallel": 2}, {"micro_batch_size": 3}, "alltoall"),
     "DP2xTP2/shares": ({"tensor_parallel": 2}, {"micro_batch_size": 2, "mini_batches_per_step": 1}, "alltoall"),
     "DP4/shares": ({"expert_parallel": 4}, {"max_tokens_per_microbatch": 64}, "alltoall"),
+    "TP2xEP2/grouped": ({"tensor_parallel": 2, "expert_parallel": 2}, {"micro_batch_size": 2}, "alltoall", GROUPED),
 }
 
 # DeepSeek-V3 (multi-latent attention, sigmoid router) and GLM-4.5: gspo on TP2, PP2, EP2, TP2xEP2.
@@ -84,6 +92,9 @@ MLA_LOSSES = ("gspo",)
 MLA_WORLD1 = {"single": WORLD1["single"]}
 MLA_WORLD2 = {k: WORLD2[k] for k in ("TP2", "PP2", "EP2")}
 MLA_WORLD4 = {"TP2xEP2": WORLD4["TP2xEP2"]}
+# DeepSeek-V3 with GroupedMLP experts: gspo on 1, EP2, TP2xEP2 against its SequentialMLP single rank.
+MLA_GROUPED = {1: {"single/grouped": WORLD1["single/grouped"]}, 2: {"EP2/grouped": WORLD2["EP2/grouped"]},
+               4: {"TP2xEP2/grouped": WORLD4["TP2xEP2/grouped"]}}
 
 
 # Per-token versions (the step trains version 3, the bound is 1): the first 4 response tokens of rows 0, 2, 4
@@ -149,16 +160,17 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
     shape = model_shape(load_hf_config(model_dir))
     sgd = OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0, use_distributed_optimizer=False)
     out = {}
-    for name, (layout, train, dispatcher) in cases.items():
+    for name, (layout, train, dispatcher, *extras) in cases.items():
+        extra = extras[0] if extras else {}
         ctx = init_parallel(ParallelConfig(timeout_s=120, **layout), shape=shape)
         shares = name.endswith("/shares")
         try:
             case = {"updates": {}, "metrics": {}}
             batch = batch_for(name)
-            for loss in losses:
+            for loss in extra.get("losses", losses):
                 algorithm = AlgorithmConfig(loss=loss, eps_low=CLIP, eps_high=CLIP, beta=GRPO_BETA if loss == "grpo" else 0.0,
                                             max_response_tokens=T)
-                actor = Actor(ctx, model=ModelConfig(path=model_dir, token_dispatcher=dispatcher), optimizer=sgd,
+                actor = Actor(ctx, model=ModelConfig(path=model_dir, token_dispatcher=dispatcher, **extra.get("model", {})), optimizer=sgd,
                               train=TrainConfig(**train), algorithm=algorithm, temperature=TEMPERATURE)
                 try:
                     if "logprobs" not in case:
@@ -251,8 +263,8 @@ def glm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world1_all(model_dir, mla_dir, glm_dir):
-    runs = [(model_dir, WORLD1, None, LOSSES), (mla_dir, MLA_WORLD1, None, MLA_LOSSES), (glm_dir, MLA_WORLD1, None, MLA_LOSSES),
-            (model_dir, STALE_WORLD1, None, STALE_LOSSES)]
+    runs = [(model_dir, WORLD1, None, LOSSES), (mla_dir, {**MLA_WORLD1, **MLA_GROUPED[1]}, None, MLA_LOSSES),
+            (glm_dir, MLA_WORLD1, None, MLA_LOSSES), (model_dir, STALE_WORLD1, None, STALE_LOSSES)]
     return run_distributed(_runs, 1, runs, timeout=300)[0]
 
 
@@ -298,7 +310,10 @@ def _compare(results: dict, reference: dict, initial: dict, losses=LOSSES) -> li
             ref_err = ((case["ref_logprobs"] - reference["logprobs"]) * mask).abs().max().item()
             if ref_err > TOLERANCE:
                 failures.append(f"{name}: reference-model logprobs differ from the initial policy's by {ref_err:.3g}")
-        for loss in losses:
+        case_losses = [loss for loss in losses if loss in case["updates"]]
+        if not case_losses:
+            failures.append(f"{name}: none of the losses {losses} ran")
+        for loss in case_losses:
             expected = _flat_update(reference["updates"][loss], initial)
             got = _flat_update(case["updates"][loss], initial)
             err = ((got - expected).norm() / expected.norm()).item()
@@ -400,6 +415,13 @@ def test_packed_microbatches_give_the_padded_results(model_dir, world1):
     assert not failures, "\n".join(failures)
 
 
+def test_grouped_experts_give_the_sequential_experts_gradient(model_dir, world1, world1_all, mla_dir, mla_single):
+    """One rank, GroupedMLP experts (one grouped GEMM per layer) vs SequentialMLP: logprobs and the gspo gradient within 1e-5."""
+    failures = _compare({"single/grouped": world1["single/grouped"]}, world1["single"], _initial(model_dir), ("gspo",))
+    failures += [f"deepseek_v3 {f}" for f in _compare({"single/grouped": world1_all[1]["single/grouped"]}, mla_single, _weights(mla_dir), ("gspo",))]
+    assert not failures, "\n".join(failures)
+
+
 def test_single_rank_step_moves_the_weights(model_dir, single):
     initial = _initial(model_dir)
     for loss in LOSSES:
@@ -407,10 +429,10 @@ def test_single_rank_step_moves_the_weights(model_dir, single):
         assert single["metrics"][loss]["sequences/sum"] == B - 1  # the filtered sample counts nowhere
 
 
-def _family_runs(cases: dict, mla_dir, mla_single, glm_dir, glm_single) -> list:
-    """DeepSeek-V3 and GLM-4.5 runs (gspo) on `cases`."""
+def _family_runs(cases: dict, mla_dir, mla_single, glm_dir, glm_single, mla_grouped: dict | None = None) -> list:
+    """DeepSeek-V3 and GLM-4.5 runs (gspo) on `cases` (DeepSeek-V3 also on `mla_grouped`)."""
     return [
-        (mla_dir, cases, mla_single["old_logprobs"], MLA_LOSSES),
+        (mla_dir, {**cases, **(mla_grouped or {})}, mla_single["old_logprobs"], MLA_LOSSES),
         (glm_dir, cases, glm_single["old_logprobs"], MLA_LOSSES),
     ]
 
@@ -422,7 +444,8 @@ def _family_failures(mla_results, glm_results, mla_dir, mla_single, glm_dir, glm
 
 @pytest.fixture(scope="module")
 def world4_all(model_dir, single, mla_dir, mla_single, glm_dir, glm_single):
-    runs = [(model_dir, WORLD4, single["old_logprobs"], LOSSES), *_family_runs(MLA_WORLD4, mla_dir, mla_single, glm_dir, glm_single)]
+    runs = [(model_dir, WORLD4, single["old_logprobs"], LOSSES),
+            *_family_runs(MLA_WORLD4, mla_dir, mla_single, glm_dir, glm_single, MLA_GROUPED[4])]
     return run_distributed(_runs, 4, runs, timeout=400)[0]
 
 
@@ -432,7 +455,8 @@ def world4(world4_all):
 
 
 def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, world1_all, single, mla_dir, mla_single, glm_dir, glm_single):
-    runs = [(model_dir, WORLD2, single["old_logprobs"], LOSSES), *_family_runs(MLA_WORLD2, mla_dir, mla_single, glm_dir, glm_single),
+    runs = [(model_dir, WORLD2, single["old_logprobs"], LOSSES),
+            *_family_runs(MLA_WORLD2, mla_dir, mla_single, glm_dir, glm_single, MLA_GROUPED[2]),
             (model_dir, STALE_WORLD2, single["old_logprobs"], STALE_LOSSES)]
     results, mla_results, glm_results, stale_results = run_distributed(_runs, 2, runs, timeout=400)[0]
     failures = _compare(results, single, _initial(model_dir))
