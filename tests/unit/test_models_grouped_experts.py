@@ -128,3 +128,36 @@ def test_family_maps_every_grouped_layout_of_a_moe_layer():
     assert mapping_for(arch, f"{layer}.weight2[4:8]", arch.vocab_size).hf_names == down.hf_names[4:]
     with pytest.raises(UnsupportedModelError, match=r"experts \[4, 9\) of a model with 8"):
         mapping_for(arch, f"{layer}.weight1[4:9]", arch.vocab_size)
+
+
+def test_te_grouped_names_rest_on_megatron_core_s_te_checkpoint_code():
+    """Transformer Engine does not install here, so TEGroupedMLP cannot be built: the names the mapping assumes are
+    pinned to the megatron-core source that produces them (a megatron-core upgrade that changes them fails here).
+
+    TE's GroupedLinear registers one parameter per GEMM, weight<i> [out, in], TP-split along dim 0 (column) or
+    1 (row) (transformer_engine/pytorch/module/grouped_linear.py); megatron-core's TEGroupedLinear checkpoints
+    weight<i> under the SequentialMLP key (experts.linear_fc<k>.weight) at the global expert offset, with the
+    TP axis 0 for fc1 and 1 for fc2, and TEGroupedMLP splits fc1 into its gate and up halves as SequentialMLP does.
+    """
+    import inspect
+    from pathlib import Path
+
+    import megatron.core.extensions.transformer_engine as te_ext
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    te_source = Path(inspect.getfile(te_ext)).read_text()
+    for fragment in (
+        'f"{gemm_idx}.weight": full_state_dict[f"weight{gemm_idx}"]',  # TE's parameter weight<i>
+        'f"{prefix}weight{gemm_idx}": sub_sd[f"{gemm_idx}.weight"]',  # the module-local name weight<i>
+        "(ep_axis, global_expert_idx, num_global_experts)",  # one key for all experts, sharded by global index
+        'tp_axis_map.update({f"{gemm_idx}.weight": 0, f"{gemm_idx}.bias": 0})',  # column-parallel fc1: dim 0
+        'tp_axis_map = {f"{gemm_idx}.weight": 1 for gemm_idx in range(self.num_gemms)}',  # row-parallel fc2: dim 1
+    ):
+        assert fragment in te_source, fragment
+    mlp_source = inspect.getsource(TEGroupedMLP.sharded_state_dict)
+    assert "apply_swiglu_sharded_factory" in mlp_source  # fc1 = [gate; up] per TP rank, as SequentialMLP
+    assert "replace_prefix_for_sharding(sub_sd, f'{name}.', f'{prefix}experts.{name}.')" in mlp_source
+    # The mapping: linear_fc<k>.weight<e> is SequentialMLP's tensor with the same TP dims.
+    arch_fc1 = expert_mapping("mlp.experts.linear_fc1.weight0", HF_EXPERTS, MATRICES)
+    arch_fc2 = expert_mapping("mlp.experts.linear_fc2.weight0", HF_EXPERTS, MATRICES)
+    assert (arch_fc1.tp_dim, arch_fc2.tp_dim) == (0, 1)
