@@ -313,8 +313,8 @@ class RolloutWorkerExtension:
     def mrl_ipc_receive(self, message: dict) -> dict:
         """Map one bucket the trainer shared and stage it (see mrl_stage_weights).
 
-        Returns {'staged': its tensor count, 'released': ids of the buckets whose every view this worker has
-        freed}; the trainer keeps a bucket's memory until then."""
+        Returns {'staged': its tensor count, 'released': ids of the buckets whose memory this worker no longer
+        holds}; the trainer writes a bucket's buffer again only after that."""
         receiver = self.__dict__.setdefault("_mrl_ipc", IpcReceiver())
         try:
             bucket = receiver.open(message)
@@ -323,7 +323,7 @@ class RolloutWorkerExtension:
             raise
         staged = self.mrl_stage_weights(bucket)
         del bucket  # the loading holds the views it still needs
-        return {"staged": staged, "released": receiver.take_released()}
+        return {"staged": staged, "released": receiver.take_released(str(message["sender"]))}
 
     # ---- routed experts ------------------------------------------------------------------------
     def _mrl_recorder(self) -> _RouteRecorder:

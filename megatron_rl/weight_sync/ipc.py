@@ -12,8 +12,9 @@ host on CPU) needs no process group: both can map the same memory. Per bucket:
    (`IpcReceiver.open`), unpacks views of it and stages them like any other
    bucket: the same manifest check and streaming load (rollout.streaming_load),
    the same abort and recovery;
-4. each answer lists the buckets whose every view the worker has freed (its
-   loading is past them); the trainer then reuses those buffers for the next
+4. each answer lists the buckets whose memory the worker no longer holds
+   (its loading is past them: their storage is freed, views of views
+   included); the trainer then reuses those buffers for the next
    buckets (a fresh shared allocation costs page faults that took longer than
    the copy on the host). The exporting side must keep a CUDA buffer
    allocated while another process maps it, so a buffer is written again only
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import uuid
 from typing import Any, Callable
 
 import torch
@@ -126,7 +128,8 @@ class IpcReceiver:
     """
 
     def __init__(self) -> None:
-        self._open: dict[int, tuple[Any, torch.device | None]] = {}  # bucket id -> (its mapped storage, weakly; CUDA device)
+        # (sender, bucket id) -> (its mapped storage, weakly; its CUDA device): ids count from 0 in every push
+        self._open: dict[tuple[str, int], tuple[Any, torch.device | None]] = {}
 
     def open(self, message: dict) -> Bucket:
         """Views of the shared bucket a message from IpcSender describes."""
@@ -134,16 +137,16 @@ class IpcReceiver:
 
         flat = import_handle(message["handle"], str(message.get("trainer_gpu", "")))
         device = flat.device if flat.is_cuda else None
-        self._open[int(message["bucket_id"])] = (StorageWeakRef(flat.untyped_storage()), device)
+        self._open[(str(message["sender"]), int(message["bucket_id"]))] = (StorageWeakRef(flat.untyped_storage()), device)
         return unpack_bucket(message["layout"], flat)
 
-    def take_released(self) -> list[int]:
-        """Ids of the buckets opened since the last call whose memory nothing here holds any more."""
-        released = [bucket_id for bucket_id, (storage, _) in self._open.items() if storage.expired()]
-        devices = {self._open.pop(bucket_id)[1] for bucket_id in released}
+    def take_released(self, sender: str) -> list[int]:
+        """Ids of `sender`'s buckets whose memory nothing here holds any more (forgetting earlier pushes' ones)."""
+        released = [key for key, (storage, _) in self._open.items() if storage.expired()]
+        devices = {self._open.pop(key)[1] for key in released}
         for device in devices - {None}:  # copies out of a released bucket may still be queued on a stream
             torch.cuda.synchronize(device)
-        return released
+        return [bucket_id for owner, bucket_id in released if owner == sender]
 
 
 class IpcSender:
@@ -159,6 +162,7 @@ class IpcSender:
         self.device = device if device is not None else default_device()
         self.timeout_s = float(timeout_s)
         self.trainer_gpu = gpu_uuid(self.device)
+        self.token = uuid.uuid4().hex  # names this push's buckets to the workers
         self._alive: dict[int, tuple[torch.Tensor, int]] = {}  # bucket id -> (its buffer, engines still holding it)
         self._free: list[torch.Tensor] = []  # released buffers, written again by later buckets
         self._next_id = 0
@@ -179,7 +183,8 @@ class IpcSender:
         if flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()  # the worker reads on its own streams
         bucket_id, self._next_id = self._next_id, self._next_id + 1
-        message = {"bucket_id": bucket_id, "layout": layout, "handle": export_handle(flat), "trainer_gpu": self.trainer_gpu}
+        message = {"sender": self.token, "bucket_id": bucket_id, "layout": layout, "handle": export_handle(flat),
+                   "trainer_gpu": self.trainer_gpu}
         self._alive[bucket_id] = (buffer, len(receives))
         del flat, buffer
         futures = call_in_threads(receives, [message] * len(receives), "weight-ipc-receive")

@@ -180,6 +180,11 @@ def check_push_by_handles(tmp_path: Path, device: str) -> None:
         assert sender.alive_buckets <= 3  # every earlier bucket was acknowledged during the push
         sender.close()
         assert sender.shared_bytes == 0
+        # a second push (its bucket ids count from 0 again) is not confused with the first one's buckets
+        original = load_state(first)
+        push_by_handles(worker, first, stream_of(original, device), 2, device)
+        state = worker.call("state")
+        assert all(torch.equal(state[name], tensor) for name, tensor in original.items())
     finally:
         worker.stop()
 
