@@ -506,6 +506,13 @@ class RLConfig:
             )
 
     def _validate_partial_rollouts(self) -> None:
+        if self.train.partial_rollouts and self.rollout.engine == "vllm_server":
+            raise ConfigError(
+                "train.partial_rollouts=true with rollout.engine=vllm_server: generations are interrupted at a push only "
+                "in an engine the trainer drives step by step (rollout.engine=vllm); servers are not interrupted yet. "
+                "Set train.partial_rollouts=false (a push then waits for the generation batch in flight) or "
+                "rollout.engine=vllm"
+            )
         if self.train.partial_rollouts and (self.rollout.return_routed_experts or self.rollout.stop):
             raise ConfigError(
                 f"train.partial_rollouts=true with rollout.return_routed_experts={self.rollout.return_routed_experts}, "

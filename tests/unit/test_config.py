@@ -97,6 +97,11 @@ def test_asynchronous_training_options_are_checked():
         from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollouts": True}, "rollout": {"stop": ["\n"]}})
     with pytest.raises(ConfigError, match="routes would not be those its tokens were sampled with"):
         from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollouts": True}, "rollout": {"return_routed_experts": True}})
+    # servers are not interrupted: refused at load, naming both settings
+    servers = {"engine": "vllm_server", "server_urls": ["http://127.0.0.1:8000"]}
+    with pytest.raises(ConfigError, match="partial_rollouts=true with rollout.engine=vllm_server"):
+        from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollouts": True}, "rollout": servers,
+                             "algorithm": {"tis_mode": "token"}})
     # the chunked form's key is refused with the name of its replacement; 0 (its default) still loads
     with pytest.raises(ConfigError, match=r"partial_rollout_tokens=4: .*set train.partial_rollouts=true"):
         from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollout_tokens": 4}})
