@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import re
@@ -55,75 +54,6 @@ def make_checkpoint(path: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-class _Runner:
-    """vLLM's model runner as the worker extension sees it: reload copies into a module's parameters."""
-
-    def __init__(self, model_dir: str, device: str):
-        import torch
-        from safetensors import safe_open
-
-        self.model_config = type("ModelConfig", (), {"model": model_dir})()
-        self.model = torch.nn.Module()
-        self.keys = {}
-        with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
-            for name in f.keys():
-                shape = f.get_slice(name).get_shape()
-                key = name.replace(".", "_")
-                self.model.register_parameter(key, torch.nn.Parameter(
-                    torch.zeros(shape, dtype=torch.bfloat16, device=device), requires_grad=False))
-                self.keys[name] = key
-        self.device = torch.device(device)
-
-    def get_model(self):
-        return self.model
-
-    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
-        import torch
-
-        with torch.no_grad():
-            for name, tensor in weights_iterator or []:
-                getattr(self.model, self.keys[name]).copy_(tensor, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-def _serve(conn, model_dir: str, device: str) -> None:
-    import torch
-
-    from megatron_rl.rollout.worker_ext import RolloutWorkerExtension
-
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-
-    class Worker(RolloutWorkerExtension):
-        def __init__(self):
-            self.rank = 0
-            self.model_runner = _Runner(model_dir, device)
-
-    worker = Worker()
-    conn.send(("ok", None))
-    while True:
-        method, args = conn.recv()
-        if method == "stop":
-            return
-        try:
-            if method == "checksum":  # a value to compare with the pushed weights
-                value = float(sum(p.float().sum() for p in worker.model_runner.model.parameters()))
-            else:
-                value = getattr(worker, method)(*args)
-            conn.send(("ok", value))
-        except Exception as error:  # noqa: BLE001 - returned like an RPC error
-            conn.send(("error", f"{type(error).__name__}: {error}"))
-
-
-def _call(conn, method: str, *args):
-    conn.send((method, args))
-    status, value = conn.recv()
-    if status != "ok":
-        raise RuntimeError(value)
-    return value
-
-
 def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
     import torch
     from safetensors.torch import load_file
@@ -132,6 +62,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
     from megatron_rl.weight_sync.ipc import IpcSender
     from megatron_rl.weight_sync.stream import entries_of
+    from tests.worker_process import WorkerProcess
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(Path(tmp) / "model", hidden, layers)
@@ -141,12 +72,8 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
                  for name, t in load_file(str(model_dir / "model.safetensors")).items()}
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         buckets = list(bucketize(state.items(), bucket_mb << 20))
-        context = multiprocessing.get_context("spawn")
-        conn, child = context.Pipe()
-        process = context.Process(target=_serve, args=(child, str(model_dir), device), daemon=True)
-        process.start()
-        conn.recv()
-        target = PushTarget("worker", lambda method, *args: _call(conn, method, *args), lambda b: b, lambda: None)
+        worker = WorkerProcess(model_dir, device)
+        target = PushTarget("worker", worker.call, lambda b: b, lambda: None)
         push_s, alive, staged = [], 0, 0
         try:
             for version in range(1, REPEATS + 2):
@@ -160,10 +87,9 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
                 if version > 1:  # the first push is a warm-up
                     push_s.append(elapsed)
                     alive, staged = max(alive, result.buffer_bytes), max(staged, result.commits[0]["peak_staged_bytes"])
-            pushed = _call(conn, "checksum")
+            pushed = float(sum(t.float().sum() for t in worker.call("state").values()))
         finally:
-            conn.send(("stop", ()))
-            process.join(timeout=60)
+            worker.stop()
         expected = float(sum(t.float().sum() for t in state.values()))
         copy_s = _plain_copy_s(state, device)
     return {

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_weight_ipc import (
-    WorkerProcess, check_push_by_handles, load_state, make_model_dir, push_by_handles, stream_of,
-)
+from tests.unit.test_weight_ipc import check_push_by_handles, make_model_dir, push_by_handles, stream_of
+from tests.worker_process import WorkerProcess, load_state
 
 
 @pytest.mark.gpu

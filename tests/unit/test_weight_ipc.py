@@ -11,7 +11,6 @@ vLLM engine.
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from megatron_rl.rollout.push import PushTarget, stream_push
 from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
 from megatron_rl.weight_sync.ipc import IpcError, IpcSender, export_handle, import_handle, shared_buffer
 from megatron_rl.weight_sync.stream import PushBrokenError, entries_of
+from tests.worker_process import WorkerProcess, load_state
 
 LAYERS = 24
 BUCKET_BYTES = 2 << 10
@@ -41,91 +41,6 @@ def make_model_dir(path: Path, seed: int) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"))
     return path
-
-
-def load_state(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(model_dir / "model.safetensors"))
-
-
-class TorchModelRunner:
-    """What the worker extension needs of vLLM's model runner, over a torch module: reload copies each tensor
-    into the module's parameters (from an iterator, or a model directory when a broken push is restored)."""
-
-    def __init__(self, model_dir: str, device: str):
-        self.model_config = type("ModelConfig", (), {"model": model_dir})()
-        self.device = torch.device(device)
-        self.model = torch.nn.Module()
-        self.names: dict[str, str] = {}
-        for name, tensor in load_state(Path(model_dir)).items():
-            key = name.replace(".", "_")
-            self.model.register_parameter(key, torch.nn.Parameter(tensor.to(self.device), requires_grad=False))
-            self.names[name] = key
-
-    def get_model(self) -> torch.nn.Module:
-        return self.model
-
-    def reload_weights(self, weights_iterator=None, weights_path: str | None = None, is_checkpoint_format: bool = True):
-        if weights_iterator is None:
-            weights_iterator = load_state(Path(weights_path)).items()
-        with torch.no_grad():
-            for name, tensor in weights_iterator:
-                getattr(self.model, self.names[name]).copy_(tensor)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-def _serve(conn, model_dir: str, device: str) -> None:
-    """An engine worker's process: the worker extension over a TorchModelRunner, called over a pipe."""
-    from megatron_rl.rollout.worker_ext import RolloutWorkerExtension
-
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-
-    class Worker(RolloutWorkerExtension):
-        def __init__(self):
-            self.rank = 0
-            self.model_runner = TorchModelRunner(model_dir, device)
-
-    worker = Worker()
-    while True:
-        method, args = conn.recv()
-        if method == "stop":
-            return
-        try:
-            if method == "state":  # the module's parameters, copied to the host
-                value = {name: getattr(worker.model_runner.model, key).detach().cpu().clone()
-                         for name, key in worker.model_runner.names.items()}
-            else:
-                value = getattr(worker, method)(*args)
-            conn.send(("ok", value))
-        except Exception as error:  # noqa: BLE001 - returned like an RPC error
-            conn.send(("error", f"{type(error).__name__}: {error}"))
-
-
-class WorkerProcess:
-    """One engine worker in a process of its own (spawned: a CUDA context does not survive fork)."""
-
-    def __init__(self, model_dir: Path, device: str = "cpu"):
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, str(model_dir), device), daemon=True)
-        self.process.start()
-
-    def call(self, method: str, *args):
-        self.conn.send((method, args))
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(value)
-        return value
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            self.conn.send(("stop", ()))
-        self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.kill()
 
 
 def stream_of(state: dict[str, torch.Tensor], device: str, tamper_at: int | None = None) -> WeightStream:
