@@ -21,6 +21,7 @@ import torch
 from megatron_rl.models import parse_hf_config
 from megatron_rl.models.mapping import Shard, grouped_expert_mapping
 from megatron_rl.models.tiny import make_tiny_model_dir
+from tests.unit.test_models_mapping import DictReader
 
 
 def _grouped_state_dict(prefix, hidden, ffn_tp, local, ep_rank, ep, tp_rank, tp):
@@ -29,18 +30,6 @@ def _grouped_state_dict(prefix, hidden, ffn_tp, local, ep_rank, ep, tp_rank, tp)
     return _grouped_pieces(prefix, weight1, weight2, hidden, local, ep_rank, ep, tp_rank, tp)
 
 
-class _HFReader:
-    """The converter's reader interface over a dict of HF tensors."""
-
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def read(self, name, dim=None, start=0, stop=None):
-        tensor = self.tensors[name]
-        return tensor if dim is None else tensor.narrow(dim, start, stop - start)
 
 
 @pytest.mark.parametrize("ep,tp", [(1, 1), (2, 2), (4, 1)])
@@ -73,8 +62,8 @@ def test_converted_checkpoint_reads_as_grouped_mlp_weights(tmp_path, ep, tp):
                 pieces = loaded[f"ep{ep_rank}_tp{tp_rank}"]
                 weight1 = torch.cat([pieces["fc1_w"], pieces["fc1_v"]], -2).transpose(-1, -2).reshape(hidden, -1)
                 weight2 = pieces["fc2"].transpose(-1, -2).reshape(-1, hidden)
-                assert torch.equal(weight1, fc1.load(_HFReader(hf), Shard(1, tp_rank, tp)))
-                assert torch.equal(weight2, fc2.load(_HFReader(hf), Shard(0, tp_rank, tp)))
+                assert torch.equal(weight1, fc1.load(DictReader(hf), Shard(1, tp_rank, tp)))
+                assert torch.equal(weight2, fc2.load(DictReader(hf), Shard(0, tp_rank, tp)))
 
 
 def _grouped_pieces(prefix, weight1, weight2, hidden, local, ep_rank, ep, tp_rank, tp):
@@ -123,7 +112,7 @@ def test_checkpoint_written_in_grouped_mlp_layout_converts_back_bit_exact(tmp_pa
                 fc1 = grouped_expert_mapping(f"model.layers.{layer}.mlp.experts", "weight1", ep_rank * local, local, matrices)
                 fc2 = grouped_expert_mapping(f"model.layers.{layer}.mlp.experts", "weight2", ep_rank * local, local, matrices)
                 for tp_rank in range(tp):
-                    weight1, weight2 = fc1.load(_HFReader(hf), Shard(1, tp_rank, tp)), fc2.load(_HFReader(hf), Shard(0, tp_rank, tp))
+                    weight1, weight2 = fc1.load(DictReader(hf), Shard(1, tp_rank, tp)), fc2.load(DictReader(hf), Shard(0, tp_rank, tp))
                     state[f"{prefix}ep{ep_rank}_tp{tp_rank}"] = _grouped_pieces(prefix, weight1, weight2, hidden, local, ep_rank, ep, tp_rank, tp)
         dist_checkpointing.save(state, str(grouped_dir))
     back = convert_mcore_to_hf(grouped_dir, tmp_path / "back", hf_dir=model_dir)

@@ -21,22 +21,13 @@ import torch
 
 from megatron_rl.models.hf_config import UnsupportedModelError
 from megatron_rl.models.mapping import GatedFC1, Direct, GlobalNamer, Shard, expert_mapping, grouped_expert_mapping
+from tests.unit.test_models_mapping import DictReader
 
 HIDDEN, FFN, EXPERTS = 6, 4, 4
 MATRICES = ("gate_proj", "up_proj", "down_proj")
 HF_EXPERTS = "model.layers.1.mlp.experts"
 
 
-class DictReader:
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def read(self, name, dim=None, start=0, stop=None):
-        tensor = self.tensors[name]
-        return tensor if dim is None else tensor.narrow(dim, start, (stop if stop is not None else tensor.shape[dim]) - start)
 
 
 def hf_experts():
