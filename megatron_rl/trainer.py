@@ -281,11 +281,19 @@ class Trainer:
         bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
         if self.engine is not None:
             self.engine.wake_up(["weights"])  # rollout.sleep_level: the weights for the push, the KV cache after it
+        relay = self._colocated.relay if self._colocated is not None else None
+
+        def export():  # colocated servers by memory handles: every rank shares each bucket with its GPU's worker
+            buckets = self.actor.export_hf_weights(bucket_bytes)
+            return relay.wrap(buckets) if relay is not None else buckets
+
         with self._offload.on_device(["params"]), self._engine_held():
-            push_weights(
-                self.engine, lambda: self.actor.export_hf_weights(bucket_bytes), version,
-                group=self.ctx.world_group, max_attempts=self.cfg.rollout.max_restarts + 1,
-            )
+            try:
+                push_weights(self.engine, export, version, group=self.ctx.world_group,
+                             max_attempts=self.cfg.rollout.max_restarts + 1)
+            finally:
+                if relay is not None:
+                    relay.close()
         self.weight_version = version
 
     def _engine_held(self):
@@ -303,7 +311,8 @@ class Trainer:
         if placement.kind == "colocated_servers":
             self._colocated = start_colocated_servers(
                 self.cfg.model.path, rollout, placement.engines, rank=ctx.rank, world_size=ctx.world_size,
-                local_rank=ctx.local_rank, group=ctx.world_group, seed=self.cfg.train.seed, log_dir=self.cfg.logging.dir,
+                local_rank=ctx.local_rank, group=ctx.world_group, object_group=ctx.host_group, seed=self.cfg.train.seed,
+                log_dir=self.cfg.logging.dir,
             )
         if ctx.rank != 0:
             return None

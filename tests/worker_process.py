@@ -49,7 +49,7 @@ class TorchModelRunner:
             torch.cuda.synchronize(self.device)
 
 
-def _serve(conn, model_dir: str, device: str) -> None:
+def _serve(conn, model_dir: str, device: str, rank: int = 0) -> None:
     """An engine worker's process: the worker extension over a TorchModelRunner, called over a pipe."""
     from megatron_rl.rollout.worker_ext import RolloutWorkerExtension
 
@@ -58,7 +58,7 @@ def _serve(conn, model_dir: str, device: str) -> None:
 
     class Worker(RolloutWorkerExtension):
         def __init__(self):
-            self.rank = 0
+            self.rank = rank  # its rank among its engine's workers (which handle of a bucket it maps)
             self.model_runner = TorchModelRunner(model_dir, device)
 
     worker = Worker()
@@ -80,10 +80,10 @@ def _serve(conn, model_dir: str, device: str) -> None:
 class WorkerProcess:
     """One engine worker in a process of its own (spawned: a CUDA context does not survive fork)."""
 
-    def __init__(self, model_dir: Path, device: str = "cpu"):
+    def __init__(self, model_dir: Path, device: str = "cpu", rank: int = 0):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, str(model_dir), device), daemon=True)
+        self.process = context.Process(target=_serve, args=(child, str(model_dir), device, rank), daemon=True)
         self.process.start()
 
     def call(self, method: str, *args):

@@ -12,17 +12,18 @@ to one of four placements:
 | ------------------ | ------------------------------------------- | ----------------------------- |
 | in_process         | engine=vllm, one engine, multiprocessing off | tensors by reference (rpc)   |
 | engine_process     | engine=vllm, one engine, multiprocessing on  | ipc handles with CUDA, else gloo broadcast (or rpc bytes) |
-| colocated_servers  | engine=vllm, engines > 1 (servers on ranks)  | gloo broadcast (or rpc)       |
+| colocated_servers  | engine=vllm, engines > 1 (servers on ranks)  | ipc handles from every rank with CUDA, else gloo broadcast (or rpc) |
 | remote_servers     | engine=vllm_server, server_urls             | broadcast, nccl on GPU (or rpc) |
 
 multiprocessing unset = on when the trainer has several ranks (an engine in
 the trainer's process would start its process groups on the trainer's
 world). A broadcast into an engine that shares a trainer GPU (an engine
 process, colocated engine 0) uses gloo: NCCL refuses two ranks of one group
-on one GPU; with CUDA an engine process gets memory handles instead (ipc:
-weight_sync.ipc, CUDA IPC from the trainer's own GPU; on the host, shared
-memory when asked for). Every engine kind drives the same push protocol
-(rollout.push).
+on one GPU; with CUDA colocated engines get memory handles instead (ipc:
+weight_sync.ipc, CUDA IPC from the trainer's own GPUs: an engine process from
+rank 0's, colocated servers each worker from the rank on its GPU; on the host,
+shared memory when asked for). Every engine kind drives the same push
+protocol (rollout.push).
 """
 
 from __future__ import annotations
@@ -66,9 +67,13 @@ def resolve_placement(rollout: RolloutConfig, *, world_size: int = 1, cluster: C
                          rollout.weight_broadcast_backend, None)
     engines = _colocated_count(rollout, cluster, world_size)
     if engines > 1:
-        # engine 0's first worker shares rank 0's GPU, which NCCL refuses: go through host memory
+        # every worker is on a trainer rank's GPU: memory handles from that rank with CUDA; a broadcast must go
+        # through host memory (engine 0's first worker shares rank 0's GPU, which NCCL refuses)
+        transport = rollout.weight_transport
+        if transport == "auto":
+            transport = "ipc" if _cuda_available() else "broadcast"
         backend = "gloo" if rollout.weight_broadcast_backend == "auto" else rollout.weight_broadcast_backend
-        return Placement("colocated_servers", engines, server_transport(rollout), backend, None)
+        return Placement("colocated_servers", engines, transport, backend, None)  # type: ignore[arg-type]
     multiprocessing = world_size > 1 if rollout.multiprocessing is None else bool(rollout.multiprocessing)
     transport = rollout.weight_transport
     if transport == "auto":  # an engine process shares the trainer's GPU: memory handles with CUDA, no host copy
@@ -84,8 +89,8 @@ def check_rollout_section(rollout: RolloutConfig) -> None:
     the rest needs the trainer's world size and cluster: resolve_placement)."""
     if rollout.engine == "vllm" and rollout.multiprocessing is not None:
         check_transport_reaches_engine(rollout.weight_transport, bool(rollout.multiprocessing))
-    if rollout.engine == "vllm_server" or rollout.engines > 1:
-        server_transport(rollout)  # refuses ipc: memory handles reach one engine process only
+    if rollout.engine == "vllm_server":
+        server_transport(rollout)  # refuses ipc: memory handles reach engines on the trainer's own devices only
 
 
 def check_transport_reaches_engine(transport: str, multiprocessing: bool) -> None:
@@ -100,11 +105,11 @@ def check_transport_reaches_engine(transport: str, multiprocessing: bool) -> Non
 
 
 def server_transport(rollout: RolloutConfig) -> Literal["rpc", "broadcast"]:
-    """Servers (colocated or remote) take weights by broadcast unless rollout.weight_transport=rpc."""
+    """Remote servers take weights by broadcast unless rollout.weight_transport=rpc."""
     if rollout.weight_transport == "ipc":
         raise ConfigError(
-            "rollout.weight_transport=ipc hands memory handles to one engine process on the trainer's own device "
-            "(rollout.engine=vllm, one engine); servers take weights by broadcast or rpc: set "
+            "rollout.weight_transport=ipc hands memory handles to engines on the trainer's own devices (rollout.engine"
+            "=vllm: an engine process, or colocated servers); remote servers take weights by broadcast or rpc: set "
             "rollout.weight_transport=auto"
         )
     return "rpc" if rollout.weight_transport == "rpc" else "broadcast"
@@ -168,3 +173,11 @@ def colocated_engines(rollout: RolloutConfig, cluster: ClusterConfig, world_size
 def host_ranks(engines: int, world_size: int) -> list[int]:
     """The trainer ranks that host the engines: the first rank of each equal share of the world."""
     return [i * (world_size // engines) for i in range(engines)]
+
+
+def worker_ranks(engines: int, workers: int, world_size: int) -> list[list[int]]:
+    """Per engine, the trainer rank on whose device each of its `workers` runs: worker j of the engine hosted by
+    rank h is on rank h + j's GPU (rollout.colocated.engine_devices; colocated_engines checks they fit). On the
+    host, where every rank's memory is the one host's, more workers than ranks in a share wrap around."""
+    share = world_size // engines
+    return [[host + j % share for j in range(workers)] for host in host_ranks(engines, world_size)]

@@ -48,7 +48,13 @@ GPU_RUNTIME_OVERHEAD_GIB = 3.0
 CPU_RUNTIME_OVERHEAD_GIB = 1.0
 """Python, torch and megatron-core loaded in one process."""
 ENGINE_OVERHEAD_GIB = {"gpu": 2.0, "cpu": 0.7}
-"""vLLM's own activations and buffers beside weights and KV cache (0.7 GiB measured on CPU, notes/vllm-on-cpu.md)."""
+"""vLLM's own memory beside weights and KV cache, kept while it sleeps: CUDA context, NCCL communicators,
+sampler and logits buffers (0.7 GiB measured on CPU, notes/vllm-on-cpu.md; about 0.9 GiB left asleep on one
+80 GB GPU at TP 1, vLLM PR #11743, and NCCL about 0.5-1 GiB more per rank at TP 4-8, vLLM PR #51485)."""
+ENGINE_CUDA_GRAPH_GIB = 2.0
+"""CUDA graphs' memory pool (rollout.enforce_eager=false), on top: it is not under vLLM's sleep allocator, so it
+stays while the engine sleeps (vLLM PRs #11743, #56373); vLLM estimates 2.22 GiB for a 35B-A3B MoE at TP 4
+(issue #50722), and 7 GiB per GPU stayed asleep for Kimi-K2 at TP 8 with graphs (issue #47654)."""
 PUSH_BUCKETS_TRAINER = 2
 """Weight-sync buckets the pushing rank holds at once: the export's bucket and the broadcast's packing buffer
 (2.0 measured, bench/results/weight_sync.json)."""
@@ -268,6 +274,15 @@ class EngineMemory:
     """Tokens the KV cache holds (on one engine)."""
 
 
+def engine_overhead(cfg: RLConfig) -> float:
+    """Bytes an engine holds on a device beside its weights and KV cache, awake or asleep (CUDA graphs included
+    when it captures them)."""
+    if cfg.cluster.gpus_per_node <= 0:
+        return ENGINE_OVERHEAD_GIB["cpu"] * GIB
+    graphs = 0.0 if cfg.rollout.enforce_eager else ENGINE_CUDA_GRAPH_GIB
+    return (ENGINE_OVERHEAD_GIB["gpu"] + graphs) * GIB
+
+
 def engine_memory(spec: ModelSpec, cfg: RLConfig) -> EngineMemory:
     rollout, cluster = cfg.rollout, cfg.cluster
     prec = precision_for(cfg)
@@ -276,7 +291,7 @@ def engine_memory(spec: ModelSpec, cfg: RLConfig) -> EngineMemory:
     kv_per_token = (spec.num_layers / epp) * spec.kv_cache_values_per_token(etp) * prec.param
     if cluster.gpus_per_node > 0:
         reserved = rollout.gpu_memory_utilization * cluster.gpu_memory_gib * GIB
-        kv_space = reserved - weights - ENGINE_OVERHEAD_GIB["gpu"] * GIB
+        kv_space = reserved - weights - engine_overhead(cfg)
     else:
         kv_space = rollout.kv_cache_gib * GIB
         reserved = weights + kv_space + ENGINE_OVERHEAD_GIB["cpu"] * GIB
@@ -337,7 +352,7 @@ def phase_memory(stage: StageMemory, engine: EngineMemory | None, cfg: RLConfig,
     }
     colocated = engine is not None and cfg.cluster.rollout_gpus == 0
     awake = engine.reserved if colocated else 0.0
-    overhead = ENGINE_OVERHEAD_GIB["gpu" if gpu else "cpu"] * GIB
+    overhead = engine_overhead(cfg)
     sleeps = colocated and gpu and cfg.rollout.sleep_level > 0
     bucket = min(cfg.rollout.weight_bucket_mb * (1 << 20), model_bytes)
     push_buffers = bucket * (PUSH_BUCKETS_TRAINER + (PUSH_BUCKETS_ENGINE if colocated else 0))

@@ -118,6 +118,13 @@ def _hint(plan: Plan) -> str:
         )
     if colocated and peak.name != "training":
         return "lower rollout.gpu_memory_utilization or rollout.weight_bucket_mb"
+    if colocated and not cfg.rollout.enforce_eager:
+        from megatron_rl.plan.memory import ENGINE_CUDA_GRAPH_GIB
+
+        return (
+            f"the sleeping engine keeps its CUDA graphs (about {ENGINE_CUDA_GRAPH_GIB:.0f} GiB; vLLM's sleep mode does "
+            "not release them): set rollout.enforce_eager=true, or spread the weights over more devices"
+        )
     states = s.weights + s.grads + s.optimizer
     if states >= s.activations + s.logits:
         return (

@@ -11,8 +11,11 @@ engines, one per rollout.tensor_parallel x pipeline_parallel GPUs (as
   and the next TP x PP - 1 GPUs of the node (CUDA_VISIBLE_DEVICES), and keeps
   it alive: a server that dies is restarted by its host (`ServerSupervisor`);
 - the hosts exchange the servers' URLs (all_gather over the trainer's world),
-  and rank 0 drives them all through one VLLMServerEngine: prompts go round-robin,
-  every push is one broadcast into the workers of every engine.
+  and rank 0 drives them all through one VLLMServerEngine: prompts go round-robin;
+  with CUDA every push goes by memory handles (rollout.weight_transport=ipc, the
+  default there): each bucket is copied from rank 0 to every rank whose GPU
+  holds a worker (`IpcRelay`, over the trainer's own group) and each worker maps
+  its own GPU's copy; otherwise one broadcast into the workers of every engine.
 
 One engine (the default on CPU, and on a single GPU group) keeps the
 in-process VLLMEngine instead.
@@ -32,10 +35,11 @@ import torch.distributed as dist
 
 from megatron_rl.config.core import replace
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.config.placement import host_ranks
+from megatron_rl.config.placement import host_ranks, worker_ranks
 from megatron_rl.rollout.engine import EngineStartError
 from megatron_rl.rollout.server_engine import VLLMServer, VLLMServerEngine
 from megatron_rl.weight_sync.broadcast import host_address
+from megatron_rl.weight_sync.ipc import IpcRelay
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +103,9 @@ class ColocatedServers:
     """The server this rank hosts (None on ranks that host none)."""
     supervisor: ServerSupervisor | None
     """Its restarter, on host ranks other than 0 (rank 0's engine restarts rank 0's server itself)."""
+    relay: IpcRelay | None = None
+    """rollout.weight_transport=ipc: shares each pushed bucket on this rank's device with the worker there (None on
+    ranks without one, and for other transports)."""
 
     def engine(self, rollout: RolloutConfig) -> VLLMServerEngine:
         """Rank 0's engine over every server (its own restarted by the engine, the others by their hosts)."""
@@ -106,7 +113,7 @@ class ColocatedServers:
 
         # the transport and backend colocated servers get (config.placement: gloo, engine 0 shares rank 0's GPU)
         rollout = resolve_placement(replace(rollout, engines=len(self.urls))).rollout_config(rollout)
-        return VLLMServerEngine([self.server, *self.urls[1:]], rollout)
+        return VLLMServerEngine([self.server, *self.urls[1:]], rollout, relay=self.relay)
 
     def stop(self) -> None:
         if self.supervisor is not None:
@@ -117,9 +124,11 @@ class ColocatedServers:
 
 def start_colocated_servers(
     model_dir: str, rollout: RolloutConfig, engines: int, *, rank: int, world_size: int, local_rank: int,
-    group: Any = None, seed: int = 0, log_dir: str | None = None,
+    group: Any = None, object_group: Any = None, seed: int = 0, log_dir: str | None = None,
 ) -> ColocatedServers:
-    """Collective over the trainer's world: each host rank starts its server; every rank gets all URLs.
+    """Collective over the trainer's world: each host rank starts its server; every rank gets all URLs (and, with
+    rollout.weight_transport=ipc, the relay of the ranks whose devices hold workers: `group` is the trainer's
+    world, `object_group` a gloo group over it).
 
     The servers listen on 127.0.0.1 when every rank runs on one host, else on
     this host's address. A host whose server fails to start makes every rank
@@ -153,5 +162,22 @@ def start_colocated_servers(
         raise EngineStartError(f"rank {r} could not start its colocated vLLM engine ({len(failed)} of {engines} failed): {message}")
     urls = [outcomes[r][1] for r in hosts]
     supervisor = ServerSupervisor(server) if server is not None and rank != 0 else None
-    return ColocatedServers(urls=urls, server=server, supervisor=supervisor)
+    relay = None
+    if rollout.weight_transport == "ipc":
+        relay = ipc_relay(engines, rollout.tensor_parallel * rollout.pipeline_parallel, rank=rank,
+                          world_size=world_size, group=group, object_group=object_group)
+    return ColocatedServers(urls=urls, server=server, supervisor=supervisor, relay=relay)
+
+
+def ipc_relay(engines: int, workers: int, *, rank: int, world_size: int, group: Any = None,
+              object_group: Any = None) -> IpcRelay | None:
+    """Collective over the world: the relay of the ranks whose devices hold the engines' workers (None on the
+    others). Its groups are the world's when every rank holds one, else new groups of those ranks."""
+    engine_ranks = worker_ranks(engines, workers, world_size)
+    ranks = sorted({r for ranks in engine_ranks for r in ranks})
+    if len(ranks) < world_size:  # every rank takes part in making a group, members or not
+        group, object_group = dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+    if rank not in ranks:
+        return None
+    return IpcRelay(rank=rank, ranks=ranks, engine_ranks=engine_ranks, group=group, object_group=object_group)
 

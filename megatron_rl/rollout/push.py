@@ -66,6 +66,9 @@ class PushTarget:
     encode: Callable[[Bucket], Any]
     """A bucket as the payload of mrl_stage_weights (tensors in-process, safetensors bytes, base64 text)."""
     reset_prefix_cache: Callable[[], None]
+    call_each: Callable[..., list] | None = None
+    """call_each(method, *args): every worker's answer, in worker order (memory handles: a bucket's buffers are
+    written again only once every worker let go of it); None: the first worker's answer stands for all."""
 
 
 @dataclass
@@ -109,7 +112,7 @@ def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *
             bucket = [(name, live.track(tensor)) for name, tensor in bucket]
             announced.check_bucket(bucket)
             if broadcast is not None:
-                broadcast.send(bucket, [partial(t.call, broadcast.receive_method) for t in targets], names)
+                broadcast.send(bucket, [partial(t.call_each or t.call, broadcast.receive_method) for t in targets], names)
             else:
                 for target in targets:
                     target.call("mrl_stage_weights", target.encode(bucket))
@@ -119,6 +122,8 @@ def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *
         for target in targets:
             target.reset_prefix_cache()
     except BaseException as error:
+        if broadcast is not None:
+            broadcast.abandon()  # memory handles: the rest of the export passes unshared
         _drain(buckets)
         versions = restore_complete_versions(targets)
         if isinstance(error, (KeyboardInterrupt, SystemExit)):

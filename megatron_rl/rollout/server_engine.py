@@ -20,7 +20,10 @@ server. The buckets go either as base64 safetensors text in POST
 /collective_rpc (rpc: simple, about 1/3 larger than the weights, parsed by
 the server's API process), or by one broadcast from this process into the
 workers of all servers at once (broadcast, weight_sync.broadcast: NCCL on GPU,
-gloo on CPU; only a JSON layout per bucket goes over HTTP). Routed experts: capture is started
+gloo on CPU; only a JSON layout per bucket goes over HTTP), or, for servers
+colocated on the trainer's GPUs, as memory handles of each worker's own GPU's
+copy (ipc, weight_sync.ipc.IpcRelay: handles and the layout over HTTP, no
+bytes). Routed experts: capture is started
 and collected on every server around the batch; another client using the same
 servers at the same time would mix its requests into the capture (matching by
 tokens keeps them apart, but they cost memory), so give the trainer its own
@@ -67,6 +70,7 @@ from megatron_rl.config.placement import server_transport
 from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightSyncedEngine
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
+from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
 from megatron_rl.weight_sync.manifest import WeightManifest
 
 logger = logging.getLogger(__name__)
@@ -235,8 +239,11 @@ class VLLMServerEngine(WeightSyncedEngine):
         *,
         reexport_fn: Callable[[], Iterable[Bucket]] | None = None,
         model_dir: str | os.PathLike | None = None,
+        relay: IpcRelay | None = None,
     ):
-        """model_dir: the servers' model (sizes the start-up timeout); by default that of a VLLMServer given."""
+        """model_dir: the servers' model (sizes the start-up timeout); by default that of a VLLMServer given.
+        relay: servers colocated on the trainer's GPUs, rollout.weight_transport=ipc: what shares each bucket on
+        every rank with a worker on its GPU (rollout.colocated)."""
         if not servers:
             raise ValueError("VLLMServerEngine needs at least one server URL or VLLMServer")
         import httpx
@@ -245,7 +252,9 @@ class VLLMServerEngine(WeightSyncedEngine):
         self.servers: list[VLLMServer | None] = [s if isinstance(s, VLLMServer) else None for s in servers]
         self.urls = [s.url if isinstance(s, VLLMServer) else str(s).rstrip("/") for s in servers]
         self.model_dir = model_dir or next((s.model_dir for s in servers if isinstance(s, VLLMServer)), None)
-        self.weight_transport = server_transport(self.config)
+        self.relay = relay
+        colocated_ipc = relay is not None and self.config.weight_transport == "ipc"
+        self.weight_transport = "ipc" if colocated_ipc else server_transport(self.config)
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
         self._wait_for_servers()
         self._describe()
@@ -266,9 +275,14 @@ class VLLMServerEngine(WeightSyncedEngine):
 
     def _rpc(self, url: str, method: str, *args: Any) -> Any:
         """A worker-extension method on one server; the first worker's answer. Every argument travels as text."""
+        answers = self._rpc_each(url, method, *args)
+        return answers[0] if answers else None
+
+    def _rpc_each(self, url: str, method: str, *args: Any) -> list:
+        """A worker-extension method on one server; every worker's answer, in worker order."""
         body = {"method": method, "args": [a if isinstance(a, str) else str(a) for a in args]}
         result = self._post(url, "/collective_rpc", body)
-        return None if result is None else result["results"][0]
+        return [] if result is None else list(result["results"])
 
     def _start_timeout_s(self) -> float:
         """rollout.server_start_timeout_s, or scaled with the model's size when 0 (rollout.client_limits)."""
@@ -363,7 +377,8 @@ class VLLMServerEngine(WeightSyncedEngine):
                 if not self._post(url, "/reset_prefix_cache").get("success", False):
                     raise ServerDeadError(f"{url}: the server refused to reset its prefix cache after a weight push")
 
-            return PushTarget(f"vLLM server {url}", partial(self._rpc, url), bucket_to_b64, reset_prefix_cache)
+            return PushTarget(f"vLLM server {url}", partial(self._rpc, url), bucket_to_b64, reset_prefix_cache,
+                              call_each=partial(self._rpc_each, url))
 
         return [target(url) for url in self.urls]
 
@@ -379,6 +394,10 @@ class VLLMServerEngine(WeightSyncedEngine):
         workers = [int(self._rpc(url, "mrl_model_info").get("workers", 1)) for url in self.urls]
         joins = [lambda info, url=url: self._rpc(url, "mrl_broadcast_join", info) for url in self.urls]
         return joins, workers, [f"vLLM server {url}" for url in self.urls]
+
+    def _ipc_sender(self) -> IpcSender:
+        """Memory handles into colocated servers' workers, each bucket already shared on every rank by the relay."""
+        return IpcSender(timeout_s=self.config.request_timeout_s, relay=self.relay)
 
     def _prepare_push(self) -> None:
         if not all(self._healthy(url) for url in self.urls):

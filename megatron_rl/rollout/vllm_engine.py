@@ -292,8 +292,8 @@ class VLLMEngine(WeightSyncedEngine):
         return [lambda info: self._rpc("mrl_broadcast_join", info)], [int(self.model_info.get("workers", 1))], [self.name]
 
     def _ipc_sender(self) -> IpcSender:
-        """Memory handles from this rank's device into the engine process's worker (weight_sync.ipc), one per push."""
-        return IpcSender(timeout_s=self.config.request_timeout_s)
+        """Memory handles from this rank's device into the engine process's workers (weight_sync.ipc), one per push."""
+        return IpcSender(timeout_s=self.config.request_timeout_s, workers=int(self.model_info.get("workers", 1)))
 
     def _prepare_push(self) -> None:
         if self._llm is None or self._engine_core_dead():

@@ -310,14 +310,16 @@ class RolloutWorkerExtension:
         return self.mrl_stage_weights(bucket)
 
     # ---- buckets by memory handle (weight_sync.ipc) ----------------------------------------------------
-    def mrl_ipc_receive(self, message: dict) -> dict:
-        """Map one bucket the trainer shared and stage it (see mrl_stage_weights).
+    def mrl_ipc_receive(self, message: str | dict) -> dict:
+        """Map one bucket the trainer shared (the handle of this worker's device) and stage it (see
+        mrl_stage_weights).
 
         Returns {'staged': its tensor count, 'released': ids of the buckets whose memory this worker no longer
-        holds}; the trainer writes a bucket's buffer again only after that."""
+        holds}; the trainer writes a bucket's buffer again only after every worker said so."""
+        message = json.loads(message) if isinstance(message, str) else message
         receiver = self.__dict__.setdefault("_mrl_ipc", IpcReceiver())
         try:
-            bucket = receiver.open(message)
+            bucket = receiver.open(message, int(getattr(self, "rank", 0)))
         except BaseException:
             self.mrl_abort_push()
             raise

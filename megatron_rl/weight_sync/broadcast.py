@@ -296,6 +296,9 @@ class BroadcastSender:
             raise
         return [f.result() for f in futures]
 
+    def abandon(self) -> None:
+        """The push broke: nothing to let go of here (a broken broadcast closed the group already)."""
+
     def close(self) -> None:
         group, self.group = self.group, None
         if group is not None:

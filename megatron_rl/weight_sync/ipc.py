@@ -1,37 +1,46 @@
-"""Weight pushes by memory handles: the pushing rank -> an engine on the same device, no copy between them.
+"""Weight pushes by memory handles: the trainer's device -> engine workers on the same device, no copy between them.
 
-An engine in its own process on the trainer's own device (its GPU, or the
-host on CPU) needs no process group: both can map the same memory. Per bucket:
-1. the trainer packs the bucket into one fresh buffer on its device (the
-   layout of weight_sync.broadcast: one uint8 buffer, 64-byte aligned offsets);
+An engine worker on a trainer rank's own device (its GPU, or the host on CPU)
+needs no process group with the trainer: both can map the same memory. Per
+bucket:
+1. the trainer packs the bucket into a buffer on its device (the layout of
+   weight_sync.broadcast: one uint8 buffer, 64-byte aligned offsets);
 2. it exports the buffer with torch.multiprocessing's `reduce_tensor` (a CUDA
-   tensor becomes a CUDA IPC handle, a host tensor a shared-memory file
-   descriptor: the same call) and pickles that small handle;
-3. the handle and the layout go over the engine's RPC channel to
-   `mrl_ipc_receive` (rollout.worker_ext), which maps the buffer
-   (`IpcReceiver.open`), unpacks views of it and stages them like any other
-   bucket: the same manifest check and streaming load (rollout.streaming_load),
-   the same abort and recovery;
+   tensor becomes a CUDA IPC handle; a host tensor shared memory named by a
+   file, torch's file_system strategy: any process of this host can map it,
+   a server as well as the trainer's own child) and pickles that small handle;
+3. the handles (base64) and the layout go over the engine's RPC channel (or a
+   server's HTTP API) to `mrl_ipc_receive` (rollout.worker_ext); each worker
+   maps the handle of its own device (`IpcReceiver.open`), unpacks views of
+   it and stages them like any other bucket: the same manifest check and
+   streaming load (rollout.streaming_load), the same abort and recovery;
 4. each answer lists the buckets whose memory the worker no longer holds
    (its loading is past them: their storage is freed, views of views
-   included); the trainer then reuses those buffers for the next
-   buckets (a fresh shared allocation costs page faults that took longer than
-   the copy on the host). The exporting side must keep a CUDA buffer
-   allocated while another process maps it, so a buffer is written again only
-   after the worker has said it is done with it.
+   included); once every worker has let go of a bucket its buffers are
+   written again by later buckets (a fresh shared allocation costs page
+   faults that took longer than the copy on the host). A CUDA buffer stays
+   allocated while another process maps it (torch's IPC reference counts),
+   and is written again only after every worker has said it is done with it.
 
-Buckets alive at once are bounded by the worker's loading, as for any push:
+Colocated servers (rollout.engines > 1, config.placement) have workers on
+every GPU of the trainer, so every rank shares each bucket with the worker
+on its own GPU (`IpcRelay`): the pushing rank broadcasts the packed bucket
+to the ranks whose GPUs hold workers (the trainer's own group: NCCL over
+NVLink on a node), each rank exports a handle of its copy, and the handles
+are gathered to the pushing rank, which sends every engine the handles of its
+workers' GPUs (worker j of the engine hosted by rank h maps rank h + j's).
+Only handles and layouts leave the device.
+
+Buffers alive at once are bounded by the workers' loading, as for any push:
 the bucket being loaded, the one queued, and those holding parts of the layer
-vLLM's layerwise reload is completing. `IpcSender.peak_shared_bytes` measures
-what the trainer allocated for them (the bytes both processes share, counted
-once; reused buffers included); buffers go when the push ends.
+vLLM's layerwise reload is completing. `BufferPool.peak_shared_bytes`
+measures what each rank allocated for them (the bytes it shares with its
+workers, counted once; reused buffers included); buffers go when the push
+ends.
 
 A handle is a pickle of torch's rebuild function and its arguments; the worker
 unpickles it with an allowlist (torch's rebuild functions, tensor and storage
-types, dtypes, multiprocessing's fd carrier) so a handle cannot name anything
-else. On the host the descriptor is handed over by multiprocessing's resource
-sharer, which needs the engine process to be a multiprocessing child of the
-trainer's (same authkey): true of vLLM's engine process, not of a server.
+types, dtypes) so a handle cannot name anything else.
 
 Before sending, the trainer synchronizes its CUDA stream: the worker reads
 the buffer on streams of its own.
@@ -39,15 +48,20 @@ the buffer on streams of its own.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import io
 import pickle
 import uuid
-from typing import Any, Callable
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from megatron_rl.weight_sync.broadcast import call_in_threads, describe_bucket, pack_bucket, unpack_bucket, wait_for_engines
 from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 
 class IpcError(RuntimeError):
@@ -65,24 +79,42 @@ def gpu_uuid(device: torch.device) -> str:
 
 
 def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 buffer of `nbytes` (at least 1) that another process can map: CUDA memory, or host shared memory."""
+    """A uint8 buffer of `nbytes` (at least 1) that another process can map: CUDA memory, or host shared memory
+    named by a file (torch_shm_manager unlinks it once no process maps it)."""
     if device.type == "cuda":
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))  # allocated shared: no copy by share_memory_()
+    storage = torch.UntypedStorage._new_using_filename_cpu(max(nbytes, 1))  # allocated shared: no copy to share it
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def export_handle(tensor: torch.Tensor) -> bytes:
-    """The pickled `reduce_tensor` handle of `tensor` (CUDA IPC handle, or shared-memory descriptor)."""
+@contextlib.contextmanager
+def _host_memory_by_name():
+    """torch's file_system sharing strategy while a handle is made: host memory is named by its file, which any
+    process can open (the default, a descriptor, reaches only a multiprocessing child of this process)."""
+    import torch.multiprocessing as mp
+
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(previous)
+
+
+def export_handle(tensor: torch.Tensor) -> str:
+    """The `reduce_tensor` handle of `tensor` (CUDA IPC handle, or shared-memory file name), pickled, as base64
+    text (it travels in JSON to servers)."""
     from multiprocessing.reduction import ForkingPickler
     from torch.multiprocessing.reductions import reduce_tensor
 
-    return bytes(ForkingPickler.dumps(reduce_tensor(tensor)))  # ForkingPickler applies torch's storage reducers
+    with _host_memory_by_name():
+        pickled = bytes(ForkingPickler.dumps(reduce_tensor(tensor)))  # ForkingPickler applies torch's storage reducers
+    return base64.b64encode(pickled).decode("ascii")
 
 
 _HANDLE_TYPES = {
     ("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "TypedStorage"), ("torch.storage", "UntypedStorage"),
-    ("torch", "TypedStorage"), ("torch", "UntypedStorage"), ("multiprocessing.resource_sharer", "DupFd"),
+    ("torch", "TypedStorage"), ("torch", "UntypedStorage"),
 }
 
 
@@ -97,23 +129,25 @@ class _HandleUnpickler(pickle.Unpickler):
         raise IpcError(f"a weight handle names {module}.{name}, which is not part of a tensor handle: refused")
 
 
-def import_handle(handle: bytes, trainer_gpu: str = "") -> torch.Tensor:
-    """Map the tensor a handle from `export_handle` describes.
+def import_handle(handle: str | bytes, trainer_gpu: str = "") -> torch.Tensor:
+    """Map the tensor a handle from `export_handle` describes (base64 text, or its pickled bytes).
 
-    A CUDA handle is opened on this process's current device, which must be the trainer's GPU
+    A CUDA handle is opened on this process's current device, which must be the GPU that shared it
     (`trainer_gpu`, its UUID): device indices differ between processes, the physical GPU does not.
     """
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    rebuild, args = _HandleUnpickler(io.BytesIO(handle)).load()
+    pickled = base64.b64decode(handle) if isinstance(handle, str) else bytes(handle)
+    rebuild, args = _HandleUnpickler(io.BytesIO(pickled)).load()
     if rebuild is rebuild_cuda_tensor:
         if not torch.cuda.is_available():
             raise IpcError("a CUDA weight handle reached an engine worker without CUDA: use rollout.weight_transport=broadcast")
         device = torch.device("cuda", torch.cuda.current_device())
         if trainer_gpu and gpu_uuid(device) != trainer_gpu:
             raise IpcError(
-                f"the engine worker on {device} ({gpu_uuid(device)}) is not on the trainer's GPU ({trainer_gpu}): "
-                "CUDA IPC handles open only on the GPU that made them; set rollout.weight_transport=broadcast"
+                f"the engine worker on {device} ({gpu_uuid(device)}) is not on the GPU that shared its weights "
+                f"({trainer_gpu}): CUDA IPC handles open only on the GPU that made them (worker j of an engine maps "
+                "the buffer of the trainer rank on its GPU); set rollout.weight_transport=broadcast"
             )
         args = list(args)
         args[6] = device.index  # the storage's device, as this process numbers it
@@ -131,11 +165,16 @@ class IpcReceiver:
         # (sender, bucket id) -> (its mapped storage, weakly; its CUDA device): ids count from 0 in every push
         self._open: dict[tuple[str, int], tuple[Any, torch.device | None]] = {}
 
-    def open(self, message: dict) -> Bucket:
-        """Views of the shared bucket a message from IpcSender describes."""
+    def open(self, message: dict, worker_rank: int = 0) -> Bucket:
+        """Views of the shared bucket a message from IpcSender describes: the handle of worker `worker_rank` of its
+        engine (of the copy on its device)."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        flat = import_handle(message["handle"], str(message.get("trainer_gpu", "")))
+        handles, gpus = list(message["handles"]), list(message.get("trainer_gpus") or [""] * len(message["handles"]))
+        if worker_rank >= len(handles):
+            raise IpcError(f"a weight bucket carries {len(handles)} handles, none for engine worker {worker_rank}: "
+                           "the trainer counts fewer workers than the engine has")
+        flat = import_handle(handles[worker_rank], str(gpus[worker_rank]))
         device = flat.device if flat.is_cuda else None
         self._open[(str(message["sender"]), int(message["bucket_id"]))] = (StorageWeakRef(flat.untyped_storage()), device)
         return unpack_bucket(message["layout"], flat)
@@ -149,86 +188,282 @@ class IpcReceiver:
         return [bucket_id for owner, bucket_id in released if owner == sender]
 
 
-class IpcSender:
-    """Pushing-rank end: shares each bucket and keeps it until every engine has released it.
+class BufferPool:
+    """The shared buffers one rank holds for a push: one per bucket the workers still map, the released ones
+    written again by later buckets."""
 
-    Drives the push protocol like weight_sync.broadcast.BroadcastSender does (rollout.push calls
-    `send(bucket, receives, names)` with each engine's `receive_method` call); one sender per push.
-    """
-
-    receive_method = "mrl_ipc_receive"
-
-    def __init__(self, device: torch.device | None = None, timeout_s: float = 600.0):
-        self.device = device if device is not None else default_device()
-        self.timeout_s = float(timeout_s)
-        self.trainer_gpu = gpu_uuid(self.device)
-        self.token = uuid.uuid4().hex  # names this push's buckets to the workers
-        self._alive: dict[int, tuple[torch.Tensor, int]] = {}  # bucket id -> (its buffer, engines still holding it)
-        self._free: list[torch.Tensor] = []  # released buffers, written again by later buckets
-        self._next_id = 0
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._alive: dict[int, torch.Tensor] = {}  # bucket id -> its buffer
+        self._free: list[torch.Tensor] = []
         self.shared_bytes = 0
         self.peak_shared_bytes = 0
-        """Most bytes of shared buffers allocated at once (what the trainer and the engine share)."""
-
-    @property
-    def buffer_bytes(self) -> int:
-        return self.peak_shared_bytes
-
-    def send(self, bucket: Bucket, receives: list[Callable[[dict], Any]], names: list[str] | None = None) -> list[Any]:
-        """Share one bucket with every engine; returns each engine's answer to its receive call."""
-        names = [f"engine {i}" for i in range(len(receives))] if names is None else list(names)
-        layout = describe_bucket(bucket)
-        buffer = self._buffer(int(layout["nbytes"]))
-        flat = pack_bucket(bucket, layout, self.device, out=buffer)
-        if flat.is_cuda:
-            torch.cuda.current_stream(flat.device).synchronize()  # the worker reads on its own streams
-        bucket_id, self._next_id = self._next_id, self._next_id + 1
-        message = {"sender": self.token, "bucket_id": bucket_id, "layout": layout, "handle": export_handle(flat),
-                   "trainer_gpu": self.trainer_gpu}
-        self._alive[bucket_id] = (buffer, len(receives))
-        del flat, buffer
-        futures = call_in_threads(receives, [message] * len(receives), "weight-ipc-receive")
-        wait_for_engines(futures, names, self.timeout_s,
-                         what=f"a weight bucket of {layout['nbytes']} bytes by memory handle to {len(receives)} engine(s)")
-        answers = [f.result() for f in futures]
-        for answer in answers:
-            for released in answer.get("released", []) if isinstance(answer, dict) else []:
-                self._release(int(released))
-        return answers
+        """Most bytes of shared buffers allocated at once on this rank (what it and its workers share)."""
 
     @property
     def alive_buckets(self) -> int:
         return len(self._alive)
 
-    def close(self) -> None:
-        """Drop every buffer (the push ended: its workers finished or reloaded; torch keeps a CUDA block a
-        consumer still maps until that consumer lets go of it)."""
-        self._alive.clear()
-        self._free.clear()
-        self.shared_bytes = 0
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """A released buffer of at least `nbytes` (the smallest that fits), else a new one (the released ones,
-        all too small, are let go: what is allocated stays what the worker holds plus what it let go of)."""
+    def take(self, bucket_id: int, nbytes: int) -> torch.Tensor:
+        """The buffer bucket `bucket_id` is packed into: a released one of at least `nbytes` (the smallest that
+        fits), else a new one (the released ones, all too small, are let go: what is allocated stays what the
+        workers hold plus what they let go of)."""
         fitting = [b for b in self._free if b.numel() >= nbytes]
         if fitting:
             buffer = min(fitting, key=lambda b: b.numel())
             self._free = [b for b in self._free if b is not buffer]
-            return buffer
-        self.shared_bytes -= sum(b.numel() for b in self._free)  # all too small: let them go
-        self._free = []
-        buffer = shared_buffer(nbytes, self.device)
-        self.shared_bytes += buffer.numel()
-        self.peak_shared_bytes = max(self.peak_shared_bytes, self.shared_bytes)
-        return buffer
+        else:
+            self.shared_bytes -= sum(b.numel() for b in self._free)
+            self._free = []
+            buffer = shared_buffer(nbytes, self.device)
+            self.shared_bytes += buffer.numel()
+            self.peak_shared_bytes = max(self.peak_shared_bytes, self.shared_bytes)
+        self._alive[bucket_id] = buffer
+        return buffer[:nbytes]
+
+    def release(self, bucket_id: int) -> None:
+        buffer = self._alive.pop(bucket_id, None)
+        if buffer is not None:
+            self._free.append(buffer)
+
+    def close(self) -> None:
+        """Drop every buffer (the push ended: its workers finished or reloaded; torch keeps a CUDA block another
+        process still maps until that process lets go of it)."""
+        self._alive.clear()
+        self._free.clear()
+        self.shared_bytes = 0
+
+
+def share(pool: BufferPool, bucket_id: int, layout: dict, copies: int, bucket: Bucket | None = None,
+          fill: Callable[[torch.Tensor], None] | None = None) -> list[str]:
+    """Pack `bucket` (or let `fill` write the bytes) into the pool's buffer for `bucket_id`; `copies` handles of it,
+    one per worker that maps it (each handle holds one reference to the memory, which its worker's mapping takes
+    over: one handle opened twice would let the memory go while a worker still maps it)."""
+    flat = pool.take(bucket_id, int(layout["nbytes"]))
+    if bucket is not None:
+        pack_bucket(bucket, layout, pool.device, out=flat)
+    if fill is not None:
+        fill(flat)
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()  # the worker reads on its own streams
+    return [export_handle(flat) for _ in range(copies)]
+
+
+@dataclass
+class SharedBucket:
+    """One bucket as the workers get it: the handle each worker maps, and how the bucket is laid out."""
+
+    bucket_id: int
+    layout: dict
+    handles: list[list[str]]
+    """handles[i][j]: what worker j of engine i maps (the copy on its trainer rank's device)."""
+    gpus: list[list[str]]
+    """The UUID of the GPU behind each handle ('' on the host)."""
+
+
+class IpcRelay:
+    """Every rank whose device holds engine workers: each bucket of the export shared on every such rank (see the
+    module docstring).
+
+    Collective over `ranks` (the pushing rank `ranks[0]` first): every one of them wraps the same export with
+    `wrap` and iterates it to the end (push_weights does), then calls `close`. `engine_ranks[i][j]`: the trainer
+    rank whose copy worker j of engine i maps. `group` moves the buckets (the trainer's backend: NCCL on GPU),
+    `object_group` the small per-bucket header and handles (gloo). With one rank (an engine process on the
+    pushing rank's device) nothing is collective: IpcSender shares each bucket as it sends it.
+    """
+
+    def __init__(self, *, rank: int, ranks: list[int], engine_ranks: list[list[int]], group: Any = None,
+                 object_group: Any = None, device: torch.device | None = None):
+        self.rank, self.ranks = int(rank), [int(r) for r in ranks]
+        self.root = self.ranks[0]
+        self.engine_ranks = [[int(r) for r in ranks] for ranks in engine_ranks]
+        self.copies = sum(r == self.rank for ranks in self.engine_ranks for r in ranks)
+        """Workers that map this rank's copy of each bucket (one handle each)."""
+        self.group, self.object_group = group, object_group
+        self.pool = BufferPool(device if device is not None else default_device())
+        self.current: SharedBucket | None = None
+        """The bucket just shared (the pushing rank; IpcSender sends it)."""
+        self.token = uuid.uuid4().hex
+        self._sharing = False
+        self._next_id = 0
+        self._released: list[int] = []  # let go of by every worker, to be freed on the other ranks too
+        self._drop_all = False
+
+    def wrap(self, buckets: Iterable[Bucket]) -> WeightStream:
+        """The same stream, each bucket shared on every rank of the relay as it passes (collective)."""
+        stream = as_weight_stream(buckets) if self.rank == self.root else None
+        entries = stream.entries if stream is not None else getattr(buckets, "entries", [])
+        self.pool.close()  # an earlier push's buffers (its end was agreed before this push began)
+        self.token, self._sharing, self._next_id, self._released, self._drop_all = uuid.uuid4().hex, False, 0, [], False
+        return WeightStream(entries, self._shared(stream if stream is not None else buckets))
+
+    def _shared(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
+        import torch.distributed as dist
+
+        group = self.group if self.pool.device.type == "cuda" else self.object_group  # NCCL moves GPU bytes
+        for bucket in buckets:
+            header = None
+            if self.rank == self.root:  # what every rank does with this bucket
+                header = {"layout": describe_bucket(bucket) if bucket and self._sharing else None,
+                          "token": self.token, "released": self._released, "drop_all": self._drop_all}
+                self._released = []
+            holder = [header]
+            dist.broadcast_object_list(holder, src=self.root, group=self.object_group)
+            header = holder[0]
+            self._follow(header)
+            if header["layout"] is not None:
+                handles = share(self.pool, self._next_id, header["layout"], self.copies,
+                                bucket if self.rank == self.root else None,
+                                fill=lambda flat: dist.broadcast(flat, src=self.root, group=group))
+                gathered: list[Any] = [None] * len(self.ranks)
+                dist.gather_object((handles, gpu_uuid(self.pool.device)), gathered if self.rank == self.root else None,
+                                   dst=self.root, group=self.object_group)
+                if self.rank == self.root:
+                    self.current = self._assign(header["layout"], dict(zip(self.ranks, gathered)))
+                self._next_id += 1
+            yield bucket
+        self.current = None
+
+    def share_here(self, bucket: Bucket) -> SharedBucket:
+        """(one rank, nothing collective) Share `bucket` from this rank's device with every worker."""
+        layout = describe_bucket(bucket)
+        handles = share(self.pool, self._next_id, layout, self.copies, bucket)
+        self._next_id += 1
+        return self._assign(layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
+
+    def _assign(self, layout: dict, by_rank: dict[int, tuple[list[str], str]]) -> SharedBucket:
+        """Each worker its own handle of the copy on its rank's device."""
+        unused = {rank: list(handles) for rank, (handles, _) in by_rank.items()}
+        handles = [[unused[rank].pop(0) for rank in ranks] for ranks in self.engine_ranks]
+        gpus = [[by_rank[rank][1] for rank in ranks] for ranks in self.engine_ranks]
+        return SharedBucket(self._next_id, layout, handles, gpus)
+
+    def _follow(self, header: dict) -> None:
+        self.token = str(header["token"])
+        if header["drop_all"]:
+            self.pool.close()
+        for bucket_id in header["released"]:
+            self.pool.release(int(bucket_id))
+
+    def start(self) -> None:
+        """(pushing rank) The engines take buckets from now on (IpcSender is made once the push is checked: a
+        push refused before drains the export unshared)."""
+        self._sharing = True
+
+    def message(self, shared: SharedBucket, engine: int) -> dict:
+        """What engine `engine`'s workers get for a bucket: each worker's handle, in worker order."""
+        return {"sender": self.token, "bucket_id": shared.bucket_id, "layout": shared.layout,
+                "handles": shared.handles[engine], "trainer_gpus": shared.gpus[engine]}
+
+    def release(self, bucket_id: int) -> None:
+        """(pushing rank) Every worker let go of `bucket_id`: its buffers are written again (here now, on the
+        other ranks from the next bucket on)."""
+        self.pool.release(bucket_id)
+        self._released.append(bucket_id)
+
+    def stop(self) -> None:
+        """(pushing rank) The push ended or broke: the rest of the export is not shared, every buffer is let go."""
+        self._sharing, self._drop_all, self._released = False, True, []
+        self.pool.close()
+
+    def close(self) -> None:
+        """(every rank, after the push) Drop every buffer."""
+        self._sharing = False
+        self.current = None
+        self.pool.close()
+
+
+class IpcSender:
+    """Pushing-rank end: sends each bucket's handles to every engine and frees its buffers once all their workers
+    have let go of it.
+
+    Drives the push protocol like weight_sync.broadcast.BroadcastSender does (rollout.push calls
+    `send(bucket, receives, names)`, each receive answering with every worker's answer); one sender per push.
+    Without a relay the bucket is shared from this rank's device alone (one engine process); with one, the
+    relay has already shared it on every rank while the export passed it (colocated servers).
+    """
+
+    receive_method = "mrl_ipc_receive"
+
+    def __init__(self, device: torch.device | None = None, timeout_s: float = 600.0, relay: IpcRelay | None = None,
+                 *, workers: int = 1):
+        """workers: without a relay, how many workers the one engine process has (each maps its own handle)."""
+        self.local = relay is None
+        self.relay = relay if relay is not None else IpcRelay(rank=0, ranks=[0], engine_ranks=[[0] * workers],
+                                                              device=device)
+        self.relay.start()
+        self.timeout_s = float(timeout_s)
+        self._holders: Counter[int] = Counter()  # bucket id -> engines still holding it
+
+    @property
+    def pool(self) -> BufferPool:
+        return self.relay.pool
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.pool.peak_shared_bytes
+
+    @property
+    def peak_shared_bytes(self) -> int:
+        return self.pool.peak_shared_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.pool.shared_bytes
+
+    @property
+    def alive_buckets(self) -> int:
+        return self.pool.alive_buckets
+
+    def send(self, bucket: Bucket, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
+        """Hand one bucket to every engine; returns each engine's answers (one per worker)."""
+        names = [f"engine {i}" for i in range(len(receives))] if names is None else list(names)
+        if len(receives) != len(self.relay.engine_ranks):
+            raise IpcError(f"{len(receives)} engines, but the relay knows the devices of {len(self.relay.engine_ranks)}")
+        shared = self._shared(bucket)
+        messages = [_to_json(self.relay.message(shared, i)) for i in range(len(receives))]
+        self._holders[shared.bucket_id] = len(receives)
+        futures = call_in_threads(receives, messages, "weight-ipc-receive")
+        wait_for_engines(futures, names, self.timeout_s,
+                         what=f"a weight bucket of {shared.layout['nbytes']} bytes by memory handle to {len(receives)} engine(s)")
+        answers = [f.result() for f in futures]
+        for workers in answers:
+            for released in _released_by_all(workers):
+                self._release(released)
+        return answers
+
+    def _shared(self, bucket: Bucket) -> SharedBucket:
+        if self.local:
+            return self.relay.share_here(bucket)
+        if self.relay.current is None:
+            raise IpcError("a bucket reached the sender that the relay did not share: wrap the export with "
+                           "IpcRelay.wrap on every rank of the relay")
+        return self.relay.current
 
     def _release(self, bucket_id: int) -> None:
-        entry = self._alive.get(bucket_id)
-        if entry is None:
-            return
-        buffer, holders = entry
-        if holders > 1:
-            self._alive[bucket_id] = (buffer, holders - 1)
-            return
-        del self._alive[bucket_id]
-        self._free.append(buffer)
+        self._holders[bucket_id] -= 1
+        if self._holders[bucket_id] <= 0:
+            del self._holders[bucket_id]
+            self.relay.release(bucket_id)
+
+    def abandon(self) -> None:
+        """The push broke: nothing more is shared, every buffer on this rank goes (the relay's other ranks let
+        theirs go at its next bucket, or when the push ends)."""
+        self.relay.stop()
+        self._holders.clear()
+
+    def close(self) -> None:
+        self.abandon()
+
+
+def _released_by_all(workers: Any) -> list[int]:
+    """Bucket ids every worker of one engine says it let go of (an answer, or a list of its workers' answers)."""
+    answers = workers if isinstance(workers, list) else [workers]
+    sets = [set(int(i) for i in a.get("released", [])) for a in answers if isinstance(a, dict)]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def _to_json(message: dict) -> str:
+    import json
+
+    return json.dumps(message)

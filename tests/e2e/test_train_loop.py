@@ -112,11 +112,15 @@ def test_two_processes_expert_parallel_grouped_experts_on_a_tiny_model_the_prese
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-moe.lock", "tiny-moe"]  # no half-built copy
 
 
-def test_two_colocated_engines_hosted_by_the_trainer_ranks(model_dir, tmp_path):
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_two_colocated_engines_hosted_by_the_trainer_ranks(transport, model_dir, tmp_path):
     # rollout.engines=2: each of the 2 ranks hosts a vLLM server; rank 0 sends the 4 prompts of a
     # step round-robin (2 each) and pushes every step's weights into both. Samples from either
-    # engine match the actor's logprobs (checked in _check_rows), so both got every push.
-    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path, "train.steps=2", "rollout.engines=2", nproc=2), timeout=500)
+    # engine match the actor's logprobs (checked in _check_rows), so both got every push: by one
+    # broadcast into both servers' workers (the CPU default), or by memory handles (the GPU default),
+    # where rank 1 shares each bucket from its own memory with the server it hosts.
+    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path, "train.steps=2", "rollout.engines=2",
+                  f"rollout.weight_transport={transport}", nproc=2), timeout=500)
     _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
     for engine in (0, 1):  # vLLM's own access log: 2 prompts x 2 steps on each engine
         log = (tmp_path / f"vllm-engine{engine}.log").read_text()

@@ -368,7 +368,7 @@ def test_phases_of_the_one_node_preset_equal_a_hand_count():
     optimizer = 12 * (dense / 4 + experts / 1)  # fp32 main copy + Adam's two moments, over DP 4 / expert-DP 1
     engine_awake = 0.8 * 80 * GIB  # gpu_memory_utilization x the GPU
     engine_weights = 2 * total_hf / 4  # bf16 over the engine's TP 4
-    engine_asleep = 2 * GIB  # vLLM's own buffers (plan.memory.ENGINE_OVERHEAD_GIB)
+    engine_asleep = 2 * GIB  # vLLM's own buffers (plan.memory.ENGINE_OVERHEAD_GIB); eager: no CUDA graphs
     buckets = 5 * 512 * 2**20  # 2 on the pushing rank + 3 on an engine worker, 512 MB each
     phases = {p.name: p for p in plan.phases}
     # generation: every state of the actor on the host, the engine awake
@@ -391,6 +391,8 @@ def test_phases_of_the_one_node_preset_equal_a_hand_count():
         (["train.offload=none"], "generation", "train.offload=none"),
         (["train.offload=optimizer"], "generation", "train.offload=optimizer"),
         (["rollout.sleep_level=0"], "training", "rollout.sleep_level=0"),
+        # CUDA graphs stay while vLLM sleeps: 2 GiB more beside the training actor, 77.5 of 77 GiB
+        (["rollout.enforce_eager=false"], "training", "keeps its CUDA graphs"),
     ],
 )
 def test_without_offload_or_sleep_the_one_node_preset_is_refused_before_launch(overrides, peak, names, capsys):
@@ -399,10 +401,13 @@ def test_without_offload_or_sleep_the_one_node_preset_is_refused_before_launch(o
     assert not plan.fits and plan.peak.name == peak
     if overrides == ["train.offload=optimizer"]:  # parameters and gradients stay beside the engine
         assert plan.peak.actor == pytest.approx(6 * (dense + experts))
+    if overrides == ["rollout.enforce_eager=false"]:  # the eager engine's 2 GiB asleep, plus its graphs' 2 GiB
+        assert plan.peak.engine == 4 * GIB and plan.peak.total > plan.budget
     # what the launch scripts run before they start a process: exit 2, the verdict naming the setting
     assert main(["plan", "--check", "--config", str(ONE_NODE), *overrides]) == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
-    assert f"does not fit: in the {peak} phase" in err and names in err and "rollout.sleep_level=2" in err
+    assert f"does not fit: in the {peak} phase" in err and names in err
+    assert ("rollout.enforce_eager=true" if "graphs" in names else "rollout.sleep_level=2") in err
     assert main(["plan", "--check", "--config", str(ONE_NODE)]) == 0
     assert capsys.readouterr() == ("", "")
 

@@ -138,15 +138,19 @@ def test_ipc_transport_placement():
     assert auto.transport == ("ipc" if torch.cuda.is_available() else "broadcast")  # same GPU: handles with CUDA
     with pytest.raises(ConfigError, match="weight_transport=ipc needs the engine in another process"):
         resolve_placement(RolloutConfig(multiprocessing=False, weight_transport="ipc"))
-    with pytest.raises(ConfigError, match="weight_transport=ipc hands memory handles to one engine process"):
+    with pytest.raises(ConfigError, match="weight_transport=ipc hands memory handles to engines on the trainer's own"):
         resolve_placement(RolloutConfig(engine="vllm_server", server_urls=["http://a:1"], weight_transport="ipc"))
-    with pytest.raises(ConfigError, match="weight_transport=ipc hands memory handles"):
-        resolve_placement(RolloutConfig(engines=2, weight_transport="ipc"), world_size=2)
+    colocated = resolve_placement(RolloutConfig(engines=2, weight_transport="ipc"), world_size=2)
+    assert (colocated.kind, colocated.transport) == ("colocated_servers", "ipc")  # each rank's device, its worker
+    auto = resolve_placement(RolloutConfig(engines=2), world_size=2)
+    assert auto.transport == ("ipc" if torch.cuda.is_available() else "broadcast")
 
 
 def test_auto_picks_ipc_for_an_engine_process_when_cuda_is_there(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_placement(RolloutConfig(multiprocessing=True)).transport == "ipc"
     assert resolve_placement(RolloutConfig(multiprocessing=False)).transport == "rpc"  # in-process: references
-    assert resolve_placement(RolloutConfig(engines=2), world_size=2).transport == "broadcast"  # servers
+    assert resolve_placement(RolloutConfig(engines=2), world_size=2).transport == "ipc"  # colocated servers too
+    remote = RolloutConfig(engine="vllm_server", server_urls=["http://a:1"])
+    assert resolve_placement(remote).transport == "broadcast"  # servers on GPUs of their own
 
