@@ -12,6 +12,12 @@ handle, manifest check, streaming load) over a model runner that copies each
 tensor into a torch module's parameters on the same device: what vLLM's load
 does, without vLLM (its CUDA build is not installed on the GPU machine).
 
+`--relay` measures colocated servers' form instead (weight_sync.ipc.IpcRelay):
+two trainer ranks, each with an engine worker on its device; rank 0's export
+is copied to rank 1 over the trainer's group (NCCL on GPUs, which needs two;
+gloo on the host) and each worker maps its own rank's copy. It writes
+ipc_relay_<device>.json.
+
 Reported: push GB/s (fastest of REPEATS after a warm-up, and the median),
 the same bytes copied once with `Tensor.copy_` on the device in the same run
 (the ratio copy time / push time says how close a push comes to moving its
@@ -56,7 +62,6 @@ def make_checkpoint(path: Path, hidden: int, layers: int) -> Path:
 
 def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
     import torch
-    from safetensors.torch import load_file
 
     from megatron_rl.rollout.push import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
@@ -67,9 +72,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(Path(tmp) / "model", hidden, layers)
         manifest = manifest_from_checkpoint(model_dir)
-        generator = torch.Generator(device=device).manual_seed(0)
-        state = {name: torch.randn(t.shape, generator=generator, device=device).to(torch.bfloat16)
-                 for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+        state = _random_state(model_dir, device)
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         buckets = list(bucketize(state.items(), bucket_mb << 20))
         worker = WorkerProcess(model_dir, device)
@@ -107,6 +110,100 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
     }
 
 
+def _relay_rank(rank: int, world_size: int, init: str, model_dir: str, device: str, bucket_mb: int, out: str) -> None:
+    """One trainer rank of the relay measurement (rank 0 pushes and times; each rank reports its shared bytes)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.rollout.push import PushTarget, stream_push
+    from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
+    from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
+    from megatron_rl.weight_sync.stream import entries_of
+    from tests.worker_process import WorkerProcess
+
+    on_gpu = device.startswith("cuda")
+    local = torch.device(f"cuda:{rank}") if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init, rank=rank, world_size=world_size)
+    objects = dist.new_group(backend="gloo") if on_gpu else dist.group.WORLD
+    relay = IpcRelay(rank=rank, ranks=list(range(world_size)), engine_ranks=[[r] for r in range(world_size)],
+                     group=dist.group.WORLD, object_group=objects, device=local)
+    state = _random_state(Path(model_dir), str(local))
+    buckets = list(bucketize(state.items(), bucket_mb << 20))
+    workers = [WorkerProcess(Path(model_dir), str(torch.device(f"cuda:{r}") if on_gpu else "cpu"))
+               for r in range(world_size)] if rank == 0 else []
+    targets = [PushTarget(f"engine {r}", w.call, lambda b: b, lambda: None) for r, w in enumerate(workers)]
+    push_s, peak, staged = [], 0, 0
+    try:
+        for version in range(1, REPEATS + 2):
+            export = ([(n, t.clone()) for n, t in b] if rank == 0 else [] for b in buckets)
+            stream = relay.wrap(WeightStream(entries_of(buckets) if rank == 0 else [], export))
+            dist.barrier()
+            begin = time.perf_counter()
+            if rank == 0:
+                result = stream_push(targets, stream, version, manifest=manifest_from_checkpoint(model_dir),
+                                     repack_moe=False, sender=lambda: IpcSender(relay=relay, timeout_s=600))
+                staged = max(staged, max(c["peak_staged_bytes"] for c in result.commits))
+            else:
+                for _ in stream:
+                    pass
+            dist.barrier()
+            if version > 1:  # the first push is a warm-up
+                push_s.append(time.perf_counter() - begin)
+            peak = max(peak, relay.pool.peak_shared_bytes)
+            relay.close()
+        arrived = None
+        if rank == 0:
+            expected = float(sum(t.float().sum() for t in state.values()))
+            sums = [float(sum(t.float().sum() for t in w.call("state").values())) for w in workers]
+            arrived = all(abs(x - expected) <= 1e-3 * max(1.0, abs(expected)) for x in sums)
+    finally:
+        for worker in workers:
+            worker.stop()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        {"push_s": push_s, "peak_shared_bytes": peak, "staged": staged, "arrived": arrived,
+         "bytes": sum(t.numel() * t.element_size() for t in state.values()), "buckets": len(buckets)}))
+    dist.destroy_process_group()
+
+
+def measure_relay(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
+    """Two trainer ranks, an engine worker on each one's device, the export shared by IpcRelay."""
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_checkpoint(Path(tmp) / "model", hidden, layers)
+        mp.spawn(_relay_rank, args=(2, f"file://{tmp}/init", str(model_dir), device, bucket_mb, tmp), nprocs=2)
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
+        state = _random_state(model_dir, device)
+    copy_s = _plain_copy_s(state, device)
+    push_s, num_bytes = ranks[0]["push_s"], ranks[0]["bytes"]
+    return {
+        "hidden": hidden, "layers": layers, "bytes": num_bytes, "bucket_mb": bucket_mb, "buckets": ranks[0]["buckets"],
+        "trainer_ranks": 2, "engines": 2, "weights_arrived": ranks[0]["arrived"],
+        "push_s": [round(x, 4) for x in push_s],
+        "push_gb_per_s": round(num_bytes / min(push_s) / 1e9, 3),
+        "push_gb_per_s_median": round(num_bytes / statistics.median(push_s) / 1e9, 3),
+        "plain_copy_gb_per_s": round(num_bytes / min(copy_s) / 1e9, 3),
+        "push_vs_plain_copy_speed_ratio": round(min(copy_s) / min(push_s), 4),
+        "peak_shared_bytes_per_rank": [r["peak_shared_bytes"] for r in ranks],
+        "peak_shared_in_buckets_per_rank": [round(r["peak_shared_bytes"] / (bucket_mb << 20), 2) for r in ranks],
+        "peak_engine_worker_staged_bytes": ranks[0]["staged"],
+        "peak_shared_vs_model": round(max(r["peak_shared_bytes"] for r in ranks) / num_bytes, 4),
+        "torch": torch.__version__,
+    }
+
+
+def _random_state(model_dir: Path, device: str) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    return {name: torch.randn(t.shape, generator=generator, device=device).to(torch.bfloat16)
+            for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+
+
 def _plain_copy_s(state: dict, device: str) -> list[float]:
     import torch
 
@@ -131,9 +228,13 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--relay", action="store_true", help="two trainer ranks, a worker on each one's device")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/ipc_gpu.py needs a CUDA GPU (none here); `--device cpu` runs the shared-memory variant")
+    if args.relay and args.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit("bench/ipc_gpu.py --relay needs two GPUs (NCCL refuses two ranks on one); `--device cpu` "
+                         "runs the shared-memory variant")
     if args.device == "cuda":
         device, name = "cuda:0", torch.cuda.get_device_name(0)
         # bf16, 16 x hidden^2 parameters a layer: 16 x 4096^2 x 2 bytes = 537 MB; 2 and 16 layers (1.1 / 8.6 GB)
@@ -141,7 +242,7 @@ def main() -> None:
     else:
         device, name = "cpu", "cpu"
         runs = [(1024, 8, 32), (1024, 8, 8)]  # 16 x 1024^2 x 2 bytes = 33.5 MB a layer, 268 MB in all
-    rows = [measure(device, *run) for run in runs]
+    rows = [(measure_relay if args.relay else measure)(device, *run) for run in runs]
     for row in rows:
         print(json.dumps(row), flush=True)
     result = {
@@ -157,7 +258,11 @@ def main() -> None:
                 "device in the same run; shared bytes alive = buckets the pushing side still kept for the worker.",
     }
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-    out = ROOT / "bench" / "results" / f"ipc_{slug}.json"
+    if args.relay:
+        result["transport"] = ("weight_sync.ipc.IpcRelay: rank 0's export copied to rank 1 over the trainer's group "
+                               "(NCCL on GPUs, gloo on the host), each rank's copy shared by reduce_tensor handles "
+                               "with the engine-worker process on its device")
+    out = ROOT / "bench" / "results" / f"ipc_{'relay_' if args.relay else ''}{slug}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
 
