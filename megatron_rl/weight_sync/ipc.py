@@ -319,24 +319,24 @@ class IpcRelay:
                 dist.gather_object((handles, gpu_uuid(self.pool.device)), gathered if self.rank == self.root else None,
                                    dst=self.root, group=self.object_group)
                 if self.rank == self.root:
-                    self.current = self._assign(header["layout"], dict(zip(self.ranks, gathered)))
+                    self.current = self._assign(self._next_id, header["layout"], dict(zip(self.ranks, gathered)))
                 self._next_id += 1
             yield bucket
         self.current = None
 
     def share_here(self, bucket: Bucket) -> SharedBucket:
         """(one rank, nothing collective) Share `bucket` from this rank's device with every worker."""
-        layout = describe_bucket(bucket)
-        handles = share(self.pool, self._next_id, layout, self.copies, bucket)
+        layout, bucket_id = describe_bucket(bucket), self._next_id
+        handles = share(self.pool, bucket_id, layout, self.copies, bucket)
         self._next_id += 1
-        return self._assign(layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
+        return self._assign(bucket_id, layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
 
-    def _assign(self, layout: dict, by_rank: dict[int, tuple[list[str], str]]) -> SharedBucket:
-        """Each worker its own handle of the copy on its rank's device."""
+    def _assign(self, bucket_id: int, layout: dict, by_rank: dict[int, tuple[list[str], str]]) -> SharedBucket:
+        """Bucket `bucket_id` as its workers get it: each its own handle of the copy on its rank's device."""
         unused = {rank: list(handles) for rank, (handles, _) in by_rank.items()}
         handles = [[unused[rank].pop(0) for rank in ranks] for ranks in self.engine_ranks]
         gpus = [[by_rank[rank][1] for rank in ranks] for ranks in self.engine_ranks]
-        return SharedBucket(self._next_id, layout, handles, gpus)
+        return SharedBucket(bucket_id, layout, handles, gpus)
 
     def _follow(self, header: dict) -> None:
         self.token = str(header["token"])
