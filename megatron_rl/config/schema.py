@@ -302,9 +302,11 @@ class RolloutConfig:
     """How pushed weights reach the engine. rpc: through the worker extension's RPC (tensors by reference to an
     in-process engine, safetensors bytes to an engine process or over HTTP to a server); broadcast: a
     torch.distributed broadcast from the pushing trainer rank into every engine worker (weight_broadcast_backend);
-    ipc: memory handles to an engine process on the trainer's own device (CUDA IPC on a GPU, shared memory on the
-    host; weight_sync.ipc); auto: rpc for an engine inside the trainer's process, ipc for an engine process when
-    CUDA is available (it shares the trainer's GPU), else broadcast; broadcast for servers."""
+    ipc: memory handles to engines on the trainer's own devices, an engine process or colocated servers (CUDA IPC on
+    a GPU, shared memory on the host; weight_sync.ipc: with colocated servers every rank shares each bucket with the
+    workers on its GPU); auto: rpc for an engine inside the trainer's process, ipc for an engine process or
+    colocated servers when CUDA is available (they share the trainer's GPUs), else broadcast; broadcast for remote
+    servers."""
     weight_broadcast_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Backend of the weight broadcast. auto: nccl for servers when CUDA is available (their GPUs differ from the
     trainer's), gloo for an engine process next to the trainer (it shares the trainer's GPU, which NCCL refuses) or

@@ -118,9 +118,10 @@ def test_two_colocated_engines_hosted_by_the_trainer_ranks(transport, model_dir,
     # step round-robin (2 each) and pushes every step's weights into both. Samples from either
     # engine match the actor's logprobs (checked in _check_rows), so both got every push: by one
     # broadcast into both servers' workers (the CPU default), or by memory handles (the GPU default),
-    # where rank 1 shares each bucket from its own memory with the server it hosts.
+    # where rank 1 shares each bucket from its own memory with the server it hosts; small buckets, so
+    # that each push is many buckets and their buffers are written again once the servers let go.
     _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path, "train.steps=2", "rollout.engines=2",
-                  f"rollout.weight_transport={transport}", nproc=2), timeout=500)
+                  f"rollout.weight_transport={transport}", "rollout.weight_bucket_mb=0.25", nproc=2), timeout=500)
     _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
     for engine in (0, 1):  # vLLM's own access log: 2 prompts x 2 steps on each engine
         log = (tmp_path / f"vllm-engine{engine}.log").read_text()

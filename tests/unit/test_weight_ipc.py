@@ -11,6 +11,7 @@ vLLM engine.
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -65,9 +66,20 @@ def push_by_handles(worker: WorkerProcess, model_dir: Path, stream: WeightStream
         senders.append(IpcSender(torch.device(device), timeout_s=120))
         return senders[-1]
 
-    target = PushTarget("worker", worker.call, lambda bucket: bucket, lambda: None)
+    messages = []
+
+    def call(method, *args):
+        if method == "mrl_ipc_receive":
+            messages.append(json.loads(args[0]))
+            held = set(senders[0].pool._alive)  # the buffers this rank keeps, by bucket id
+            assert messages[-1]["bucket_id"] in held, (messages[-1]["bucket_id"], held)
+        return worker.call(method, *args)
+
+    target = PushTarget("worker", call, lambda bucket: bucket, lambda: None)
     result = stream_push([target], stream, version, manifest=manifest_from_checkpoint(model_dir), sender=sender,
                          repack_moe=False)
+    # each bucket is named by the id its buffer is kept under, counting from 0 in every push
+    assert [m["bucket_id"] for m in messages] == list(range(len(messages)))
     return result, senders[0]
 
 
