@@ -63,8 +63,8 @@ def _target(name: str, workers: list[WorkerProcess], handle_makers: list[list[in
         if method == "mrl_ipc_receive":
             message = json.loads(args[0])
             for worker, handle in enumerate(message["handles"]):
-                names = re.findall(rb"/torch_(\d+)_", base64.b64decode(handle))
-                handle_makers[worker].append(int(names[0]))
+                names = re.findall(rb"/torch_(\d+)_", base64.b64decode(handle))  # host memory: the maker's pid
+                handle_makers[worker].append(int(names[0]) if names else None)
         return [worker.call(method, *args) for worker in workers]
 
     return PushTarget(name, lambda method, *args: call_each(method, *args)[0], lambda bucket: bucket, lambda: None,
@@ -83,23 +83,30 @@ def _push(relay: IpcRelay, rank: int, targets, state, model_dir: Path, version: 
             pass
         return None
     finally:
-        dist.barrier()  # rank 0's push (commit or abort) is over before any buffer goes
+        dist.barrier(group=relay.object_group)  # rank 0's push (commit or abort) is over before any buffer goes
         relay.close()
 
 
-def _relay_ranks(rank: int, world_size: int, root: str) -> dict:
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _relay_ranks(rank: int, world_size: int, root: str, device_type: str = "cpu") -> dict:
+    """One trainer rank; device_type cuda: rank r on GPU r (NCCL moves the buckets), each worker on its rank's GPU."""
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    objects = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
     first, second = Path(root) / "a", Path(root) / "b"
     target = load_state(second)
     buckets = len(list(bucketize(target.items(), BUCKET_BYTES)))
     relay = IpcRelay(rank=rank, ranks=[0, 1], engine_ranks=ENGINE_RANKS, group=dist.group.WORLD,
-                     object_group=dist.group.WORLD, device=torch.device("cpu"))
+                     object_group=objects, device=device)
     pids = [None] * world_size
-    dist.all_gather_object(pids, os.getpid())
+    dist.all_gather_object(pids, os.getpid(), group=objects)
     out: dict = {"pids": pids}
     workers = []
     if rank == 0:
-        workers = [[WorkerProcess(first, rank=j) for j in range(len(ranks))] for ranks in ENGINE_RANKS]
+        workers = [[WorkerProcess(first, f"cuda:{r}" if cuda else "cpu", rank=j) for j, r in enumerate(ranks)]
+                   for ranks in ENGINE_RANKS]
     try:
         makers = [[[] for _ in ranks] for ranks in ENGINE_RANKS]
         targets = [_target(f"engine {i}", w, makers[i]) for i, w in enumerate(workers)]
@@ -129,8 +136,13 @@ def _relay_ranks(rank: int, world_size: int, root: str) -> dict:
 
 
 def test_each_worker_maps_the_copy_on_its_own_ranks_device_and_loads_bit_exact(tmp_path):
+    check_relay(tmp_path, "cpu")
+
+
+def check_relay(tmp_path: Path, device_type: str) -> None:
+    """The relay on host memory, or on two GPUs (tests/gpu/test_weight_ipc_gpu.py), checked as the module says."""
     first, second = make_model_dir(tmp_path / "a", 0), make_model_dir(tmp_path / "b", 1)
-    rank0, rank1 = run_distributed(_relay_ranks, 2, str(tmp_path), timeout=240)
+    rank0, rank1 = run_distributed(_relay_ranks, 2, str(tmp_path), device_type, timeout=240)
     target, original = load_state(second), load_state(first)
     pids = rank0["pids"]
 
@@ -140,12 +152,14 @@ def test_each_worker_maps_the_copy_on_its_own_ranks_device_and_loads_bit_exact(t
             assert set(state) == set(target)
             assert all(state[n].dtype == t.dtype and torch.equal(state[n], t) for n, t in target.items())
     assert [c["version"] for c in rank0["commits"]] == [1, 1]
-    # worker j of engine i mapped the copy made by the process of rank ENGINE_RANKS[i][j], every bucket
+    # worker j of engine i mapped the copy made by the process of rank ENGINE_RANKS[i][j], every bucket (on GPUs
+    # each worker checks the GPU behind its handle is its own: a wrong one fails the push)
     buckets = list(bucketize(target.items(), BUCKET_BYTES))
     for i, ranks in enumerate(ENGINE_RANKS):
         for j, rank in enumerate(ranks):
             makers = rank0["makers"][i][j]
-            assert makers[: len(buckets)] == [pids[rank]] * len(buckets), (i, j, makers)
+            if device_type == "cpu":
+                assert makers[: len(buckets)] == [pids[rank]] * len(buckets), (i, j, makers)
     # each rank held a few shared buckets at a time (released ones written again), not the model
     model_bytes = sum(t.numel() * t.element_size() for t in target.values())
     largest = max(sum(t.numel() * t.element_size() + 64 for _, t in b) for b in buckets)

@@ -1,4 +1,7 @@
-"""On one CUDA GPU: weights by CUDA IPC handle from the pushing process into an engine worker's process.
+"""On CUDA GPUs: weights by CUDA IPC handle from the pushing process into an engine worker's process.
+
+On one GPU, one engine process; on two, the relay of colocated servers
+(tests/distributed/test_weight_ipc_relay.py, which runs it on host memory).
 
 No vLLM here (its CUDA build is not installed on the GPU machine): the worker
 process runs the real worker extension (rebuild from the handle, the streaming
@@ -11,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.test_weight_ipc_relay import check_relay
 from tests.unit.test_weight_ipc import check_push_by_handles, make_model_dir, push_by_handles, stream_of
 from tests.worker_process import WorkerProcess, load_state
 
@@ -29,10 +33,17 @@ def test_a_handle_from_another_gpu_is_refused_with_the_fix(tmp_path, monkeypatch
     worker = WorkerProcess(model_dir, "cuda:0")
     try:
         monkeypatch.setattr(ipc, "gpu_uuid", lambda device: "GPU-not-this-one")  # the trainer's side says another GPU
-        with pytest.raises(Exception, match="not on the trainer's GPU.*weight_transport=broadcast"):
+        with pytest.raises(Exception, match="not on the GPU that shared its weights.*weight_transport=broadcast"):
             push_by_handles(worker, model_dir, stream_of(load_state(model_dir), "cuda:0"), 1, "cuda:0")
         state = worker.call("state")
         assert all(torch.equal(state[n], t) for n, t in load_state(model_dir).items())  # nothing was loaded
     finally:
         worker.stop()
 
+
+@pytest.mark.gpu
+def test_colocated_servers_relay_each_bucket_to_every_gpu_and_each_worker_maps_its_own(tmp_path):
+    # two trainer ranks on GPUs 0 and 1 (NCCL between them), engine workers on both: IpcRelay as on the host
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (the relay copies each bucket from one GPU to the other)")
+    check_relay(tmp_path, "cuda")
