@@ -254,7 +254,7 @@ class BroadcastSender:
         messages, rank_offset = [], 1
         for workers in workers_per_engine:
             info = {"host": self.host, "port": port, "rank_offset": rank_offset, "world_size": world_size,
-                    "backend": self.backend, "timeout_s": self.timeout_s, "trainer_gpu": _gpu_uuid(self.device)}
+                    "backend": self.backend, "timeout_s": self.timeout_s, "trainer_gpu": gpu_uuid(self.device)}
             messages.append(json.dumps(info))
             rank_offset += workers
         joined = call_in_threads(joins, messages, "weight-broadcast-join")
@@ -357,15 +357,14 @@ def wait_for_engines(futures: list[Future], names: list[str], timeout_s: float, 
         )
 
 
-def _gpu_uuid(device: torch.device) -> str:
-    if device.type != "cuda":
-        return ""
-    return str(torch.cuda.get_device_properties(device).uuid)
+def gpu_uuid(device: torch.device) -> str:
+    """The physical GPU behind `device` ('' for the host): the same in every process, unlike the device index."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
 def check_not_same_gpu(trainer_gpu: str, device: torch.device) -> None:
     """NCCL cannot put two ranks of one group on one GPU: say so before the rendezvous hangs or fails obscurely."""
-    if trainer_gpu and device.type == "cuda" and _gpu_uuid(device) == trainer_gpu:
+    if trainer_gpu and device.type == "cuda" and gpu_uuid(device) == trainer_gpu:
         raise BroadcastError(
             f"the engine worker on {device} shares its GPU ({trainer_gpu}) with the pushing trainer rank, and NCCL "
             "refuses two ranks of one group on one GPU: set rollout.weight_transport=rpc (tensors by reference to a "

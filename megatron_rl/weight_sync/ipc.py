@@ -51,6 +51,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import json
 import pickle
 import uuid
 from collections import Counter
@@ -59,7 +60,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from megatron_rl.weight_sync.broadcast import call_in_threads, describe_bucket, pack_bucket, unpack_bucket, wait_for_engines
+from megatron_rl.weight_sync.broadcast import (
+    call_in_threads, describe_bucket, gpu_uuid, pack_bucket, unpack_bucket, wait_for_engines,
+)
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
@@ -71,11 +74,6 @@ class IpcError(RuntimeError):
 def default_device() -> torch.device:
     """Where the pushing rank shares buckets from: its current CUDA device, else host memory."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def gpu_uuid(device: torch.device) -> str:
-    """The physical GPU behind `device` ('' for the host): the same in every process, unlike the device index."""
-    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
 def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -284,6 +282,7 @@ class IpcRelay:
         self.current: SharedBucket | None = None
         """The bucket just shared (the pushing rank; IpcSender sends it)."""
         self.token = uuid.uuid4().hex
+        """Names this push's buckets to the workers (pushing rank)."""
         self._sharing = False
         self._next_id = 0
         self._released: list[int] = []  # let go of by every worker, to be freed on the other ranks too
@@ -292,7 +291,7 @@ class IpcRelay:
     def wrap(self, buckets: Iterable[Bucket]) -> WeightStream:
         """The same stream, each bucket shared on every rank of the relay as it passes (collective)."""
         stream = as_weight_stream(buckets) if self.rank == self.root else None
-        entries = stream.entries if stream is not None else getattr(buckets, "entries", [])
+        entries = stream.entries if stream is not None else []  # the announcement matters on the pushing rank only
         self.pool.close()  # an earlier push's buffers (its end was agreed before this push began)
         self.token, self._sharing, self._next_id, self._released, self._drop_all = uuid.uuid4().hex, False, 0, [], False
         return WeightStream(entries, self._shared(stream if stream is not None else buckets))
@@ -305,7 +304,7 @@ class IpcRelay:
             header = None
             if self.rank == self.root:  # what every rank does with this bucket
                 header = {"layout": describe_bucket(bucket) if bucket and self._sharing else None,
-                          "token": self.token, "released": self._released, "drop_all": self._drop_all}
+                          "released": self._released, "drop_all": self._drop_all}
                 self._released = []
             holder = [header]
             dist.broadcast_object_list(holder, src=self.root, group=self.object_group)
@@ -339,7 +338,6 @@ class IpcRelay:
         return SharedBucket(bucket_id, layout, handles, gpus)
 
     def _follow(self, header: dict) -> None:
-        self.token = str(header["token"])
         if header["drop_all"]:
             self.pool.close()
         for bucket_id in header["released"]:
@@ -401,19 +399,8 @@ class IpcSender:
 
     @property
     def buffer_bytes(self) -> int:
+        """What the push protocol reports (PushResult.buffer_bytes): the most bytes this rank shared at once."""
         return self.pool.peak_shared_bytes
-
-    @property
-    def peak_shared_bytes(self) -> int:
-        return self.pool.peak_shared_bytes
-
-    @property
-    def shared_bytes(self) -> int:
-        return self.pool.shared_bytes
-
-    @property
-    def alive_buckets(self) -> int:
-        return self.pool.alive_buckets
 
     def send(self, bucket: Bucket, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
         """Hand one bucket to every engine; returns each engine's answers (one per worker)."""
@@ -421,7 +408,7 @@ class IpcSender:
         if len(receives) != len(self.relay.engine_ranks):
             raise IpcError(f"{len(receives)} engines, but the relay knows the devices of {len(self.relay.engine_ranks)}")
         shared = self._shared(bucket)
-        messages = [_to_json(self.relay.message(shared, i)) for i in range(len(receives))]
+        messages = [json.dumps(self.relay.message(shared, i)) for i in range(len(receives))]
         self._holders[shared.bucket_id] = len(receives)
         futures = call_in_threads(receives, messages, "weight-ipc-receive")
         wait_for_engines(futures, names, self.timeout_s,
@@ -452,9 +439,6 @@ class IpcSender:
         self.relay.stop()
         self._holders.clear()
 
-    def close(self) -> None:
-        self.abandon()
-
 
 def _released_by_all(workers: Any) -> list[int]:
     """Bucket ids every worker of one engine says it let go of (an answer, or a list of its workers' answers)."""
@@ -462,8 +446,3 @@ def _released_by_all(workers: Any) -> list[int]:
     sets = [set(int(i) for i in a.get("released", [])) for a in answers if isinstance(a, dict)]
     return sorted(set.intersection(*sets)) if sets else []
 
-
-def _to_json(message: dict) -> str:
-    import json
-
-    return json.dumps(message)

@@ -103,10 +103,10 @@ def check_push_by_handles(tmp_path: Path, device: str) -> None:
         assert len(buckets) >= 10
         # shared buffers allocated at once (released ones are written again): the bucket being loaded, the one
         # queued, the one just shared, one whose release the worker reports with its next answer
-        assert 0 < result.buffer_bytes == sender.peak_shared_bytes <= 4 * largest < model_bytes / 2
-        assert sender.alive_buckets <= 3  # every earlier bucket was acknowledged during the push
-        sender.close()
-        assert sender.shared_bytes == 0
+        assert 0 < result.buffer_bytes == sender.pool.peak_shared_bytes <= 4 * largest < model_bytes / 2
+        assert sender.pool.alive_buckets <= 3  # every earlier bucket was acknowledged during the push
+        sender.abandon()
+        assert sender.pool.shared_bytes == 0
         # a second push (its bucket ids count from 0 again) is not confused with the first one's buckets
         original = load_state(first)
         push_by_handles(worker, first, stream_of(original, device), 2, device)
