@@ -9,6 +9,10 @@
    (sigma 0.8), clipped to [16, max]. Reported: real tokens per second of
    `Actor.train_step` (old logprobs given, one optimizer step), the minimum over
    interleaved repeats, and the fraction of model positions that are padding.
+   Every mode runs the trainer's path: `Actor.distribute` makes the rank's share,
+   `prepare_batch` its old logprobs, `train_step` trains it; the padding and
+   packed fractions are the step's own metrics (batch/padding_fraction,
+   batch/packed_fraction).
 2. Batch bytes per rank: a step of 256 sequences of up to 4,096 tokens (same
    length distribution) with its float32 rollout logprobs, cut into the shares
    `Actor.distribute` sends for D = 1, 2, 4 data-parallel ranks (the actor's
@@ -83,19 +87,17 @@ def throughput(model_dir: str) -> dict:
         # rows in batch order, ROWS_PER_MICROBATCH at a time (train.micro_batch_size without a budget)
         "padded_by_count": TrainConfig(micro_batch_size=ROWS_PER_MICROBATCH),
     }
-    actors, times, positions = {}, {name: [] for name in modes}, {}
+    actors, shares, times, metrics = {}, {}, {name: [] for name in modes}, {}
     try:
         for name, train in modes.items():
             actors[name] = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(lr=1e-6),
                                  train=train, algorithm=AlgorithmConfig(loss="gspo"))
-            plan = actors[name]._my_microbatches(batch)[0]
-            positions[name] = sum(mb.width * max(1, len(mb.rows)) if not mb.packed else mb.width for mb in plan)
-        old = actors["padded"].compute_logprobs(batch)
-        step_batch = batch.replace(old_logprobs=old)
+            # The trainer's path: actor.distribute makes this rank's share, prepare_batch its old logprobs.
+            shares[name], _ = actors[name].prepare_batch(actors[name].distribute(batch))
         for _ in range(REPEATS):  # interleaved: both see the same machine load
             for name, actor in actors.items():
                 start = time.perf_counter()
-                actor.train_step(step_batch)
+                metrics[name] = actor.train_step(shares[name])
                 times[name].append(time.perf_counter() - start)
     finally:
         for actor in actors.values():
@@ -104,12 +106,14 @@ def throughput(model_dir: str) -> dict:
     out = {}
     for name in modes:
         best = min(times[name])
+        padding = metrics[name]["batch/padding_fraction"]
         out[name] = {
             "step_s": best,
             "tokens_per_s": real_tokens / best,
-            "model_positions": positions[name],
-            "padding_fraction": 1 - real_tokens / positions[name],
-            "microbatches": len(actors[name]._my_microbatches(batch)[0]),
+            "model_positions": round(real_tokens / (1 - padding)),
+            "padding_fraction": padding,
+            "packed_fraction": metrics[name]["batch/packed_fraction"],
+            "microbatches": int(metrics[name]["microbatches_per_rank"]),
         }
     out["packed_over_padded_tokens_per_s"] = out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
     out["packed_over_padded_by_count_tokens_per_s"] = out["packed"]["tokens_per_s"] / out["padded_by_count"]["tokens_per_s"]

@@ -21,6 +21,8 @@ SUMMARY_LINE = [
     ("reward/mean", "reward", "{:.3f}"),
     ("response/length_mean", "response tokens", "{:.1f}"),
     ("entropy", "entropy", "{:.3f}"),
+    ("batch/packed_fraction", "packed", "{:.2f}"),
+    ("batch/padding_fraction", "padding", "{:.2f}"),
     ("time/step_s", "s/step", "{:.2f}"),
     ("rollout/generate_s", "generate", "{:.2f}"),
     ("time/old_logprobs_s", "logprobs", "{:.2f}"),

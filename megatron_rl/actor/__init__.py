@@ -3,7 +3,8 @@
     from megatron_rl.actor import Actor, TrainBatch, train_batch_from_rollouts
 
     actor = Actor.from_config(cfg, ctx)
-    batch, metrics = actor.prepare_batch(train_batch_from_rollouts(padded, advantages))
+    share = actor.distribute(train_batch_from_rollouts(padded, advantages) if rank == 0 else None)
+    batch, metrics = actor.prepare_batch(share)
     metrics |= actor.train_step(batch)
 
 Modules: batch (TrainBatch and its checks), logprobs (vocab-parallel logprobs and

@@ -8,7 +8,9 @@
         ...
 
 train_step, per mini-batch (one optimizer step):
-  1. plan: this rank's microbatches (actor.plan), the same count M on every DP rank;
+  1. plan: this rank's microbatches (actor.plan), the same count M on every DP rank,
+     made by plan.rank_microbatches for a share and a whole batch alike (a share keeps
+     every field of the plan: packing, CP chunking, widths; checked field by field);
   2. the step's global token / sequence counts: ONE all-reduce over DP x CP
      (algorithms.compute_loss_denominators), before the first microbatch,
      without the tokens an importance-sampling correction drops;
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
 from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config
-from megatron_rl.actor.plan import Microbatch, plan_step
+from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
 from megatron_rl.actor.step import (
     LogprobSettings,
@@ -55,6 +57,7 @@ from megatron_rl.algorithms import (
     merge_metrics,
     rejection_response_mask,
 )
+from megatron_rl.algorithms.metrics import fraction_metric
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import ModelConfig, OptimizerConfig, TrainConfig
@@ -205,22 +208,30 @@ class Actor:
         return share
 
     def _my_microbatches(self, batch: TrainBatch) -> list[list[Microbatch]]:
-        """This rank's microbatches per mini-batch, rows indexed in `batch` (a share or the whole step)."""
+        """This rank's microbatches per mini-batch, rows indexed in `batch` (a share or the whole step).
+
+        Both cases go through `plan.rank_microbatches` from the same step plan, so a share keeps
+        every property of the plan (packing, CP chunking, widths) and is checked against it.
+        """
         if batch.row_ids is None:
-            return [mini[self.ctx.dp_rank] for mini in self._step_plan(batch.lengths())]
-        if batch.step_lengths is None:
-            raise BatchError("batch.row_ids is set without batch.step_lengths: make shares with actor.distribute")
-        plan = self._step_plan(batch.step_lengths)
-        local_of = {int(g): i for i, g in enumerate(batch.row_ids.tolist())}
-        mine = [[mb for mb in mini[self.ctx.dp_rank]] for mini in plan]
-        planned = {r for mini in mine for mb in mini for r in mb.rows if r >= 0}
-        if planned != set(local_of):
-            raise BatchError(
-                f"this share holds step rows {sorted(local_of)[:8]}..., but DP rank {self.ctx.dp_rank}'s plan trains rows "
-                f"{sorted(planned)[:8]}...: the share was made for another rank or another plan; make shares with "
-                "actor.distribute on the same actor settings"
-            )
-        return [[Microbatch(tuple(local_of[r] if r >= 0 else -1 for r in mb.rows), mb.width) for mb in mini] for mini in mine]
+            step_lengths, row_ids = batch.lengths(), None
+        else:
+            if batch.step_lengths is None:
+                raise BatchError("batch.row_ids is set without batch.step_lengths: make shares with actor.distribute")
+            step_lengths, row_ids = batch.step_lengths, batch.row_ids.tolist()
+        plan = self._step_plan(step_lengths)
+        if row_ids is not None:
+            planned = {r for mini in plan for mb in mini[self.ctx.dp_rank] for r in mb.rows if r >= 0}
+            if planned != set(row_ids):
+                raise BatchError(
+                    f"this share holds step rows {sorted(row_ids)[:8]}..., but DP rank {self.ctx.dp_rank}'s plan trains rows "
+                    f"{sorted(planned)[:8]}...: the share was made for another rank or another plan; make shares with "
+                    "actor.distribute on the same actor settings"
+                )
+        try:
+            return [rank_microbatches(mini[self.ctx.dp_rank], row_ids) for mini in plan]
+        except PlanMismatch as exc:
+            raise BatchError(str(exc)) from None
 
     def _assemble(self, batch: TrainBatch, values: torch.Tensor) -> torch.Tensor:
         """Values of this rank's rows, written on one rank of its model-parallel group (and, with CP, each
@@ -479,7 +490,9 @@ class Actor:
         if not ok:
             raise RuntimeError("megatron's optimizer skipped the step (non-finite gradients): the loss or the model diverged")
         self.optimizer_steps += 1
-        return merge_metrics(outputs) if outputs else {}, float(grad_norm) if grad_norm is not None else float("nan")
+        if not outputs:  # not the last pipeline stage: its metrics are not reported
+            return {}, float(grad_norm) if grad_norm is not None else float("nan")
+        return {**merge_metrics(outputs), **layout_metrics(items, lengths, ctx.device)}, float(grad_norm) if grad_norm is not None else float("nan")
 
     def _reduce_loss_metrics(self, per_mini_batch: list[dict]) -> dict[str, float]:
         """Exact metrics over microbatches, mini-batches and DP ranks, broadcast from the last stage to every rank."""
@@ -536,6 +549,24 @@ class Actor:
     def close(self) -> None:
         """Release hooks and megatron's global RouterReplay entries of this actor's models."""
         self.routing.close()
+
+
+def layout_metrics(items: list, lengths: torch.Tensor, device) -> dict[str, torch.Tensor]:
+    """How this rank's microbatches were laid out, as exact fractions over the step's ranks.
+
+    ``batch/packed_fraction``: microbatches packed (THD) / microbatches; ``batch/padding_fraction``:
+    model input positions holding no real token / input positions (under CP, each rank's chunks).
+    A run with train.pack_sequences=true shows packed_fraction 1; padded rows of uneven lengths
+    show the padding they cost.
+    """
+    packed = sum(1 for item in items if item.mb.packed)
+    positions = sum(item.layout.rows.numel() for item in items)
+    real = sum(int(item.layout.real(lengths).sum()) for item in items)
+    counts = torch.tensor([packed, len(items), positions - real, positions], dtype=torch.float64, device=device)
+    return {
+        "batch/packed_fraction": fraction_metric(counts[0], counts[1]),
+        "batch/padding_fraction": fraction_metric(counts[2], counts[3]),
+    }
 
 
 def _init_optimizer_state(optimizer) -> None:

@@ -28,6 +28,7 @@ share one shape.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -181,4 +182,51 @@ def plan_step(
     return plan
 
 
-__all__ = ["Microbatch", "plan_step", "split_balanced", "split_contiguous"]
+class PlanMismatch(ValueError):
+    """A rank's microbatches differ from the step's plan (a share built for another plan or rank)."""
+
+
+def rank_microbatches(planned: list[Microbatch], row_ids: list[int] | None) -> list[Microbatch]:
+    """One DP rank's microbatches of one mini-batch, rows renumbered into the batch the rank holds.
+
+    planned: ``plan[mini][dp_rank]``, rows indexed in the step's batch. row_ids: the step row of
+    each row the rank holds (a share from ``Actor.distribute``), or None for the whole step's
+    batch (rows keep their step index). This is the one place a rank's microbatches come from:
+    every field of the plan's microbatch but ``rows`` (packing, width, anything added later) is
+    kept by construction (``dataclasses.replace``), then checked field by field
+    (`check_matches_plan`).
+    """
+    if row_ids is None:
+        local = [mb for mb in planned]
+    else:
+        local_of = {int(g): i for i, g in enumerate(row_ids)}
+        missing = sorted({r for mb in planned for r in mb.rows if r >= 0} - set(local_of))
+        if missing:
+            raise PlanMismatch(
+                f"the plan trains step rows {missing[:8]}{'...' if len(missing) > 8 else ''} that this share does not "
+                f"hold (it holds {sorted(local_of)[:8]}...): the share was made for another rank or another plan; "
+                "make shares with actor.distribute on the same actor settings"
+            )
+        local = [dataclasses.replace(mb, rows=tuple(local_of[r] if r >= 0 else -1 for r in mb.rows)) for mb in planned]
+    check_matches_plan(local, planned, row_ids)
+    return local
+
+
+def check_matches_plan(local: list[Microbatch], planned: list[Microbatch], row_ids: list[int] | None) -> None:
+    """Raise PlanMismatch naming the first field in which a rank's microbatch differs from the plan's."""
+    if len(local) != len(planned):
+        raise PlanMismatch(f"this rank has {len(local)} microbatches, the plan {len(planned)}")
+    for m, (mine, plan) in enumerate(zip(local, planned)):
+        for field in dataclasses.fields(Microbatch):
+            got, want = getattr(mine, field.name), getattr(plan, field.name)
+            if field.name == "rows":
+                got = tuple(int(row_ids[r]) if r >= 0 and row_ids is not None else r for r in got)
+            if got != want:
+                raise PlanMismatch(
+                    f"microbatch {m}: field {field.name!r} is {got!r} on this rank but {want!r} in the step's plan: "
+                    "a rank's microbatches must keep every property of the plan (packing, CP chunking, widths)"
+                )
+
+
+__all__ = ["Microbatch", "PlanMismatch", "check_matches_plan", "plan_step", "rank_microbatches", "split_balanced",
+           "split_contiguous"]

@@ -58,7 +58,7 @@ def _worker(rank: int, world_size: int, model_dir: str, copies_list: list[int]) 
                 algorithm=AlgorithmConfig(loss="dapo"),
             )
             try:
-                metrics = actor.train_step(make_batch(copies))
+                metrics = actor.train_step(actor.distribute(make_batch(copies) if rank == 0 else None))  # as the trainer
                 results.append((metrics["microbatches_per_rank"], export_hf_state_dict(actor.model, ctx)))
             finally:
                 actor.close()

@@ -67,7 +67,7 @@ def _worker(rank: int, world_size: int, model_dir: str) -> dict:
                           optimizer=OptimizerConfig(name="sgd", lr=0.0, clip_grad=0.0, use_distributed_optimizer=False),
                           algorithm=AlgorithmConfig(loss="gspo"))
             try:
-                metrics = actor.train_step(make_batch())
+                metrics = actor.train_step(actor.distribute(make_batch() if rank == 0 else None))  # as the trainer
                 state = export_hf_state_dict(actor.model, ctx)
             finally:
                 actor.close()

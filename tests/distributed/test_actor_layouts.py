@@ -28,6 +28,13 @@ mask leaves those tokens out. With their routed experts built as megatron-core's
 GroupedMLP (moe_grouped_gemm), Qwen3-MoE and DeepSeek-V3 give their
 SequentialMLP single rank's gspo gradient on 1, EP2 and TP2xEP2.
 
+Every case gets the batch as the trainer gives it (trainer.py): only rank 0 holds
+the step and actor.distribute sends each rank its DP rank's rows, packed and
+padded alike; one case (CP2/packed/whole) hands the whole batch to every rank,
+the form tools use. Each case's response-token count equals the single rank's
+(CP once counted every token on both CP ranks), and batch/packed_fraction says
+that the plan's packing reached the microbatches.
+
 The chain is anchored outside megatron_rl: the single-rank logprobs and the
 gspo and dapo gradients are checked against transformers' model and the
 losses written out below from the papers' formulas.
@@ -72,6 +79,8 @@ WORLD2 = {
     "EP2/packed": ({"expert_parallel": 2}, PACKED, "allgather"),
     "CP2/packed": ({"context_parallel": 2}, PACKED, "alltoall"),
     "CP2xEP2/packed": ({"context_parallel": 2, "expert_parallel": 2}, PACKED, "alltoall"),
+    # The whole step's batch handed to every rank (tools that hold it anyway): each rank takes its own rows.
+    "CP2/packed/whole": ({"context_parallel": 2}, PACKED, "alltoall"),
     "EP2/grouped": ({"expert_parallel": 2}, {"micro_batch_size": 3}, "alltoall", GROUPED),
 }
 WORLD4 = {
@@ -163,7 +172,7 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
     for name, (layout, train, dispatcher, *extras) in cases.items():
         extra = extras[0] if extras else {}
         ctx = init_parallel(ParallelConfig(timeout_s=120, **layout), shape=shape)
-        shares = name.endswith("/shares")
+        shares = not name.endswith("/whole")  # every case as the trainer runs it, but the one whole-batch case
         try:
             case = {"updates": {}, "metrics": {}}
             batch = batch_for(name)
@@ -322,6 +331,12 @@ def _compare(results: dict, reference: dict, initial: dict, losses=LOSSES) -> li
             line.append(f"{loss} {err:.1e}")
             if not (err <= TOLERANCE and loss_err <= TOLERANCE):
                 failures.append(f"{name}/{loss}: relative gradient error {err:.3g}, loss error {loss_err:.3g}")
+            tokens, ref_tokens = case["metrics"][loss].get("tokens/sum"), reference["metrics"][loss].get("tokens/sum")
+            if tokens != ref_tokens:  # each response token counted once, whatever the split (CP counted it twice once)
+                failures.append(f"{name}/{loss}: tokens/sum {tokens} != the single rank's {ref_tokens}")
+            packed = case["metrics"][loss]["batch/packed_fraction"]
+            if packed != (1.0 if "/packed" in name else 0.0):  # the plan's packing survives actor.distribute
+                failures.append(f"{name}/{loss}: batch/packed_fraction {packed}, packing is {'/packed' in name}")
             if name.endswith("/packed"):  # the mean entropy over the step's response tokens, packed vs padded
                 ent_err = abs(case["metrics"][loss]["entropy"] - reference["metrics"][loss]["entropy"])
                 if ent_err > PACKED_TOLERANCE:
@@ -422,6 +437,21 @@ def test_grouped_experts_give_the_sequential_experts_gradient(model_dir, world1,
     assert not failures, "\n".join(failures)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def test_padding_fraction_is_the_layouts_padding(world1, single):
+    """batch/padding_fraction by hand: one padded microbatch of B rows x 40 columns holds 310 real tokens;
+    packed on one rank, sequences back to back hold no padding; packed on CP2 each sequence pads to 2 x CP."""
+    lengths = make_batch().sequence_lengths.tolist()
+    assert sum(lengths) == 310
+    assert single["metrics"]["gspo"]["batch/padding_fraction"] == pytest.approx(1 - 310 / (B * T), abs=1e-12)
+    assert world1["single/packed"]["metrics"]["gspo"]["batch/padding_fraction"] == 0.0
+    assert single["metrics"]["gspo"]["batch/packed_fraction"] == 0.0
+    assert world1["single/packed"]["metrics"]["gspo"]["batch/packed_fraction"] == 1.0
+
+
 def test_single_rank_step_moves_the_weights(model_dir, single):
     initial = _initial(model_dir)
     for loss in LOSSES:
@@ -464,6 +494,11 @@ def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, world1_all, s
     # tokens beyond the staleness bound, masked on each DP rank's share: the update of the batch without them
     stale_reference = world1_all[3]["single/stale-removed"]
     failures += _compare(stale_results, stale_reference, _initial(model_dir), STALE_LOSSES)
+    # CP2, packed: each sequence padded to a multiple of 2 x CP = 4 (both CP ranks' chunks counted).
+    padded = sum(_round_up(n, 4) for n in make_batch().sequence_lengths.tolist())
+    cp_padding = results["CP2/packed"]["metrics"]["gspo"]["batch/padding_fraction"]
+    if abs(cp_padding - (padded - 310) / padded) > 1e-12:
+        failures.append(f"CP2/packed: batch/padding_fraction {cp_padding} != {(padded - 310) / padded}")
     for loss in STALE_LOSSES:
         metrics = stale_results["DP2x3mb/stale/shares"]["metrics"][loss]
         assert metrics["async/stale_tokens_masked/sum"] == len(STALE_ROWS) * STALE_PER_ROW, metrics

@@ -15,6 +15,9 @@ first), with megatron's distributed optimizer:
   replayed forward's logprobs equal the single rank's (the conversion to each
   rank's local tokens, sequence-parallel slice and local layers is right).
 
+Every layout gets the step as the trainer gives it: rank 0 holds the batch and
+`actor.distribute` sends each rank its DP rank's rows.
+
 The routes recorded on every layout equal the single rank's (gathered for the
 assertion only); each rank holds only the routes its routers computed (its DP
 rows, sequence-parallel / CP tokens and pipeline stage's layers: the bytes
@@ -102,13 +105,15 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict) -> dict | N
                     algorithm=AlgorithmConfig(loss="grpo", routing_replay=mode),
                 )
                 try:
-                    batch, prepare_metrics = actor.prepare_batch(make_batch(engine_routes=mode == "R3"))
+                    # As the trainer runs it: rank 0 holds the step, actor.distribute sends each rank its rows.
+                    share = actor.distribute(make_batch(engine_routes=mode == "R3") if rank == 0 else None)
+                    batch, prepare_metrics = actor.prepare_batch(share)
                     train_metrics = actor.train_step(batch)
                     case[mode] = {
                         "prepare": prepare_metrics,
                         "train": train_metrics,
-                        "old_logprobs": batch.old_logprobs,
-                        "old_routes": _whole_routes(actor, batch),
+                        "old_logprobs": _whole(batch.old_logprobs, batch, ctx, fill=0.0),
+                        "old_routes": _whole(_share_routes(actor, batch), batch, ctx, fill=-1),
                         "held": _held_routes(ctx, batch.old_routed_experts),
                     }
                 finally:
@@ -119,12 +124,27 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict) -> dict | N
     return out if rank == 0 else None
 
 
-def _whole_routes(actor, batch):
-    """The whole [B, T, L, K] routes, gathered for the assertions only (training replays them where recorded)."""
+def _share_routes(actor, batch):
+    """The share's [B_share, T_share, L, K] routes, gathered over its model-parallel and CP ranks for the
+    assertions only (training replays them where they were recorded)."""
     from megatron_rl.actor.routing import RankRoutes
 
     routes = batch.old_routed_experts
     return routes.gather(actor.route_groups(batch)) if isinstance(routes, RankRoutes) else routes
+
+
+def _whole(values: torch.Tensor, share, ctx, *, fill) -> torch.Tensor:
+    """A share's per-row values ([B_share, T_share, ...]) placed into the step's [B, T, ...] (gathered from every rank)."""
+    import torch.distributed as dist
+
+    parts = [(share.row_ids, values)]
+    if ctx.world_size > 1:
+        parts = [None] * ctx.world_size
+        dist.all_gather_object(parts, (share.row_ids, values))
+    whole = torch.full((B, T, *values.shape[2:]), fill, dtype=values.dtype)
+    for rows, part in parts:
+        whole[rows, : part.shape[1]] = part
+    return whole
 
 
 def _held_routes(ctx, routes) -> dict | None:
@@ -203,7 +223,7 @@ def _check(name: str, case: dict, single: dict) -> None:
     assert _layer_values(r3["train"], "routing/drift") == [0.0] * MOE_LAYERS, (name, r3["train"])
     assert _layer_values(r3["prepare"], "routing/engine_vs_trainer_used") == [0.0] * MOE_LAYERS
     assert all(v > 0.5 for v in _layer_values(r3["prepare"], "routing/engine_vs_trainer")), (name, r3["prepare"])
-    assert torch.equal(r3["old_routes"], make_batch(True).routed_experts)
+    assert torch.equal(r3["old_routes"][real], make_batch(True).routed_experts[real])
     r3_err = ((r3["old_logprobs"] - single["R3"]["old_logprobs"]) * real).abs().max().item()
     assert r3_err <= 1e-5, (name, r3_err)
     # The routes recorded on this layout are the single rank's (gathered over TP/SP, PP, DP, EP).

@@ -112,6 +112,24 @@ def test_two_processes_expert_parallel_grouped_experts_on_a_tiny_model_the_prese
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-moe.lock", "tiny-moe"]  # no half-built copy
 
 
+def test_context_parallel_packed_first_step_equals_one_process(model_dir, tmp_path):
+    """`megatron-rl train` on two processes with parallel.context_parallel=2 and packed sequences, as users run it
+    (rank 0 generates, actor.distribute shares the step, each CP rank trains its chunks of every sequence):
+    the first step's loss, response-token count and gradient norm equal one process's within 1e-5 relative.
+    One optimizer step per RL step, so every number is taken at the same weights."""
+    common = ("train.steps=1", "train.mini_batches_per_step=1", "train.pack_sequences=true",
+              "train.max_tokens_per_microbatch=256")
+    _run(_command("tiny-gspo.yaml", model_dir, tmp_path / "one", *common))
+    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path / "cp2", *common, "parallel.expert_parallel=1",
+                  "parallel.context_parallel=2", nproc=2), timeout=400)
+    (one,), (cp2,) = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "cp2" / "metrics.jsonl")
+    assert one["response/length_mean"] == cp2["response/length_mean"]  # the same samples (same seed, same engine)
+    assert one["tokens/sum"] == cp2["tokens/sum"] > 0, (one["tokens/sum"], cp2["tokens/sum"])
+    for key in ("loss/sum", "grad_norm"):
+        assert abs(cp2[key] - one[key]) <= 1e-5 * abs(one[key]), (key, one[key], cp2[key])
+    assert one["batch/packed_fraction"] == cp2["batch/packed_fraction"] == 1.0
+
+
 @pytest.mark.parametrize("transport", ["broadcast", "ipc"])
 def test_two_colocated_engines_hosted_by_the_trainer_ranks(transport, model_dir, tmp_path):
     # rollout.engines=2: each of the 2 ranks hosts a vLLM server; rank 0 sends the 4 prompts of a

@@ -86,3 +86,36 @@ def test_packed_plan_fills_the_token_budget_with_whole_sequences():
 def test_a_packed_budget_below_one_sequence_names_it():
     with pytest.raises(ValueError, match=r"sequence 0 has 40 tokens \(40 padded.*max_tokens_per_microbatch=32: raise the budget to at least 40"):
         plan_step([40, 10], mini_batches=1, dp_size=1, max_tokens_per_microbatch=32, pack_sequences=True)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_share_keeps_every_field_of_the_plan(pack):
+    """A DP rank's share (rows renumbered 0..b-1) gets the plan's microbatches with every field but the row
+    numbers unchanged: packing and width too (a share once lost `packed`, which silently turned packing off)."""
+    from megatron_rl.actor.plan import rank_microbatches
+
+    lengths = [40, 23, 31, 12, 37, 18, 27, 10, 35, 29, 15, 33]
+    plan = plan_step(lengths, mini_batches=2, dp_size=2, max_tokens_per_microbatch=64, width_multiple=4, pack_sequences=pack)
+    for dp in range(2):
+        planned = [mb for mini in plan for mb in mini[dp]]
+        step_rows = sorted(r for mb in planned for r in mb.rows if r >= 0)
+        local = [rank_microbatches(mini[dp], step_rows) for mini in plan]
+        for mine, want in zip([mb for mini in local for mb in mini], planned):
+            assert (mine.packed, mine.width) == (want.packed, want.width) == (pack, want.width)
+            assert tuple(step_rows[r] if r >= 0 else -1 for r in mine.rows) == want.rows
+    # the whole step's batch: rows keep their step index
+    assert rank_microbatches(plan[0][1], None) == plan[0][1]
+
+
+def test_a_microbatch_that_differs_from_the_plan_is_named():
+    from megatron_rl.actor.plan import Microbatch, PlanMismatch, check_matches_plan
+
+    planned = [Microbatch((3, 7), 40, packed=True)]
+    with pytest.raises(PlanMismatch, match="field 'packed' is False on this rank but True"):
+        check_matches_plan([Microbatch((0, 1), 40)], planned, [3, 7])
+    with pytest.raises(PlanMismatch, match="field 'rows'"):
+        check_matches_plan([Microbatch((1, 0), 40, packed=True)], planned, [3, 7])
+    with pytest.raises(PlanMismatch, match="does not hold"):
+        from megatron_rl.actor.plan import rank_microbatches
+
+        rank_microbatches(planned, [3, 8])
