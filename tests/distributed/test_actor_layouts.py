@@ -24,7 +24,10 @@ expert bias, a dense first layer) and a GLM-4.5 model give the single rank's
 gspo gradient on TP2, PP2, EP2 and TP2xEP2. A batch carrying per-token weight
 versions, 16 of its tokens beyond the staleness bound, distributed over DP2 x 3
 microbatches, gives the single rank's gspo and dapo update on the batch whose
-mask leaves those tokens out. With their routed experts built as megatron-core's
+mask leaves those tokens out. With icepop importance sampling against engine
+logprobs (tokens whose ratio leaves [0.5, 5] drop out of the loss and the
+counts), DP2 x 3 microbatches and CP2 packed give the single rank's dapo and
+gspo update. With their routed experts built as megatron-core's
 GroupedMLP (moe_grouped_gemm), Qwen3-MoE and DeepSeek-V3 give their
 SequentialMLP single rank's gspo gradient on 1, EP2 and TP2xEP2.
 
@@ -106,6 +109,21 @@ MLA_GROUPED = {1: {"single/grouped": WORLD1["single/grouped"]}, 2: {"EP2/grouped
                4: {"TP2xEP2/grouped": WORLD4["TP2xEP2/grouped"]}}
 
 
+# Importance sampling against the engine's logprobs (icepop: tokens whose pi_old / pi_rollout leaves [0.5, 5] drop out
+# of the loss and of the step's counts), on DP2 x 3 microbatches and CP2 packed, against the single rank's.
+TIS = {"algorithm": {"tis_mode": "icepop"}, "losses": ("dapo", "gspo")}
+TIS_LOSSES = TIS["losses"]
+TIS_WORLD1 = {"single/tis": ({}, {"micro_batch_size": B}, "alltoall", TIS)}
+TIS_WORLD2 = {"DP2x3mb/tis": ({}, {"micro_batch_size": 2}, "alltoall", TIS),
+              "CP2/tis/packed": ({"context_parallel": 2}, PACKED, "alltoall", TIS)}
+
+
+def rollout_from(old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Engine logprobs up to 1 nat off the old policy's: about a sixth of the ratios fall below icepop's 0.5."""
+    noise = (torch.rand(old.shape, generator=torch.Generator().manual_seed(8)) - 0.5) * 2.0
+    return torch.where(mask, old + noise, 0.0)
+
+
 # Per-token versions (the step trains version 3, the bound is 1): the first 4 response tokens of rows 0, 2, 4
 # and 9 were sampled at version 1 and leave the loss. DP2 x 3 microbatches, the batch distributed from rank 0,
 # must give the single rank's update on the batch whose response mask simply leaves those 16 tokens out.
@@ -178,7 +196,7 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
             batch = batch_for(name)
             for loss in extra.get("losses", losses):
                 algorithm = AlgorithmConfig(loss=loss, eps_low=CLIP, eps_high=CLIP, beta=GRPO_BETA if loss == "grpo" else 0.0,
-                                            max_response_tokens=T)
+                                            max_response_tokens=T, **extra.get("algorithm", {}))
                 actor = Actor(ctx, model=ModelConfig(path=model_dir, token_dispatcher=dispatcher, **extra.get("model", {})), optimizer=sgd,
                               train=TrainConfig(**train), algorithm=algorithm, temperature=TEMPERATURE)
                 try:
@@ -191,6 +209,9 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
                         old = old_logprobs if old_logprobs is not None else old_from(case["logprobs"], make_batch().response_mask)
                         case["old_logprobs"] = old
                         batch = batch.replace(old_logprobs=_rows_of(old, batch))
+                        if algorithm.tis_mode != "none":
+                            rollout = rollout_from(old, make_batch().response_mask)
+                            batch = batch.replace(rollout_logprobs=_rows_of(rollout, batch))
                     step_batch = batch
                     if loss == "gspo_token":  # per-token advantages (the sequence's value, varied along the response)
                         ramp = 1.0 + 0.1 * torch.linspace(-1, 1, T)[: batch.seq_len]
@@ -273,7 +294,8 @@ def glm_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world1_all(model_dir, mla_dir, glm_dir):
     runs = [(model_dir, WORLD1, None, LOSSES), (mla_dir, {**MLA_WORLD1, **MLA_GROUPED[1]}, None, MLA_LOSSES),
-            (glm_dir, MLA_WORLD1, None, MLA_LOSSES), (model_dir, STALE_WORLD1, None, STALE_LOSSES)]
+            (glm_dir, MLA_WORLD1, None, MLA_LOSSES), (model_dir, STALE_WORLD1, None, STALE_LOSSES),
+            (model_dir, TIS_WORLD1, None, TIS_LOSSES)]
     return run_distributed(_runs, 1, runs, timeout=300)[0]
 
 
@@ -487,13 +509,18 @@ def world4(world4_all):
 def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, world1_all, single, mla_dir, mla_single, glm_dir, glm_single):
     runs = [(model_dir, WORLD2, single["old_logprobs"], LOSSES),
             *_family_runs(MLA_WORLD2, mla_dir, mla_single, glm_dir, glm_single, MLA_GROUPED[2]),
-            (model_dir, STALE_WORLD2, single["old_logprobs"], STALE_LOSSES)]
-    results, mla_results, glm_results, stale_results = run_distributed(_runs, 2, runs, timeout=400)[0]
+            (model_dir, STALE_WORLD2, single["old_logprobs"], STALE_LOSSES),
+            (model_dir, TIS_WORLD2, single["old_logprobs"], TIS_LOSSES)]
+    results, mla_results, glm_results, stale_results, tis_results = run_distributed(_runs, 2, runs, timeout=400)[0]
     failures = _compare(results, single, _initial(model_dir))
     failures += _family_failures(mla_results, glm_results, mla_dir, mla_single, glm_dir, glm_single)
     # tokens beyond the staleness bound, masked on each DP rank's share: the update of the batch without them
     stale_reference = world1_all[3]["single/stale-removed"]
     failures += _compare(stale_results, stale_reference, _initial(model_dir), STALE_LOSSES)
+    tis_reference = world1_all[4]["single/tis"]
+    masked = {loss: tis_reference["metrics"][loss]["tokens/sum"] for loss in TIS_LOSSES}
+    assert all(0 < n < single["metrics"]["dapo"]["tokens/sum"] for n in masked.values()), masked  # icepop dropped some
+    failures += _compare(tis_results, tis_reference, _initial(model_dir), TIS_LOSSES)
     # CP2, packed: each sequence padded to a multiple of 2 x CP = 4 (both CP ranks' chunks counted).
     padded = sum(_round_up(n, 4) for n in make_batch().sequence_lengths.tolist())
     cp_padding = results["CP2/packed"]["metrics"]["gspo"]["batch/padding_fraction"]
