@@ -120,8 +120,12 @@ class Actor:
         if ctx.pp_size > 1 and not self._uniform_shapes:
             overrides["variable_seq_lengths"] = True  # microbatches of different widths through the pipeline
         policy_overrides = dict(overrides, moe_enable_routing_replay=True) if self.arch.num_experts else overrides
+        from megatron_rl.models.kernels import choose_overlap, detect_kernels
+
+        overlap, _ = choose_overlap(detect_kernels(), ctx.dp_size)
         self.model = build_model(
-            model, ctx, hf_config=self.hf_config, wrap_ddp=True, ddp_config=ddp_config(optimizer), config_overrides=policy_overrides
+            model, ctx, hf_config=self.hf_config, wrap_ddp=True, ddp_config=ddp_config(optimizer, overlap_grad_reduce=overlap),
+            config_overrides=policy_overrides,
         )
         self.routing = RoutingControl(self.model, self.arch, ctx)
         self.optimizer = build_optimizer(optimizer, self.model, dtype=self.dtype)

@@ -72,8 +72,9 @@ def build_scheduler(cfg: OptimizerConfig, optimizer, *, total_optimizer_steps: i
     )
 
 
-def ddp_config(cfg: OptimizerConfig):
-    """DDP settings of the actor: fp32 gradient reduction, no overlap (one reduction after the last microbatch).
+def ddp_config(cfg: OptimizerConfig, *, overlap_grad_reduce: bool = False):
+    """DDP settings of the actor: fp32 gradient reduction, overlapped with backward where models.kernels.choose_overlap
+    says so (GPUs, DP > 1), else one reduction after the last microbatch.
 
     megatron's defaults are kept on purpose: DDP scales gradients by 1 / (DP x CP)
     before its reduction (calculate_per_token_loss stays False); the loss is scaled
@@ -83,7 +84,7 @@ def ddp_config(cfg: OptimizerConfig):
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         average_in_collective=False,
     )

@@ -79,10 +79,12 @@ class ModelConfig:
     """Router z-loss coefficient (0 disables it)."""
     moe_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
     """Load-balancing loss type when moe_aux_loss_coeff > 0."""
-    moe_grouped_gemm: bool = False
+    moe_grouped_gemm: bool | None = None
     """Run each MoE layer's routed experts as grouped GEMMs (megatron's moe_grouped_gemm): Transformer Engine's
-    TEGroupedMLP when TE imports, else megatron-core's GroupedMLP (the grouped_gemm kernels on GPU, bf16; on a
-    CPU build the compatibility layer's per-expert torch matmuls). False: SequentialMLP, one GEMM per expert."""
+    TEGroupedMLP when TE imports, else megatron-core's GroupedMLP on the grouped_gemm package or torch's
+    grouped matmul (torch._grouped_mm: bf16 on compute capability 9.0+, and CPU). False: SequentialMLP, one
+    GEMM per expert. None (auto): grouped where a grouped kernel runs on the GPU, SequentialMLP on CPU
+    (models.kernels; the start-up line says which)."""
     moe_permute_fusion: bool = False
     """Transformer Engine's fused token permute / unpermute in the MoE dispatcher (megatron's moe_permute_fusion);
     needs Transformer Engine."""

@@ -191,6 +191,17 @@ class LocalCoreAttention(MegatronModule):
                 "here; use the Transformer Engine spec (model.transformer_impl=transformer_engine)"
             )
 
+    packed_kernel: str = "per_sequence"
+    """Packed (THD) attention: "per_sequence" (one exact SDPA per sequence) or "varlen" (torch's flash varlen
+    kernel over the whole microbatch; CUDA, bf16/fp16, CP 1). Set once at build (models.kernels)."""
+
+    @staticmethod
+    def varlen_kernel(*args, **kwargs):
+        """torch.nn.attention.varlen.varlen_attn (imported on first use: it exists in torch >= 2.9)."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(*args, **kwargs)
+
     @property
     def cp_size(self) -> int:
         return 1 if self.cp_group is None else self.cp_group.size()
@@ -274,8 +285,10 @@ class LocalCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
 
     def _packed(self, query, key, value, offsets: list[int], causal: bool) -> torch.Tensor:
-        """THD: block-diagonal (causal) attention, one scaled_dot_product_attention per sequence."""
+        """THD: block-diagonal (causal) attention, one scaled_dot_product_attention per sequence (or one varlen call)."""
         cp_size = self.cp_size
+        if self.packed_kernel == "varlen" and cp_size == 1 and causal and not (self.training and self.dropout_p > 0):
+            return self._packed_varlen(query, key, value, offsets)
         query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # [n, t, hn]
         outputs = []
         for start, end in pairwise(offsets):
@@ -286,6 +299,18 @@ class LocalCoreAttention(MegatronModule):
             outputs.append(self._sdpa(query[:, local], key[:, start:end], value[:, start:end], mask=mask, causal=causal))
         out = torch.cat(outputs, dim=1)  # [np, t, hn]
         return out.transpose(0, 1).reshape(out.shape[1], -1)
+
+    def _packed_varlen(self, query, key, value, offsets: list[int]) -> torch.Tensor:
+        """THD in one call of a varlen kernel: [t, np, hn] x [t, ng, hn] -> [t, np x hn].
+
+        cu_seqlens are the laid-out (padded) offsets: each sequence's padding sits at its end and is
+        causal-masked away from its real tokens, as in the per-sequence path. window_size (-1, 0) is causal.
+        """
+        cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=query.device)
+        longest = max(end - start for start, end in pairwise(offsets))
+        out = self.varlen_kernel(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=self.softmax_scale,
+                                 window_size=(-1, 0), enable_gqa=query.shape[1] != key.shape[1])
+        return out.reshape(out.shape[0], -1)
 
     def _cp_causal_mask(self, seq_len_padded: int, device: torch.device) -> torch.Tensor:
         """[L / CP, L] bool, True = attend: key position j <= the global position of each local query."""

@@ -8,9 +8,10 @@ What is chosen here, once, instead of `if cuda:` branches elsewhere:
   * layer spec: Transformer Engine when model.transformer_impl allows it and TE
     imports, else megatron's local spec (torch RMSNorm, SequentialMLP experts);
   * dtype: model.dtype, auto = bfloat16 on GPU, float32 on CPU;
-  * routed experts (model.moe_grouped_gemm): SequentialMLP, or grouped GEMMs:
-    TEGroupedMLP with Transformer Engine, else megatron's GroupedMLP (on a CPU
-    build through the compatibility layer's torch grouped_gemm);
+  * kernels (models.kernels): routed experts (model.moe_grouped_gemm, auto = grouped
+    GEMMs where a grouped kernel runs on the GPU: TEGroupedMLP, or megatron's GroupedMLP
+    on grouped_gemm or torch._grouped_mm; SequentialMLP on CPU), packed attention
+    (flash varlen on GPU) and each fusion whose kernel imports;
   * the settings megatron-core needs on a CPU build (see
     shared/notes/megatron-core-on-cpu.md): fp32, no dropout, no linear biases
     except q/k/v, use_cpu_initialization, no fusions.
@@ -19,6 +20,7 @@ What is chosen here, once, instead of `if cuda:` branches elsewhere:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -26,6 +28,9 @@ import torch
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import ModelConfig, ParallelConfig
 from megatron_rl.models.hf_config import HFArch, load_hf_config, padded_vocab_size, parse_hf_config
+
+logger = logging.getLogger(__name__)
+_ANNOUNCED: dict[str, bool] = {}  # each kernel line once per process (the policy and reference models share it)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,34 +69,25 @@ def use_transformer_engine(model_cfg: ModelConfig) -> bool:
     return available
 
 
-def grouped_gemm_kernels_available() -> bool:
-    """megatron's GroupedMLP has its kernels: the grouped_gemm package, or the CPU layer's torch stand-in."""
-    from megatron.core.transformer.moe import grouped_gemm_util
-
-    return grouped_gemm_util.grouped_gemm_is_available()
-
-
-def expert_settings(model_cfg: ModelConfig, use_te: bool, dtype: torch.dtype) -> dict[str, bool]:
-    """moe_grouped_gemm / moe_permute_fusion from the model config, refused (naming the key) where they cannot run."""
+def expert_settings(model_cfg: ModelConfig, choice) -> dict[str, bool]:
+    """moe_grouped_gemm / moe_permute_fusion from the kernel choice, refused (naming the key) where they cannot run."""
     if model_cfg.moe_permute_fusion and not te_available():
         raise ConfigError(
             "model.moe_permute_fusion=true needs Transformer Engine's fused permute, which does not import here "
             "(it needs CUDA and the transformer-engine[pytorch] wheel): set model.moe_permute_fusion=false"
         )
-    if model_cfg.moe_grouped_gemm and not use_te and torch.cuda.is_available():
-        # Without TE the experts are megatron's GroupedMLP: the grouped_gemm CUDA kernels, bf16 only.
-        if not grouped_gemm_kernels_available():
-            raise ConfigError(
-                "model.moe_grouped_gemm=true without Transformer Engine builds megatron-core's GroupedMLP, which needs the "
-                "grouped_gemm package (pip install git+https://github.com/fanshiqing/grouped_gemm@v1.1.4); install it or "
-                "transformer-engine[pytorch] (TEGroupedMLP), or set model.moe_grouped_gemm=false"
-            )
-        if dtype != torch.bfloat16:
-            raise ConfigError(
-                f"model.moe_grouped_gemm=true with model.dtype={model_cfg.dtype} on GPU without Transformer Engine: "
-                "megatron-core's GroupedMLP kernels run in bfloat16 only; set model.dtype=bfloat16 (or auto)"
-            )
-    return dict(moe_grouped_gemm=model_cfg.moe_grouped_gemm, moe_permute_fusion=model_cfg.moe_permute_fusion)
+    return dict(moe_grouped_gemm=choice.moe_grouped_gemm, moe_permute_fusion=model_cfg.moe_permute_fusion)
+
+
+def kernel_choice(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, arch: HFArch, *, dtype: torch.dtype, kernels=None,
+                  data_parallel: int = 1):
+    """The kernels this build uses (models.kernels; `kernels` fakes the machine in tests)."""
+    from megatron_rl.models.kernels import choose_kernels, detect_kernels
+
+    return choose_kernels(
+        kernels or detect_kernels(), model_cfg, use_te=use_transformer_engine(model_cfg), dtype=dtype,
+        context_parallel=parallel_cfg.context_parallel, has_experts=bool(arch.num_experts), data_parallel=data_parallel,
+    )
 
 
 def hf_to_transformer_config(
@@ -100,9 +96,13 @@ def hf_to_transformer_config(
     parallel_cfg: ParallelConfig,
     *,
     dtype: torch.dtype,
+    kernels=None,
     **overrides: Any,
 ):
     """megatron-core TransformerConfig for an HF config, a ModelConfig and a parallel layout.
+
+    kernels: a models.kernels.Kernels describing the machine (default: detected); its
+    KernelChoice sets the experts, the fusions and (on the local spec) packed attention.
 
     `overrides` replace TransformerConfig fields (e.g. calculate_per_token_loss=True,
     variable_seq_lengths=True); an unknown field is an error.
@@ -121,6 +121,7 @@ def hf_to_transformer_config(
             "needs sequence parallelism when TP > 1; set parallel.sequence_parallel=true (or leave it unset)"
         )
     use_te = use_transformer_engine(model_cfg)
+    choice = kernel_choice(model_cfg, parallel_cfg, arch, dtype=dtype, kernels=kernels)
     moe: dict[str, Any] = {}
     if arch.num_experts:
         moe = dict(
@@ -128,9 +129,10 @@ def hf_to_transformer_config(
             moe_router_load_balancing_type=model_cfg.moe_load_balancing_type if model_cfg.moe_aux_loss_coeff else "none",
             moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
             moe_z_loss_coeff=model_cfg.moe_z_loss_coeff or None,
-            **expert_settings(model_cfg, use_te, dtype),
-            moe_router_fusion=False,
+            **expert_settings(model_cfg, choice),
+            moe_router_fusion=choice.fusions["moe_router_fusion"],
         )
+    fusions = {k: v for k, v in choice.fusions.items() if k != "moe_router_fusion"}
     recompute: dict[str, Any] = {}
     if model_cfg.recompute_activations:
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -152,13 +154,8 @@ def hf_to_transformer_config(
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
         attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        **fusions,
+        cross_entropy_loss_fusion=False,  # the actor computes vocab-parallel logprobs itself
         **moe,
         **recompute,
     )
@@ -226,6 +223,10 @@ def build_model(
     dtype = resolve_dtype(model_cfg)
     config = hf_to_transformer_config(hf_config, model_cfg, ctx.config, dtype=dtype, **(config_overrides or {}))
     use_te = use_transformer_engine(model_cfg)
+    choice = kernel_choice(model_cfg, ctx.config, arch, dtype=dtype, data_parallel=ctx.dp_size)
+    if ctx.rank == 0 and not _ANNOUNCED.get(choice.describe()):
+        _ANNOUNCED[choice.describe()] = True
+        logger.info("%s", choice.describe())
     info = ModelInfo(arch=arch, hf_config=hf_config, padded_vocab_size=padded_vocab_size(arch.vocab_size, ctx.tp_size), use_te=use_te)
     family = get_family(arch.family)
 
@@ -242,6 +243,7 @@ def build_model(
         **family.gpt_model_kwargs(arch),
     )
     model.hf_info = info
+    _set_packed_attention(model, choice.attention)
     if ctx.device.type == "cuda":
         model.cuda(ctx.device)
     if load_weights is None:
@@ -264,6 +266,15 @@ def build_model(
             )
         chunks = _wrap_ddp(chunks, config, ddp_config)
     return chunks
+
+
+def _set_packed_attention(model, kernel: str) -> None:
+    """Every LocalCoreAttention of the model runs packed microbatches with `kernel` (models.kernels)."""
+    from megatron_rl.models.attention import LocalCoreAttention
+
+    for module in model.modules():
+        if isinstance(module, LocalCoreAttention):
+            module.packed_kernel = kernel
 
 
 def _wrap_ddp(chunks: list, config, ddp_config) -> list:

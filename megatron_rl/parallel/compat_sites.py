@@ -398,7 +398,8 @@ SITES: tuple[PatchSite, ...] = (
         kind="attribute",
         why="GroupedMLP (moe_grouped_gemm=True without Transformer Engine) needs the grouped_gemm CUDA package "
         "(gg.ops.gmm); when it does not import, grouped_gemm and ops are bound to megatron_rl.parallel."
-        "grouped_gemm_cpu: per-expert torch matmuls over the tokens_per_expert splits, through autograd",
+        "grouped_gemm_torch: torch's grouped matmul (torch._grouped_mm) where it runs, else per-expert torch "
+        "matmuls over the tokens_per_expert splits, through autograd",
     ),
     PatchSite(
         name="grouped-mlp-bf16",

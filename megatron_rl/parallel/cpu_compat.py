@@ -504,10 +504,10 @@ def _bind_grouped_gemm(site: PatchSite, module: types.ModuleType) -> None:
     """grouped_gemm_util.grouped_gemm / .ops -> the torch fallback, when the CUDA package is absent."""
     if getattr(module, "grouped_gemm", None) is not None:
         return
-    from megatron_rl.parallel import grouped_gemm_cpu
+    from megatron_rl.parallel import grouped_gemm_torch
 
-    _set_attribute(site, module, grouped_gemm_cpu.package)
-    module.ops = grouped_gemm_cpu.ops
+    _set_attribute(site, module, grouped_gemm_torch.package)
+    module.ops = grouped_gemm_torch.ops
 
 
 def _grouped_mlp_any_dtype(old: Callable) -> Callable:

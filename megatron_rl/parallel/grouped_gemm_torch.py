@@ -1,4 +1,4 @@
-"""A torch stand-in for the `grouped_gemm` CUDA package, so megatron-core's GroupedMLP runs on a CPU build.
+"""Grouped GEMM for megatron-core's GroupedMLP on a plain torch install (no `grouped_gemm` package).
 
 megatron-core's GroupedMLP (the experts of `moe_grouped_gemm=True` without
 Transformer Engine, transformer/moe/experts.py) multiplies each local expert's
@@ -11,12 +11,21 @@ tokens by that expert's weights in one call:
                    [sum(batch_sizes[:e]), sum(batch_sizes[:e + 1])) of a
       ->           [sum(batch_sizes), n]:  rows of expert e = a_e @ b[e]  (b[e]^T with trans_b)
 
-The CUDA package (github.com/fanshiqing/grouped_gemm) runs this as one CUTLASS
-kernel in bf16 only. Here it is the same product written as E matmuls over
-torch.split of `a`, differentiable through autograd (grad a_e = grad_out_e
-b[e]^T, grad b[e] = a_e^T grad_out_e), in any dtype. It is bound only by the
-CPU compatibility layer (cpu_compat, site "grouped-gemm-fallback") and only
-when the real package does not import.
+The `grouped_gemm` package (github.com/fanshiqing/grouped_gemm) runs this as one
+CUTLASS kernel, bf16 only. Without it, two providers, chosen per call:
+
+* ``torch_grouped_mm``: torch's own grouped matmul, ``torch._grouped_mm(a, b, offs=cumsum(batch_sizes))``
+  (the kernel transformers' MoE experts use): one kernel for all experts, forward and
+  backward. It runs where torch has it for the device and dtype: CUDA bf16 on compute
+  capability 9.0+ (Hopper), and on CPU; its kernels need row strides of a multiple of 16
+  bytes (k and n x element size), so other shapes take the loop;
+* ``per_expert_loop``: E matmuls over torch.split of `a`, through autograd (grad a_e =
+  grad_out_e b[e]^T, grad b[e] = a_e^T grad_out_e), in any dtype and shape.
+
+On one H200 (bf16, 131k routed tokens, 64 experts, SwiGLU 2048 -> 768 -> 2048, forward and
+backward) one layer's expert work took 49.7 ms as a per-expert loop and 7.4 ms with
+torch's grouped matmul. The compatibility layer binds this module as megatron's
+`grouped_gemm` (site "grouped-gemm-fallback") only when the package does not import.
 """
 
 from __future__ import annotations
@@ -24,6 +33,48 @@ from __future__ import annotations
 import types
 
 import torch
+
+PROVIDERS = ("torch_grouped_mm", "per_expert_loop")
+
+
+def grouped_mm_supported(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, *, has_op: bool) -> bool:
+    """Whether torch._grouped_mm has a kernel: CUDA bf16 on compute capability >= 9.0, or CPU in fp32 / bf16 / fp16."""
+    if not has_op:
+        return False
+    if device_type == "cuda":
+        return dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
+    return device_type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """grouped_mm_supported for this torch and this device."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return grouped_mm_supported(device.type, dtype, capability, has_op=hasattr(torch, "_grouped_mm"))
+
+
+def _aligned(*sizes: int, itemsize: int) -> bool:
+    return all((n * itemsize) % 16 == 0 for n in sizes)
+
+
+def provider_for(a: torch.Tensor, weights: torch.Tensor) -> str:
+    """Which provider `gmm` uses for tokens a [m, k] and expert weights [E, k, n] (see the module docstring)."""
+    k, n = weights.shape[1], weights.shape[2]
+    if torch_grouped_mm_runs(a.device, a.dtype) and weights.dtype == a.dtype and _aligned(k, n, itemsize=a.element_size()):
+        return "torch_grouped_mm"
+    return "per_expert_loop"
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (torch._grouped_mm's backward
+    refuses the zero-stride gradients that e.g. `.sum()` produces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
@@ -33,7 +84,10 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bo
         raise ValueError(
             f"gmm: batch_sizes {sizes} must have one entry per expert ({b.shape[0]}) and sum to the rows of a ({a.shape[0]})"
         )
-    weights = b.transpose(-1, -2) if trans_b else b
+    weights = b.transpose(-1, -2) if trans_b else b  # [E, k, n]
+    if provider_for(a, weights) == "torch_grouped_mm":
+        offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(dtype=torch.int32, device=a.device)
+        return _ContiguousGrad.apply(torch._grouped_mm(a.contiguous(), weights, offs=offsets))
     products = [rows @ weights[e] for e, rows in enumerate(torch.split(a, sizes))]
     return torch.cat(products, dim=0)
 
@@ -41,5 +95,5 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bo
 ops = types.SimpleNamespace(gmm=gmm)
 """What megatron reads as `grouped_gemm.ops`."""
 
-package = types.SimpleNamespace(ops=ops, __name__="megatron_rl.parallel.grouped_gemm_cpu")
+package = types.SimpleNamespace(ops=ops, __name__="megatron_rl.parallel.grouped_gemm_torch")
 """What megatron reads as the `grouped_gemm` module."""

@@ -203,3 +203,37 @@ def test_single_query_sees_every_key(parallel_ctx):
     out = attention(q[-1:, None], k[:, None], v[:, None], None)
     expected = reference_attention(q, k, v, HEAD_DIM**-0.5)[-1:]  # the last query of the causal sequence sees all 6 keys
     torch.testing.assert_close(out[:, 0].double(), expected, atol=1e-6, rtol=0)
+
+
+def varlen_reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    """torch.nn.attention.varlen.varlen_attn's contract (T, H, D tensors, cu_seqlens, causal window (-1, 0)), written
+    out per sequence in float64 on CPU, where torch has no flash kernel: it checks what LocalCoreAttention hands the
+    GPU kernel (layout, offsets, scale, causality, GQA flag), not the kernel itself (tests/gpu run that)."""
+    assert window_size == (-1, 0) and torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
+    offsets = cu_seq_q.tolist()
+    assert max_q == max_k == max(b - a for a, b in pairwise(offsets))
+    assert enable_gqa == (query.shape[1] != key.shape[1])
+    outputs = [reference_attention(query[a:b], key[a:b], value[a:b], scale) for a, b in pairwise(offsets)]
+    return torch.cat(outputs).reshape(query.shape).to(query.dtype)
+
+
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_varlen_packed_attention_gives_the_per_sequence_values_and_gradients(parallel_ctx, multiple):
+    """packed_kernel="varlen" (the GPU choice) sends the whole microbatch to the varlen kernel in one call, with the
+    padded offsets: values and gradients equal the per-sequence path's (the CPU and CP choice)."""
+    from megatron_rl.models.attention import packed_seq_params
+
+    params = packed_seq_params([1, 37, 3, 64, 9], multiple=multiple)
+    per_sequence, varlen = make_attention(0.3), make_attention(0.3)
+    varlen.packed_kernel = "varlen"
+    calls = []
+    varlen.varlen_kernel = lambda *a, **kw: calls.append(1) or varlen_reference_kernel(*a, **kw)
+    results = []
+    for attention in (per_sequence, varlen):
+        q, k, v = random_qkv(params.cu_seqlens_q_padded[-1].item(), seed=5)
+        out = attention(q, k, v, None, packed_seq_params=params)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(6)))
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    assert calls == [1]  # one kernel call for the five sequences
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

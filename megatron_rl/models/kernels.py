@@ -1,0 +1,215 @@
+"""Which kernels the actor's model runs on this machine: routed experts, packed attention, fusions.
+
+Chosen once at build time from what is importable, never by `if cuda:` branches in the
+model code. Each choice is keyed on the piece that is actually present or missing
+(CUDA, Transformer Engine, apex, the grouped_gemm package, torch's grouped matmul,
+torch's varlen flash attention, a compiler for megatron's jit fusions), and
+`describe` gives the one start-up line that says what is on and why anything is off.
+
+    kernels = detect_kernels()
+    choice = choose_kernels(kernels, model_cfg, use_te=..., dtype=..., data_parallel=...)
+    print(choice.describe())     # e.g. "experts: torch_grouped_mm (...); attention: varlen (...); ..."
+
+Routed experts (model.moe_grouped_gemm; None = auto):
+  * te_grouped: Transformer Engine's TEGroupedMLP (TE spec);
+  * grouped_gemm: megatron's GroupedMLP on the grouped_gemm package (CUDA, bf16);
+  * torch_grouped_mm: megatron's GroupedMLP on torch._grouped_mm (CUDA bf16 on compute
+    capability 9.0+, the kernel transformers' experts use; on CPU when asked for);
+  * per_expert_loop: GroupedMLP whose grouped GEMM is a loop of matmuls (a torch without
+    _grouped_mm, asked for explicitly);
+  * sequential: megatron's SequentialMLP, one GEMM per expert (auto on CPU, or false).
+  auto turns grouped GEMMs on where a grouped kernel exists on the GPU (TE, grouped_gemm
+  or torch's) and keeps the per-expert loop on CPU.
+
+Packed (THD) attention of the local spec (models.attention.LocalCoreAttention):
+  * varlen: torch's flash varlen kernel (torch.nn.attention.varlen.varlen_attn) over the
+    whole packed microbatch in one call (CUDA, bf16/fp16, no context parallelism);
+  * per_sequence: one exact scaled_dot_product_attention per sequence (CPU, fp32, CP).
+  The TE spec uses TE's own attention. Padded rows use SDPA's causal path (no mask).
+
+Fusions (TransformerConfig fields): megatron's jit-fused bias-SwiGLU / bias-GELU and
+bias-dropout-add when a compiler for them exists (CUDA with triton); RoPE, router and
+permute fusion with TE; persistent layer norm and gradient-accumulation fusion with apex's
+kernels or TE; overlap of the DP gradient reduce with backward on GPUs with DP > 1 (the
+parameter all-gather is not overlapped: the weight export reads parameters right after
+the optimizer step). On CPU all are off (megatron-core on CPU, shared/notes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rl.config.core import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kernels:
+    """What this machine has (detect_kernels; tests build it by hand to fake a platform)."""
+
+    cuda: bool
+    """A CUDA device is present."""
+    capability: tuple[int, int] | None = None
+    """The device's compute capability, e.g. (9, 0) for H100 / H200."""
+    te: bool = False
+    """Transformer Engine's PyTorch extension imports."""
+    apex: bool = False
+    """NVIDIA apex's fused kernels import (fused_weight_gradient_mlp_cuda, fused layer norm)."""
+    grouped_gemm_package: bool = False
+    """The grouped_gemm CUDA package imports."""
+    torch_grouped_mm: bool = False
+    """torch has torch._grouped_mm."""
+    varlen_attention: bool = False
+    """torch has torch.nn.attention.varlen.varlen_attn (flash varlen; CUDA only)."""
+    jit_compiler: bool = False
+    """megatron's jit fusions can compile here (torch.compile with triton on CUDA)."""
+
+
+def _imports(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def detect_kernels() -> Kernels:
+    """Kernels of this machine and torch build."""
+    from megatron_rl.models.build import te_available
+
+    cuda = torch.cuda.is_available()
+    varlen = False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
+        varlen = cuda
+    except ImportError:
+        pass
+    return Kernels(
+        cuda=cuda,
+        capability=torch.cuda.get_device_capability() if cuda else None,
+        te=te_available(),
+        apex=cuda and _imports("fused_weight_gradient_mlp_cuda"),
+        grouped_gemm_package=cuda and _imports("grouped_gemm"),
+        torch_grouped_mm=hasattr(torch, "_grouped_mm"),
+        varlen_attention=varlen,
+        jit_compiler=cuda and _imports("triton"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelChoice:
+    """The kernels the model is built with, each with the reason."""
+
+    experts: str
+    """te_grouped | grouped_gemm | torch_grouped_mm | per_expert_loop | sequential (see the module docstring)."""
+    experts_why: str
+    attention: str
+    """te | varlen | per_sequence."""
+    attention_why: str
+    fusions: dict[str, bool] = field(default_factory=dict)
+    """TransformerConfig fusion fields."""
+    fusions_off_why: dict[str, str] = field(default_factory=dict)
+    """Why each fusion that is off is off."""
+    overlap_grad_reduce: bool = False
+    """DDP overlaps the gradient reduce-scatter / all-reduce with backward."""
+    overlap_why: str = ""
+
+    @property
+    def moe_grouped_gemm(self) -> bool:
+        return self.experts != "sequential"
+
+    def describe(self) -> str:
+        """The one start-up line: what is on and why anything is off."""
+        on = sorted(k for k, v in self.fusions.items() if v)
+        off = "; ".join(f"{k} off: {why}" for k, why in sorted(self.fusions_off_why.items()))
+        overlap = "on" if self.overlap_grad_reduce else f"off ({self.overlap_why})"
+        return (f"kernels: experts {self.experts} ({self.experts_why}); attention {self.attention} ({self.attention_why}); "
+                f"fusions on: {', '.join(on) or 'none'}{'; ' + off if off else ''}; overlap_grad_reduce {overlap}")
+
+
+def choose_experts(kernels: Kernels, requested: bool | None, *, use_te: bool, dtype: torch.dtype) -> tuple[str, str]:
+    """(provider, why) for the routed experts; ConfigError naming model.moe_grouped_gemm where it cannot run."""
+    if requested is False:
+        return "sequential", "model.moe_grouped_gemm=false"
+    if use_te:
+        return "te_grouped", "Transformer Engine's TEGroupedMLP"
+    hopper_bf16 = kernels.cuda and kernels.torch_grouped_mm and dtype == torch.bfloat16 and (kernels.capability or (0, 0)) >= (9, 0)
+    if kernels.cuda:
+        if kernels.grouped_gemm_package and dtype == torch.bfloat16:
+            return "grouped_gemm", "the grouped_gemm package"
+        if hopper_bf16:
+            return "torch_grouped_mm", "torch._grouped_mm, bf16 on compute capability >= 9.0"
+        if requested is None:
+            return "sequential", ("no grouped kernel for this GPU and dtype (Transformer Engine, grouped_gemm, or "
+                                  "torch._grouped_mm in bf16 on Hopper)")
+        raise ConfigError(
+            f"model.moe_grouped_gemm=true with model.dtype={dtype} on a GPU of compute capability {kernels.capability} "
+            "without Transformer Engine: megatron-core's GroupedMLP needs a grouped kernel, and none runs here (the "
+            "grouped_gemm package in bf16, or torch._grouped_mm in bf16 on compute capability >= 9.0); install "
+            "transformer-engine[pytorch] or grouped_gemm, set model.dtype=bfloat16, or set model.moe_grouped_gemm=false"
+        )
+    if requested is None:
+        return "sequential", "CPU: one GEMM per expert"
+    if kernels.torch_grouped_mm:
+        return "torch_grouped_mm", "torch._grouped_mm on CPU"
+    return "per_expert_loop", "this torch has no torch._grouped_mm"
+
+
+def choose_attention(kernels: Kernels, *, use_te: bool, dtype: torch.dtype, context_parallel: int) -> tuple[str, str]:
+    """(provider, why) for packed (THD) attention."""
+    if use_te:
+        return "te", "Transformer Engine's attention"
+    if not kernels.cuda:
+        return "per_sequence", "CPU: exact attention per sequence"
+    if context_parallel > 1:
+        return "per_sequence", "context parallelism: each CP rank's chunks need a position mask"
+    if not kernels.varlen_attention:
+        return "per_sequence", "this torch has no torch.nn.attention.varlen"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "per_sequence", f"flash varlen needs bf16/fp16, the model is {dtype}"
+    return "varlen", "torch's flash varlen kernel, one call per microbatch"
+
+
+def choose_fusions(kernels: Kernels, *, use_te: bool) -> tuple[dict[str, bool], dict[str, str]]:
+    """(TransformerConfig fusion fields, why each off one is off)."""
+    reasons = {
+        "bias_activation_fusion": (kernels.cuda and kernels.jit_compiler, "needs CUDA and triton for megatron's jit fusions"),
+        "bias_dropout_fusion": (kernels.cuda and kernels.jit_compiler, "needs CUDA and triton for megatron's jit fusions"),
+        "apply_rope_fusion": (use_te, "needs Transformer Engine's fused RoPE"),
+        "masked_softmax_fusion": (use_te, "the local attention runs its softmax inside SDPA / flash"),
+        "moe_router_fusion": (use_te, "needs Transformer Engine's fused router"),
+        "persist_layer_norm": (kernels.apex and not use_te, "needs apex's persistent layer norm (local spec)"),
+        "gradient_accumulation_fusion": (use_te or kernels.apex, "needs Transformer Engine or apex's fused wgrad kernel"),
+    }
+    fusions = {name: bool(on) for name, (on, _) in reasons.items()}
+    off = {name: why for name, (on, why) in reasons.items() if not on}
+    return fusions, off
+
+
+def choose_overlap(kernels: Kernels, data_parallel: int) -> tuple[bool, str]:
+    """(overlap the DP gradient reduce with backward, why not): on GPUs with DP > 1; CPU keeps one reduction."""
+    if not kernels.cuda:
+        return False, "CPU"
+    if data_parallel < 2:
+        return False, "one data-parallel rank"
+    return True, ""
+
+
+def choose_kernels(kernels: Kernels, model_cfg, *, use_te: bool, dtype: torch.dtype, context_parallel: int = 1,
+                   data_parallel: int = 1, has_experts: bool = True) -> KernelChoice:
+    """Every choice for one model build (see the module docstring)."""
+    if has_experts:
+        experts, experts_why = choose_experts(kernels, model_cfg.moe_grouped_gemm, use_te=use_te, dtype=dtype)
+    else:
+        experts, experts_why = "sequential", "dense model"
+    attention, attention_why = choose_attention(kernels, use_te=use_te, dtype=dtype, context_parallel=context_parallel)
+    fusions, off = choose_fusions(kernels, use_te=use_te)
+    overlap, overlap_why = choose_overlap(kernels, data_parallel)
+    return KernelChoice(experts=experts, experts_why=experts_why, attention=attention, attention_why=attention_why,
+                        fusions=fusions, fusions_off_why=off, overlap_grad_reduce=overlap, overlap_why=overlap_why)
+
+
+__all__ = ["KernelChoice", "Kernels", "choose_attention", "choose_experts", "choose_fusions", "choose_kernels", "choose_overlap",
+           "detect_kernels"]

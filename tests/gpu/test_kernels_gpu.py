@@ -1,0 +1,58 @@
+"""On a CUDA GPU: the kernels models.kernels chooses there against the exact CPU-path forms, in bf16.
+
+* torch._grouped_mm (GroupedMLP's grouped GEMM without the grouped_gemm package, Hopper) against the
+  per-expert loop: values and gradients;
+* packed attention through torch's flash varlen kernel against one SDPA per sequence: values and gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.gpu
+def test_torch_grouped_mm_equals_the_per_expert_loop_on_gpu():
+    from megatron_rl.parallel import grouped_gemm_torch
+
+    device = torch.device("cuda")
+    if not grouped_gemm_torch.torch_grouped_mm_runs(device, torch.bfloat16):
+        pytest.skip(f"torch._grouped_mm has no bf16 kernel on compute capability {torch.cuda.get_device_capability()}")
+    g = torch.Generator(device=device).manual_seed(0)
+    sizes = [300, 0, 1024, 17, 512, 0, 64, 131]
+    a = torch.randn(sum(sizes), 256, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    b = (torch.randn(len(sizes), 256, 384, device=device, dtype=torch.bfloat16, generator=g) * 0.05).requires_grad_()
+    grad = torch.randn(sum(sizes), 384, device=device, dtype=torch.bfloat16, generator=g)
+    out = grouped_gemm_torch.gmm(a, b, torch.tensor(sizes))
+    out.backward(grad)
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    ref = torch.cat([rows @ b2[e] for e, rows in enumerate(torch.split(a2, sizes))])
+    ref.backward(grad)
+    for got, want in ((out, ref), (a.grad, a2.grad), (b.grad, b2.grad)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_varlen_packed_attention_equals_per_sequence_on_gpu():
+    from tests.unit.test_models_attention import make_attention, random_qkv
+
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.models.attention import packed_seq_params
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    pytest.importorskip("torch.nn.attention.varlen", reason="this torch has no varlen attention")
+    ctx = init_parallel(ParallelConfig())
+    try:
+        params = packed_seq_params([1, 370, 3, 640, 90], multiple=8, device="cuda")
+        results = []
+        for kernel in ("per_sequence", "varlen"):
+            attention = make_attention(0.25).cuda()
+            attention.packed_kernel = kernel
+            q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in random_qkv(int(params.cu_seqlens_q_padded[-1]), 3))
+            out = attention(q, k, v, None, packed_seq_params=params)
+            out.backward(torch.ones_like(out))
+            results.append((out, q.grad, k.grad, v.grad))
+        for got, want in zip(*reversed(results)):
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    finally:
+        destroy_parallel(ctx)

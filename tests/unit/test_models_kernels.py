@@ -1,0 +1,79 @@
+"""The kernel choices (models.kernels) against faked machines: each choice keyed on the piece that is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.config import ConfigError, ModelConfig
+from megatron_rl.models.kernels import Kernels, choose_attention, choose_experts, choose_fusions, choose_kernels
+
+CPU = Kernels(cuda=False, torch_grouped_mm=True)
+H200_NO_TE = Kernels(cuda=True, capability=(9, 0), torch_grouped_mm=True, varlen_attention=True, jit_compiler=True)
+A100_NO_TE = Kernels(cuda=True, capability=(8, 0), torch_grouped_mm=True, varlen_attention=True, jit_compiler=True)
+H200_TE = Kernels(cuda=True, capability=(9, 0), te=True, apex=True, torch_grouped_mm=True, varlen_attention=True, jit_compiler=True)
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("kernels,requested,use_te,dtype,expected", [
+    (CPU, None, False, FP32, "sequential"),                 # CPU keeps one GEMM per expert by default
+    (CPU, True, False, FP32, "torch_grouped_mm"),
+    (Kernels(cuda=False), True, False, FP32, "per_expert_loop"),
+    (H200_NO_TE, None, False, BF16, "torch_grouped_mm"),    # the lent H200: grouped by default, on torch's kernel
+    (H200_NO_TE, False, False, BF16, "sequential"),
+    (H200_NO_TE, None, False, FP32, "sequential"),          # no fp32 grouped kernel on the GPU
+    (A100_NO_TE, None, False, BF16, "sequential"),
+    (Kernels(cuda=True, capability=(8, 0), grouped_gemm_package=True), None, False, BF16, "grouped_gemm"),
+    (H200_TE, None, True, BF16, "te_grouped"),
+])
+def test_expert_kernel(kernels, requested, use_te, dtype, expected):
+    assert choose_experts(kernels, requested, use_te=use_te, dtype=dtype)[0] == expected
+
+
+def test_grouped_experts_asked_for_where_none_runs_name_the_key():
+    with pytest.raises(ConfigError, match="model.moe_grouped_gemm=true"):
+        choose_experts(A100_NO_TE, True, use_te=False, dtype=BF16)
+    with pytest.raises(ConfigError, match="model.dtype"):
+        choose_experts(H200_NO_TE, True, use_te=False, dtype=FP32)
+
+
+@pytest.mark.parametrize("kernels,use_te,dtype,cp,expected", [
+    (CPU, False, FP32, 1, "per_sequence"),
+    (H200_NO_TE, False, BF16, 1, "varlen"),
+    (H200_NO_TE, False, BF16, 2, "per_sequence"),   # CP chunks need the position mask
+    (H200_NO_TE, False, FP32, 1, "per_sequence"),   # flash is half precision only
+    (Kernels(cuda=True, capability=(9, 0)), False, BF16, 1, "per_sequence"),  # a torch without varlen_attn
+    (H200_TE, True, BF16, 1, "te"),
+])
+def test_packed_attention_kernel(kernels, use_te, dtype, cp, expected):
+    assert choose_attention(kernels, use_te=use_te, dtype=dtype, context_parallel=cp)[0] == expected
+
+
+def test_fusions_follow_their_kernels():
+    on, off = choose_fusions(CPU, use_te=False)
+    assert not any(on.values()) and set(off) == set(on)  # CPU: every fusion off, each with its reason
+    on, off = choose_fusions(H200_NO_TE, use_te=False)
+    assert {k for k, v in on.items() if v} == {"bias_activation_fusion", "bias_dropout_fusion"}
+    assert "Transformer Engine" in off["apply_rope_fusion"]
+    on, _ = choose_fusions(H200_TE, use_te=True)
+    assert {k for k, v in on.items() if not v} == {"persist_layer_norm"}  # apex's layer norm is the local spec's
+
+
+def test_the_start_up_line_says_what_and_why():
+    choice = choose_kernels(H200_NO_TE, ModelConfig(), use_te=False, dtype=BF16, data_parallel=8)
+    line = choice.describe()
+    assert choice.moe_grouped_gemm and choice.overlap_grad_reduce
+    assert "experts torch_grouped_mm" in line and "attention varlen" in line and "apply_rope_fusion off: needs Transformer Engine" in line
+    cpu = choose_kernels(CPU, ModelConfig(), use_te=False, dtype=FP32, data_parallel=2)
+    assert not cpu.moe_grouped_gemm and not cpu.overlap_grad_reduce and "overlap_grad_reduce off (CPU)" in cpu.describe()
+
+
+def test_the_cpu_build_uses_the_cpu_choices():
+    """What the detected machine gives here (no CUDA): the settings megatron-core on CPU needs."""
+    from megatron_rl.models.kernels import detect_kernels
+
+    kernels = detect_kernels()
+    if kernels.cuda:
+        pytest.skip("a GPU is present: this checks the CPU platform's choices")
+    choice = choose_kernels(kernels, ModelConfig(), use_te=False, dtype=FP32)
+    assert (choice.experts, choice.attention, any(choice.fusions.values())) == ("sequential", "per_sequence", False)
