@@ -19,6 +19,7 @@ What is chosen here, once, instead of `if cuda:` branches elsewhere:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -42,26 +43,50 @@ def resolve_dtype(model_cfg: ModelConfig) -> torch.dtype:
 
 def te_available() -> bool:
     """Transformer Engine's PyTorch extension imports (it needs CUDA)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing wheel, or a wheel built for another torch/CUDA
-        return False
-    return True
+    from megatron_rl.parallel.availability import detect
+
+    return detect().transformer_engine
+
+
+def spec_choice(model_cfg: ModelConfig, avail=None) -> tuple[bool, str]:
+    """(use the TE layer spec, one line saying which spec and why) for model.transformer_impl on `avail`.
+
+    avail: a megatron_rl.parallel.availability.Availability (default: this process's).
+    """
+    from megatron_rl.parallel.availability import detect
+
+    avail = detect() if avail is None else avail
+    impl = f"model.transformer_impl={model_cfg.transformer_impl}"
+    if model_cfg.transformer_impl == "local":
+        return False, f"layer spec: local ({impl}; {avail.describe()})"
+    if model_cfg.transformer_impl == "transformer_engine" and not avail.transformer_engine:
+        why = "it needs CUDA" if not avail.cuda else "the transformer-engine[pytorch] wheel does not import"
+        raise ConfigError(
+            f"model.transformer_impl=transformer_engine but Transformer Engine is not usable here ({why}): "
+            "install transformer-engine[pytorch] or use model.transformer_impl=auto or local"
+        )
+    if avail.transformer_engine:
+        return True, f"layer spec: transformer_engine ({impl}, Transformer Engine imports; {avail.describe()})"
+    why = "no CUDA" if not avail.cuda else "CUDA present but Transformer Engine does not import"
+    return False, f"layer spec: local ({impl}, {why}: megatron's local spec with the TE-absent bindings; {avail.describe()})"
 
 
 def use_transformer_engine(model_cfg: ModelConfig) -> bool:
     """Whether to build with the TE layer spec (model.transformer_impl, auto = when importable)."""
-    if model_cfg.transformer_impl == "local":
-        return False
-    available = te_available()
-    if model_cfg.transformer_impl == "transformer_engine" and not available:
-        raise ConfigError(
-            "model.transformer_impl=transformer_engine but Transformer Engine does not import here "
-            "(it needs CUDA and the transformer-engine[pytorch] wheel): use model.transformer_impl=auto or local"
-        )
-    return available
+    return spec_choice(model_cfg)[0]
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def announce_spec(model_cfg: ModelConfig) -> str:
+    """Print, once per process (rank 0 of a distributed job), which layer spec is built and why; return the line."""
+    line = spec_choice(model_cfg)[1]
+    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    if line not in _ANNOUNCED and rank == 0:
+        print(f"megatron_rl: {line}", file=sys.stderr, flush=True)
+    _ANNOUNCED.add(line)
+    return line
 
 
 def grouped_gemm_kernels_available() -> bool:
@@ -218,8 +243,10 @@ def build_model(
 
     from megatron_rl.models.families import get_family
     from megatron_rl.models.loading import load_hf_weights
-    from megatron_rl.parallel import seed_all
+    from megatron_rl.parallel import apply_compat, seed_all
 
+    apply_compat()  # idempotent; init_parallel applied it already unless the caller set up megatron itself
+    announce_spec(model_cfg)
     if hf_config is None:
         hf_config = load_hf_config(model_cfg.path)
     arch = parse_hf_config(hf_config, source=f"{model_cfg.path or '<hf_config>'}/config.json")
