@@ -67,7 +67,9 @@ def spec_choice(model_cfg: ModelConfig, avail=None) -> tuple[bool, str]:
         )
     if avail.transformer_engine:
         return True, f"layer spec: transformer_engine ({impl}, Transformer Engine imports; {avail.describe()})"
-    why = "no CUDA" if not avail.cuda else "CUDA present but Transformer Engine does not import"
+    if not avail.cuda:
+        return False, f"layer spec: local ({impl}, no CUDA: megatron's local spec on the CPU; {avail.describe()})"
+    why = "CUDA present but Transformer Engine does not import"
     return False, f"layer spec: local ({impl}, {why}: megatron's local spec with the TE-absent bindings; {avail.describe()})"
 
 
