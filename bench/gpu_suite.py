@@ -27,8 +27,8 @@ reports what it finished):
 
 MFU (model FLOPs utilisation; Chowdhery et al. 2022, PaLM, Appendix B): model
 FLOPs per token of a training step = 6 N + 12 L H Q S, where N = parameters a
-token's matmuls use (attention, the router, the k routed experts it goes to,
-dense/shared MLPs, the output layer; not the input embedding, a lookup), L
+token passes through (attention, norms, the router, the k routed experts it goes
+to, the output layer; not the input embedding, a lookup), L
 layers, H query heads, Q head dim, S the sequence length (PaLM's attention term,
 not halved for the causal mask). A forward alone is a third of it (2 N + 4 L H Q S).
 MFU = model FLOPs per token x tokens/s / peak, with two peaks: a measured bf16
@@ -138,7 +138,7 @@ def flop_params(hf: dict) -> dict[str, int]:
     vocab = hf["vocab_size"]
     return {
         "total": layers * (layer_fixed + hf["num_experts"] * expert) + 2 * vocab * h + h,
-        "flop_active": layers * (layer_fixed + hf["num_experts_per_tok"] * expert) + vocab * h,  # + output layer
+        "flop_active": layers * (layer_fixed + hf["num_experts_per_tok"] * expert) + vocab * h + h,  # + output layer, final norm
         "embedding": vocab * h,
     }
 
