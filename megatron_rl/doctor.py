@@ -27,6 +27,7 @@ on the CPU (gloo for the collectives).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -163,10 +164,8 @@ def check_forward(ctx, model_cfg_kwargs: dict | None = None) -> Check:
     from megatron_rl.config.schema import ModelConfig
     from megatron_rl.models import build_model
     from megatron_rl.models.build import spec_choice
-    from megatron_rl.models.tiny import make_tiny_model_dir
 
-    with tempfile.TemporaryDirectory(prefix="mrl-doctor-") as tmp:
-        model_dir = make_tiny_model_dir(Path(tmp) / "tiny", "qwen3_moe", seed=0, with_tokenizer=False)
+    with _shared_tiny_model() as model_dir:
         model_cfg = ModelConfig(path=str(model_dir), dtype="float32", **(model_cfg_kwargs or {}))
         _, spec_line = spec_choice(model_cfg)
         with warnings.catch_warnings():
@@ -187,6 +186,37 @@ def check_forward(ctx, model_cfg_kwargs: dict | None = None) -> Check:
     if not err < 1e-3:
         return Check(name="forward", status="FAIL", detail=detail, fix="the model does not compute what transformers does on this device: report it with this line")
     return Check(name="forward", status="ok", detail=detail)
+
+
+@contextlib.contextmanager
+def _shared_tiny_model():
+    """One tiny model directory at the same path on every rank (the loader reads model.path on each): written
+    by each node's local rank 0 under a name rank 0 chose, removed after every rank is done."""
+    import torch.distributed as dist
+
+    name = [f"mrl-doctor-{os.getpid()}-{time.time_ns()}"]
+    dist.broadcast_object_list(name, src=0)
+    root = Path(tempfile.gettempdir()) / name[0]
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    error = ""
+    if local_rank == 0:
+        try:
+            from megatron_rl.models.tiny import make_tiny_model_dir
+
+            make_tiny_model_dir(root / "tiny", "qwen3_moe", seed=0, with_tokenizer=False)
+        except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
+            error = f"{type(err).__name__}: {err}"
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # also the barrier: the directory exists on every node after it
+    try:
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        if failed:
+            raise RuntimeError(f"writing the tiny model failed ({'; '.join(failed)})")
+        yield root / "tiny"
+    finally:
+        dist.barrier()
+        if local_rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _timed(op: Callable[[], Any], device: torch.device, repeats: int) -> float:

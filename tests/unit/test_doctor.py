@@ -72,7 +72,7 @@ def test_two_processes_over_gloo_and_a_missing_model_path_fails(tmp_path):
     paths = _line(out0, "paths")
     assert paths.startswith("FAIL  paths:") and f"model.path='{missing}' is missing on rank(s) [0, 1]" in paths
     assert "-- fix: " in paths and "set model.path" in paths
-    assert ", 1 FAIL" in out0.strip().splitlines()[-1]  # the paths, nothing else
+    assert ", 1 FAIL" in out0.strip().splitlines()[-1], out0  # the paths, nothing else
 
 
 def test_paths_differing_between_ranks_are_named():
