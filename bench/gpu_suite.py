@@ -397,8 +397,12 @@ def vocab_logprobs(suite: Suite, device: torch.device, tiny: bool) -> dict:
         want_lp, want_ent = reference_logprobs((h @ w.t()).float(), targets, temperature=0.9)
     err = max((lp - want_lp).abs().max().item(), (ent - want_ent).abs().max().item())
     ratio = None if peak is None else (logits_bytes + peak - base) / logits_bytes
-    suite.check("vocab_logprobs", err <= 1e-3 and (ratio is None or ratio <= 1.5),
-                f"max err {err:.2e} (<= 1e-3), peak / logits bytes {ratio if ratio is None else round(ratio, 3)} (<= 1.5)")
+    # The 1.5 x bound is for real sizes (4096 x 151936 here), where the float32 work runs in row chunks; tiny
+    # logits fit one chunk, so --tiny records the ratio without bounding it.
+    bounded = ratio is None or tiny or ratio <= 1.5
+    suite.check("vocab_logprobs", err <= 1e-3 and bounded,
+                f"max err {err:.2e} (<= 1e-3), peak / logits bytes {ratio if ratio is None else round(ratio, 3)}"
+                + ("" if tiny else " (<= 1.5)"))
     return {"tokens": tokens, "vocab": vocab, "logits_bytes": logits_bytes, "peak_over_logits": ratio, "max_abs_err": err}
 
 

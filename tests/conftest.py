@@ -11,12 +11,22 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest  # noqa: E402
 
-from tests.extras import REQUIRE_EXTRAS, missing_reason  # noqa: E402
+from tests.extras import REQUIRE_EXTRAS, missing_reason, registry_unreachable  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
     _skip_missing_extras(items)
     _skip_gpu_tests(items)
+    _skip_network_tests(items)
+
+
+def _skip_network_tests(items):
+    """Tests marked network (they download from the registry) are skipped, saying so, where it is unreachable
+    (an air-gapped GPU node); the registry is asked once, and only when such a test was collected."""
+    marked = [item for item in items if "network" in item.keywords]
+    reason = registry_unreachable() if marked else None
+    for item in marked if reason else []:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def _skip_missing_extras(items):

@@ -68,3 +68,24 @@ def skip_module_without(extra: str, *names: str) -> None:
     reason = missing_reason(extra, names)
     if reason and not REQUIRE_EXTRAS:
         pytest.skip(reason, allow_module_level=True)
+
+
+def registry_unreachable() -> str | None:
+    """Why the package registry cannot be reached (None when it answers): a `network` test is skipped with it.
+
+    The index is PIP_INDEX_URL (default PyPI), reached directly or through HTTPS_PROXY, as pip would.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    index = urlparse(os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple")
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target = urlparse(proxy) if proxy else index
+    host, port = target.hostname, target.port or (443 if target.scheme == "https" else 80)
+    if not host:
+        return None
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as err:
+        return f"needs a package registry: {host}:{port} is unreachable from here ({err})"
+    return None

@@ -68,7 +68,9 @@ def test_wheelhouse_installs_without_an_index_beside_the_local_torch(tmp_path):
                                capture_output=True, text=True, check=True).stdout.strip())
     _link_torch_only(tmp_path / "torch-only")
     (site / "local_torch.pth").write_text(str(tmp_path / "torch-only") + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS")}
+    # no index, no configured find-links or constraints: only the wheelhouse (pip reads no config file)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
+    env["PIP_CONFIG_FILE"] = os.devnull
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile", "--no-index",
                               "--find-links", str(wheels), "megatron_rl"], env=env, capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
