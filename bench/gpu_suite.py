@@ -292,6 +292,7 @@ def actor_speed(ctx, hf: dict, rows: int, length: int, budget: int, repeats: int
         (step_s, _), peak = _peak(ctx.device, lambda: _timed(lambda: actor.train_step(step_batch), ctx.device, repeats))
     finally:
         actor.close()
+        actor.__dict__.clear()  # drop the model, its grad buffers and the optimizer now: transformers' model comes next
     tokens = rows * length
     return {"dtype": dtype, "train_step_s": step_s, "train_tokens_per_s": tokens / step_s, "forward_s": fwd_s,
             "forward_tokens_per_s": tokens / fwd_s, "peak_memory_bytes": peak}
@@ -349,10 +350,16 @@ def speed(suite: Suite, ctx, tiny: bool) -> dict:
     repeats = 1 if tiny else 2
     for name, run in (("megatron_rl", lambda: actor_speed(ctx, hf, rows, length, budget, repeats)),
                       ("transformers", lambda: transformers_speed(ctx.device, hf, rows, length, budget, repeats))):
-        result = run()
-        gc.collect()  # the model and its optimizer went with run's frame: free them before the next side
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            result = run()
+        except Exception as err:  # noqa: BLE001 - recorded (e.g. out of memory): the other side still runs
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+            suite.check(f"speed/{name}", False, out[name]["error"][:300])
+            continue
+        finally:
+            gc.collect()  # the model and its optimizer went with run's frame: free them before the next side
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
         for kind in ("train", "forward"):
             achieved = out[f"{kind}_flops_per_token"] * result[f"{kind}_tokens_per_s"] / 1e12
             result[f"{kind}_tflops"] = achieved
@@ -430,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpu-suite-") as tmp:
             families = {}
             for family, overrides in FAMILIES.items():
-                families[family] = family_logprobs(suite, ctx, family, overrides, Path(tmp))
+                try:
+                    families[family] = family_logprobs(suite, ctx, family, overrides, Path(tmp))
+                except Exception as err:  # noqa: BLE001 - recorded; the other families and sections still run
+                    families[family] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+                    suite.check(f"logprobs/{family}", False, families[family]["error"][:300])
                 suite.save("logprobs", families)
         suite.save("speed", speed(suite, ctx, args.tiny))
         suite.save("vocab_logprobs", vocab_logprobs(suite, ctx.device, args.tiny))

