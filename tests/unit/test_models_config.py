@@ -224,10 +224,13 @@ def test_unknown_override_is_an_error():
 
 
 def test_float32_only_on_cpu():
+    """auto = bfloat16 on a GPU, float32 on a CPU build, where half precision is refused naming the key."""
     from megatron_rl.models import resolve_dtype
 
+    assert resolve_dtype(ModelConfig(dtype="float32")) == torch.float32
     if torch.cuda.is_available():
-        pytest.skip("CPU-only behaviour")
+        assert resolve_dtype(ModelConfig()) == torch.bfloat16 == resolve_dtype(ModelConfig(dtype="bfloat16"))
+        return
     assert resolve_dtype(ModelConfig()) == torch.float32
     with pytest.raises(ConfigError, match="model.dtype=bfloat16"):
         resolve_dtype(ModelConfig(dtype="bfloat16"))
