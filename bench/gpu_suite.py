@@ -9,7 +9,7 @@ reports what it finished):
 1. ``environment``: device, versions, platform availability, the layer spec
    the build chooses and why (models.build.spec_choice).
 2. ``tests``: ``pytest tests/unit tests/gpu`` (xdist when installed) with its
-   counts (not with --tiny: the suite runs --tiny itself).
+   counts (with --tiny only tests/unit/test_placement.py: the suite runs --tiny itself).
 3. ``logprobs``: per family (qwen3_moe, deepseek_v3, glm4_moe; tiny random
    models): the actor's fp32 old-policy logprobs against transformers' forward
    of the same weights on the same device (max |diff| over real tokens), packed
@@ -199,11 +199,11 @@ def environment(device: torch.device) -> dict:
     }
 
 
-def run_tests(suite: Suite, timeout_s: int) -> dict:
-    """pytest tests/unit tests/gpu (xdist when installed), its counts parsed from the summary line."""
+def run_tests(suite: Suite, timeout_s: int, paths: tuple[str, ...] = ("tests/unit", "tests/gpu")) -> dict:
+    """pytest on `paths` (xdist when installed), its counts parsed from the summary line."""
     import importlib.util
 
-    cmd = [sys.executable, "-m", "pytest", "tests/unit", "tests/gpu", "-q", "-rfE", "-p", "no:cacheprovider", "--timeout=300"]
+    cmd = [sys.executable, "-m", "pytest", *paths, "-q", "-rfE", "-p", "no:cacheprovider", "--timeout=300"]
     if importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(min(8, os.cpu_count() or 1))]
     start = time.perf_counter()
@@ -430,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp()) / "gpu-tiny.json" if args.tiny else default)
     suite = Suite(out, args.tiny)
     suite.save("environment", environment(device))
-    if not args.tiny:
-        suite.save("tests", run_tests(suite, args.tests_timeout))
+    paths = ("tests/unit/test_placement.py",) if args.tiny else ("tests/unit", "tests/gpu")
+    suite.save("tests", run_tests(suite, args.tests_timeout, paths))
     ctx = init_parallel(ParallelConfig())
     try:
         with tempfile.TemporaryDirectory(prefix="gpu-suite-") as tmp:
