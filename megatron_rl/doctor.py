@@ -136,12 +136,14 @@ def check_gpus(cfg, avail, local_world: int) -> Check:
     free, total = torch.cuda.mem_get_info(device)
     name = torch.cuda.get_device_name(device)
     detail = f"{count} x {name}; this rank's GPU {device}: {free / GIB:.1f} of {total / GIB:.1f} GiB free"
-    if cfg is not None and cfg.cluster.gpus_per_node and count < min(cfg.cluster.gpus_per_node, local_world):
-        return Check(name="gpus", status="FAIL", detail=detail, fix=f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} but {count} visible (CUDA_VISIBLE_DEVICES?)")
+    if cfg is not None and count < cfg.cluster.gpus_per_node:
+        return Check(name="gpus", status="FAIL", detail=detail,
+                     fix=f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} but {count} visible here (CUDA_VISIBLE_DEVICES?, or set cluster.gpus_per_node)")
     if local_world > count:
         return Check(name="gpus", status="FAIL", detail=detail, fix=f"{local_world} processes on this node share {count} GPU(s): one process per GPU")
-    if cfg is None:
-        return Check(name="gpus", status="ok", detail=detail)
+    if cfg is None or not cfg.cluster.gpus_per_node:
+        why = "no --config" if cfg is None else "the preset is a CPU run (cluster.gpus_per_node=0)"
+        return Check(name="gpus", status="ok", detail=f"{detail}; memory not planned: {why}")
     try:
         from megatron_rl.plan.report import load_spec
         from megatron_rl.plan.planner import plan
@@ -355,7 +357,8 @@ def _local_checks(cfg, avail, ctx) -> list[Check]:
     if ctx is None:
         checks.append(Check(name="forward", status="skip", detail="megatron-core did not start (see versions/collectives)"))
     else:
-        checks.append(_guard("forward", lambda: check_forward(ctx)))
+        chosen = {} if cfg is None else {"transformer_impl": cfg.model.transformer_impl}  # the preset's spec choice
+        checks.append(_guard("forward", lambda: check_forward(ctx, chosen)))
     if cfg is None:
         checks.append(Check(name="disk", status="skip", detail="no --config: checkpoint.dir unknown"))
     else:

@@ -135,3 +135,33 @@ def test_bus_bandwidth_factor_is_nccl_tests(world, monkeypatch):
     expected = 8 * 2**20 / 0.004 * 2 * (world - 1) / world / 1e9
     assert f"(busbw {expected:.2f} GB/s)" in check.detail and f"slowest rank {world - 1} " in check.detail
     assert f"(busbw {8 * 2**20 / 0.001 / 1e9:.2f} GB/s)" in check.detail  # broadcast: S/t
+
+
+def _fake_gpus(monkeypatch, count: int, free: int):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+
+
+def test_gpus_against_the_preset_and_the_planners_peak(monkeypatch):
+    """Faked devices (any machine): too few GPUs, too little free memory for the planner's peak, and enough."""
+    from megatron_rl.config.core import load_config
+    from megatron_rl.config.schema import RLConfig
+    from megatron_rl.parallel.availability import Availability
+    from megatron_rl.plan.report import load_spec
+    from megatron_rl.plan.planner import plan
+
+    cfg = load_config(RLConfig, str(REPO / "configs" / "tiny-gspo-1x8h100.yaml"), [])
+    cuda = Availability(cuda=True, transformer_engine=False, apex=False, grouped_gemm=False)
+    peak = plan(cfg, load_spec(cfg)).peak.total  # the planner's own estimate, compared by the doctor
+    _fake_gpus(monkeypatch, 4, 2**40)
+    few = doctor.check_gpus(cfg, cuda, local_world=1)
+    assert few.status == "FAIL" and "cluster.gpus_per_node=8 but 4 visible" in few.fix
+    _fake_gpus(monkeypatch, 8, int(peak) - 1)
+    short = doctor.check_gpus(cfg, cuda, local_world=8)
+    assert short.status == "FAIL" and "planner's peak" in short.detail
+    _fake_gpus(monkeypatch, 8, int(peak) + 2**20)
+    assert doctor.check_gpus(cfg, cuda, local_world=8).status == "ok"
+    shared = doctor.check_gpus(cfg, cuda, local_world=16)
+    assert shared.status == "FAIL" and "16 processes on this node share 8 GPU(s)" in shared.fix
