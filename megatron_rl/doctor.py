@@ -456,10 +456,11 @@ def report(checks: list[Check], avail, out) -> int:
     for check in checks:
         print(check.line(), file=out)
     counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "FAIL", "skip")}
-    skipped = [c.name for c in checks if c.status == "skip" or (c.name == "gpus" and not avail.cuda)]
-    where = "CPU only: " if not avail.cuda else ""
+    skipped = [f"{c.name} ({c.detail.split(': ')[0]})" for c in checks if c.status == "skip"]
+    if not avail.cuda and not any(c.name == "gpus" and c.status == "skip" for c in checks):
+        skipped.insert(0, "gpus (no CUDA device here)")  # a GPU preset on a CPU machine: a warn line, still skipped
     summary = f"doctor: {counts['ok']} ok, {counts['warn']} warn, {counts['FAIL']} FAIL"
     if skipped:
-        summary += f"; {where}skipped {', '.join(skipped)}"
+        summary += f"; skipped: {', '.join(skipped)}"
     print(summary, file=out, flush=True)
     return 1 if counts["FAIL"] else 0

@@ -54,7 +54,7 @@ def test_single_process_cli(tmp_path):
     assert _line(out, "paths").startswith("ok    paths: model.path checked on 1 rank(s)")
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("doctor: ") and f" {0 if VLLM else 1} FAIL" in summary
-    assert ("skipped gpus" in summary) == (not cuda)
+    assert ("skipped: gpus (no CUDA device here)" in summary) == (not cuda)
 
 
 def _doctor_rank(rank: int, world_size: int, tmp: str, model_path: str) -> tuple[int, str]:
