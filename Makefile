@@ -11,7 +11,12 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench lint clean
+# make gpu-check: the GPU suite on one CUDA GPU (bench/gpu_suite.py -> bench/results/gpu-<device>.json).
+# make wheelhouse PYTHON_VERSION=3.12: wheels for a node that has torch and no registry (tools/wheelhouse.py).
+PYTHON_VERSION ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+WHEELHOUSE ?= wheelhouse
+
+.PHONY: venv test test-fast demo bench lint clean gpu-check wheelhouse
 
 venv: $(STAMP)
 
@@ -40,6 +45,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done
+
+gpu-check:
+	$(PYTHON) bench/gpu_suite.py
+
+wheelhouse:
+	$(PYTHON) tools/wheelhouse.py --python-version $(PYTHON_VERSION) --out $(WHEELHOUSE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache outputs

@@ -3,6 +3,7 @@
     megatron-rl train --config configs/tiny-gspo.yaml train.steps=5
     megatron-rl plan  --config configs/qwen3-30b-a3b-gspo-4x8h100.yaml parallel.expert_parallel=8
     megatron-rl serve --config configs/tiny-gspo.yaml --port 8000   # a rollout server (rollout.engine=vllm_server)
+    megatron-rl doctor --config configs/tiny-gspo.yaml              # check this machine (or, under torchrun, every rank)
 
 Nothing heavy is imported at module level, so `--help` answers at once; each
 subcommand imports what it needs when it runs. Also `python -m megatron_rl.cli`
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rl", description="RL post-training of mixture-of-experts LLMs on megatron-core with vLLM rollouts."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,serve}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,serve,doctor}")
     train = sub.add_parser("train", help="run the RL loop (under torchrun for several processes)")
     _add_config_args(train)
     planner = sub.add_parser("plan", help="check a preset against its cluster and estimate memory per device, no GPU needed")
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--dry-run", action="store_true", help="print the environment and the command, run nothing")
+    doctor = sub.add_parser("doctor", help="check this machine (under torchrun/srun: every rank) for a preset; see megatron_rl.doctor")
+    doctor.add_argument("--config", help="YAML preset whose needs are checked (optional)")
+    doctor.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides parsed as YAML")
     return parser
 
 
@@ -148,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "doctor":
+        from megatron_rl import doctor
+
+        return doctor.run(args.config, args.overrides)
     return _plan(args)
 
 

@@ -9,37 +9,37 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import importlib.util  # noqa: E402
-
 import pytest  # noqa: E402
 
-# `make test` installs every CPU extra and sets this: there a missing extra fails its tests instead of skipping them.
-REQUIRE_EXTRAS = os.environ.get("MEGATRON_RL_REQUIRE_EXTRAS") == "1"
+from tests.extras import REQUIRE_EXTRAS, missing_reason, registry_unreachable  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
     _skip_missing_extras(items)
     _skip_gpu_tests(items)
+    _skip_network_tests(items)
+
+
+def _skip_network_tests(items):
+    """Tests marked network (they download from the registry) are skipped, saying so, where it is unreachable
+    (an air-gapped GPU node); the registry is asked once, and only when such a test was collected."""
+    marked = [item for item in items if "network" in item.keywords]
+    reason = registry_unreachable() if marked else None
+    for item in marked if reason else []:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def _skip_missing_extras(items):
-    """A test marked extra(name, *modules) is skipped, naming the extra to install, when a module is absent."""
+    """A test marked extra(name, *modules) is skipped, naming the extra to install, when a module (or a
+    'bin:NAME' executable) is absent (tests/extras.py)."""
     if REQUIRE_EXTRAS:
         return
     for item in items:
         for mark in item.iter_markers("extra"):
             extra, *modules = mark.args
-            missing = [m for m in modules if not _importable(m)]
-            if missing:
-                reason = f"needs the {extra} extra ({', '.join(missing)} not installed): pip install -e '.[{extra}]'"
+            reason = missing_reason(extra, modules)
+            if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a finder refusing it, or a module left as None in sys.modules
-        return False
 
 
 def _skip_gpu_tests(items):

@@ -20,7 +20,7 @@ What is chosen here, once, instead of `if cuda:` branches elsewhere:
 from __future__ import annotations
 
 import dataclasses
-import logging
+import sys
 from typing import Any
 
 import torch
@@ -28,9 +28,6 @@ import torch
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import ModelConfig, ParallelConfig
 from megatron_rl.models.hf_config import HFArch, load_hf_config, padded_vocab_size, parse_hf_config
-
-logger = logging.getLogger(__name__)
-_ANNOUNCED: dict[str, bool] = {}  # each kernel line once per process (the policy and reference models share it)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,26 +44,56 @@ def resolve_dtype(model_cfg: ModelConfig) -> torch.dtype:
 
 def te_available() -> bool:
     """Transformer Engine's PyTorch extension imports (it needs CUDA)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing wheel, or a wheel built for another torch/CUDA
-        return False
-    return True
+    from megatron_rl.parallel.availability import detect
+
+    return detect().transformer_engine
+
+
+def spec_choice(model_cfg: ModelConfig, avail=None) -> tuple[bool, str]:
+    """(use the TE layer spec, one line saying which spec and why) for model.transformer_impl on `avail`.
+
+    avail: a megatron_rl.parallel.availability.Availability (default: this process's).
+    """
+    from megatron_rl.parallel.availability import detect
+
+    avail = detect() if avail is None else avail
+    impl = f"model.transformer_impl={model_cfg.transformer_impl}"
+    if model_cfg.transformer_impl == "local":
+        return False, f"layer spec: local ({impl}; {avail.describe()})"
+    if model_cfg.transformer_impl == "transformer_engine" and not avail.transformer_engine:
+        why = "it needs CUDA" if not avail.cuda else "the transformer-engine[pytorch] wheel does not import"
+        raise ConfigError(
+            f"model.transformer_impl=transformer_engine but Transformer Engine is not usable here ({why}): "
+            "install transformer-engine[pytorch] or use model.transformer_impl=auto or local"
+        )
+    if avail.transformer_engine:
+        return True, f"layer spec: transformer_engine ({impl}, Transformer Engine imports; {avail.describe()})"
+    if not avail.cuda:
+        return False, f"layer spec: local ({impl}, no CUDA: megatron's local spec on the CPU; {avail.describe()})"
+    why = "CUDA present but Transformer Engine does not import"
+    return False, f"layer spec: local ({impl}, {why}: megatron's local spec with the TE-absent bindings; {avail.describe()})"
 
 
 def use_transformer_engine(model_cfg: ModelConfig) -> bool:
     """Whether to build with the TE layer spec (model.transformer_impl, auto = when importable)."""
-    if model_cfg.transformer_impl == "local":
-        return False
-    available = te_available()
-    if model_cfg.transformer_impl == "transformer_engine" and not available:
-        raise ConfigError(
-            "model.transformer_impl=transformer_engine but Transformer Engine does not import here "
-            "(it needs CUDA and the transformer-engine[pytorch] wheel): use model.transformer_impl=auto or local"
-        )
-    return available
+    return spec_choice(model_cfg)[0]
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def announce_spec(model_cfg: ModelConfig) -> str:
+    """Print, once per process (rank 0 of a distributed job), which layer spec is built and why; return the line."""
+    return announce(spec_choice(model_cfg)[1])
+
+
+def announce(line: str) -> str:
+    """Print a start-up line once per process, on rank 0 of a distributed job; return it."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    if line not in _ANNOUNCED and rank == 0:
+        print(f"megatron_rl: {line}", file=sys.stderr, flush=True)
+    _ANNOUNCED.add(line)
+    return line
 
 
 def expert_settings(model_cfg: ModelConfig, choice) -> dict[str, bool]:
@@ -215,8 +242,10 @@ def build_model(
 
     from megatron_rl.models.families import get_family
     from megatron_rl.models.loading import load_hf_weights
-    from megatron_rl.parallel import seed_all
+    from megatron_rl.parallel import apply_compat, seed_all
 
+    apply_compat()  # idempotent; init_parallel applied it already unless the caller set up megatron itself
+    announce_spec(model_cfg)
     if hf_config is None:
         hf_config = load_hf_config(model_cfg.path)
     arch = parse_hf_config(hf_config, source=f"{model_cfg.path or '<hf_config>'}/config.json")
@@ -224,9 +253,7 @@ def build_model(
     config = hf_to_transformer_config(hf_config, model_cfg, ctx.config, dtype=dtype, **(config_overrides or {}))
     use_te = use_transformer_engine(model_cfg)
     choice = kernel_choice(model_cfg, ctx.config, arch, dtype=dtype, data_parallel=ctx.dp_size)
-    if ctx.rank == 0 and not _ANNOUNCED.get(choice.describe()):
-        _ANNOUNCED[choice.describe()] = True
-        logger.info("%s", choice.describe())
+    announce(choice.describe())
     info = ModelInfo(arch=arch, hf_config=hf_config, padded_vocab_size=padded_vocab_size(arch.vocab_size, ctx.tp_size), use_te=use_te)
     family = get_family(arch.family)
 

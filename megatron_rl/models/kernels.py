@@ -74,27 +74,27 @@ def _imports(name: str) -> bool:
         return False
 
 
-def detect_kernels() -> Kernels:
-    """Kernels of this machine and torch build."""
-    from megatron_rl.models.build import te_available
+def detect_kernels(avail=None) -> Kernels:
+    """Kernels of this machine and torch build; `avail` is parallel.availability's (default: detected)."""
+    from megatron_rl.parallel.availability import detect
 
-    cuda = torch.cuda.is_available()
+    avail = detect() if avail is None else avail
     varlen = False
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
 
-        varlen = cuda
+        varlen = avail.cuda
     except ImportError:
         pass
     return Kernels(
-        cuda=cuda,
-        capability=torch.cuda.get_device_capability() if cuda else None,
-        te=te_available(),
-        apex=cuda and _imports("fused_weight_gradient_mlp_cuda"),
-        grouped_gemm_package=cuda and _imports("grouped_gemm"),
+        cuda=avail.cuda,
+        capability=torch.cuda.get_device_capability() if avail.cuda else None,
+        te=avail.transformer_engine,
+        apex=avail.apex and _imports("fused_weight_gradient_mlp_cuda"),
+        grouped_gemm_package=avail.grouped_gemm,
         torch_grouped_mm=hasattr(torch, "_grouped_mm"),
         varlen_attention=varlen,
-        jit_compiler=cuda and _imports("triton"),
+        jit_compiler=avail.cuda and _imports("triton"),
     )
 
 

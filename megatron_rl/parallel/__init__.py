@@ -4,8 +4,10 @@
     ...                      # pass ctx explicitly
     destroy_parallel(ctx)
 
-On a CPU-only torch build init_parallel applies the megatron-core CPU
-compatibility layer (cpu_compat) before megatron runs anything.
+init_parallel applies the megatron-core compatibility layer (cpu_compat.apply_compat:
+the sites whose conditions hold on this platform's Availability -- all of them on
+a CPU build, the Transformer-Engine-absent ones on a GPU without TE) before
+megatron runs anything.
 """
 
 from megatron_rl.parallel.context import (
@@ -15,22 +17,27 @@ from megatron_rl.parallel.context import (
     init_parallel,
     seed_all,
 )
+from megatron_rl.parallel.availability import Availability, detect
 from megatron_rl.parallel.cpu_compat import (
     PatchSite,
     PatchTargetError,
+    apply_compat,
     apply_cpu_compat,
     check_patch_targets,
     cuda_absent,
 )
 
 __all__ = [
+    "Availability",
     "ParallelContext",
     "PatchSite",
     "PatchTargetError",
+    "apply_compat",
     "apply_cpu_compat",
     "check_patch_targets",
     "cuda_absent",
     "destroy_parallel",
+    "detect",
     "find_free_port",
     "init_parallel",
     "seed_all",

@@ -1,8 +1,13 @@
-"""The megatron-core 0.16.1 sites the CPU compatibility layer patches, one PatchSite each.
+"""The megatron-core 0.16.1 sites the compatibility layer patches, one PatchSite each.
 
-Data only: what each site is, where it lives, the source it relies on and why
-it fails on a CPU torch build. megatron_rl.parallel.cpu_compat applies the
-patches and checks that every target still looks like this.
+Data only: what each site is, where it lives, the source it relies on, why it
+fails and under which condition (``when``: CUDA absent, Transformer Engine
+absent, apex absent, the grouped_gemm kernels absent; see
+megatron_rl.parallel.availability). megatron_rl.parallel.cpu_compat applies the
+sites whose conditions hold on this platform and checks that every target still
+looks like this. Most sites are about CUDA being absent; the te-absent ones
+(te-general-gemm, mla-te-stubs) are needed on a GPU without Transformer Engine
+too, where every model build otherwise fails.
 """
 
 from __future__ import annotations
@@ -10,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TESTED_MEGATRON_VERSION = "0.16.1"
+
+_NO_CUDA = ("cuda-absent",)
+_NO_TE = ("te-absent",)
 
 @dataclass(frozen=True, kw_only=True)
 class PatchSite:
@@ -28,8 +36,10 @@ class PatchSite:
     kind: str
     """function | method | attribute (replaced/bound in place) | cuda-shim (module-local torch.cuda
     stand-in) | tensor-cuda / tensor-type (Tensor.cuda()/Tensor.type() as seen by this module)."""
+    when: tuple[str, ...]
+    """Conditions (availability.CONDITIONS) that must all hold for the patch to apply: the situation it is about."""
     why: str
-    """What fails on CPU and what the patch does."""
+    """What fails and what the patch does."""
     optional: bool = False
     """The module may be absent or fail to import (inference/resharding extras): skip, don't fail."""
 
@@ -51,6 +61,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(41, 55),
         expects=("torch.cuda.random.get_rng_state",),
         kind="function",
+        when=_NO_CUDA,
         why="reads the CUDA generator; replaced by torch.get_rng_state() (the CPU generator)",
     ),
     PatchSite(
@@ -60,6 +71,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(72, 84),
         expects=("_cuda_setRNGState",),
         kind="function",
+        when=_NO_CUDA,
         why="writes the CUDA generator; replaced by torch.set_rng_state()",
     ),
     PatchSite(
@@ -69,6 +81,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(217, 235, 237, 238),
         expects=("torch.cuda.get_rng_state()", "torch.cuda.manual_seed(seed)"),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="seeds a named state through the CUDA generator; through the random module's cuda shim "
         "torch.cuda.get_rng_state/manual_seed are the CPU generator's, so the method runs unchanged",
     ),
@@ -79,6 +92,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(242, 250, 264),
         expects=("_get_cuda_rng_state(", "CPU RNG state changed within GPU RNG context"),
         kind="method",
+        when=_NO_CUDA,
         why="swaps the CUDA generator state and warns whenever the CPU state changed inside; "
         "replaced by a swap of the CPU generator state (no warning: that *is* the generator now)",
     ),
@@ -89,6 +103,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(422,),
         expects=("torch.cuda.manual_seed(data_parallel_seed)",),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="model_parallel_cuda_manual_seed seeds the default CUDA generator; the shim seeds the CPU one",
     ),
     # 2. alltoall token dispatcher ---------------------------------------------------------------
@@ -99,6 +114,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(445, 871, 873, 874, 895, 898),
         expects=("torch.cuda.Stream()", "torch.cuda.current_stream()", "torch.cuda.stream("),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="MoEAlltoAllTokenDispatcher creates a CUDA side stream and syncs on it; the shim's "
         "Stream/current_stream/stream/record_event are no-ops on one shared CPU stream",
     ),
@@ -109,6 +125,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(876, 879, 882, 885),
         expects=("tensor.is_cuda", "as_numpy"),
         kind="function",
+        when=_NO_CUDA,
         why="moe_utils.maybe_move_tensor_to_cpu converts the split sizes to numpy only for CUDA tensors; "
         "on CPU they stayed tensors. The dispatcher's binding is replaced by one that always converts",
     ),
@@ -120,6 +137,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(162,),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device()",
     ),
     PatchSite(
@@ -129,6 +147,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(122, 126),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="YarnRotaryEmbedding (multi-latent attention with YaRN) moves its frequencies to torch.cuda.current_device()",
     ),
     PatchSite(
@@ -138,6 +157,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(62, 63, 64),
         expects=('device="cpu", pin_memory=True',),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="context parallelism without packing: get_pos_emb_on_this_cp_rank builds the CP chunk index "
         "[r, 2CP-1-r] in pinned memory, which a CPU-only build refuses; the module's shim drops pin_memory",
     ),
@@ -148,6 +168,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(64,),
         expects=(".cuda(non_blocking=True)",),
         kind="tensor-cuda",
+        when=_NO_CUDA,
         why="get_pos_emb_on_this_cp_rank moves its CP chunk index with .cuda(); a no-op for this module",
     ),
     PatchSite(
@@ -157,6 +178,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(90, 92),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="TopKRouter.gating moves CPU weights to torch.cuda.current_device() every call",
     ),
     PatchSite(
@@ -166,6 +188,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(91, 141, 148, 181, 442),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="gather/reduce-scatter/all-to-all outputs are allocated on torch.cuda.current_device()",
     ),
     PatchSite(
@@ -175,6 +198,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(261, 552, 597, 607, 873, 899, 1197, 1218),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="sequence-parallel all-gather buffers and GPU init allocate on torch.cuda.current_device()",
     ),
     PatchSite(
@@ -184,6 +208,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(70, 91),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="split/gather helpers allocate on torch.cuda.current_device()",
     ),
     PatchSite(
@@ -193,6 +218,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(190, 313, 321, 242, 398),
         expects=(_CUR, "torch.cuda.synchronize()"),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="pipeline receive buffers on torch.cuda.current_device(); torch.cuda.synchronize() after p2p",
     ),
     PatchSite(
@@ -202,6 +228,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(631, 656, 1207, 1347),
         expects=(_CUR, 'device="cuda"'),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="GlobalMemoryBuffer allocates on torch.cuda.current_device(); norm helpers use device='cuda'",
     ),
     PatchSite(
@@ -211,6 +238,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(417, 422, 768, 783, 800, 806),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="DDP param/grad buffers are allocated on torch.cuda.current_device()",
     ),
     PatchSite(
@@ -220,6 +248,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(230, 588, 611),
         expects=("torch.cuda.synchronize()",),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="DDP creates a CUDA communication stream and synchronizes",
     ),
     PatchSite(
@@ -229,6 +258,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(184, 192),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="GroupedMLP weights allocated on torch.cuda.current_device() (non-CPU init)",
     ),
     PatchSite(
@@ -238,6 +268,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(123, 162, 163, 277),
         expects=("torch.cuda.Stream()",),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="overlapped shared experts run on a CUDA side stream",
     ),
     PatchSite(
@@ -247,6 +278,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(998, 1098),
         expects=('device="cuda"',),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="device='cuda' tensor factories and torch.cuda.current_stream() in MoE helpers",
     ),
     PatchSite(
@@ -256,6 +288,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(936, 1147),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="TransformerLayer moves tensors to torch.cuda.current_device()",
     ),
     PatchSite(
@@ -265,6 +298,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(249,),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="MegatronModule buffers on torch.cuda.current_device()",
     ),
     PatchSite(
@@ -274,6 +308,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(415,),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="GPTModel allocates on torch.cuda.current_device()",
     ),
     PatchSite(
@@ -283,6 +318,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(204, 252),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="dist_checkpointing.save all-reduces a failure flag on torch.cuda.current_device()",
     ),
     PatchSite(
@@ -292,6 +328,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(272, 281),
         expects=("torch.cuda.synchronize()",),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="fully parallel save/load strategies call torch.cuda.synchronize()",
     ),
     PatchSite(
@@ -301,6 +338,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(230,),
         expects=("torch.cuda.synchronize()",),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="async filesystem writer calls torch.cuda.synchronize()",
     ),
     PatchSite(
@@ -310,6 +348,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(165, 212, 604),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="async checkpoint queue all-reduces on torch.cuda.current_device()",
     ),
     PatchSite(
@@ -319,6 +358,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(261, 525, 567, 957, 970),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="rerun state machine uses the CUDA device and RNG state",
     ),
     # 5. literal device="cuda" ------------------------------------------------------------------
@@ -329,6 +369,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(596, 983, 2138),
         expects=('device="cuda"',),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="forward_backward_* count tokens in torch.zeros(..., device='cuda')",
     ),
     PatchSite(
@@ -338,6 +379,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(473, 481, 485, 907, 1141),
         expects=("device='cuda'",),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="optimizer overflow/scale buffers are created with device='cuda'",
     ),
     PatchSite(
@@ -347,6 +389,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(90, 103, 115, 174, 207),
         expects=("device='cuda'",),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="grad-norm and clipping buffers are created with device='cuda'",
     ),
     PatchSite(
@@ -356,6 +399,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(791, 1077),
         expects=(_CUR,),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="distributed optimizer buffers on torch.cuda.current_device()",
     ),
     PatchSite(
@@ -365,6 +409,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(35, 40),
         expects=('device="cuda"',),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="get_default_causal_mask builds the mask with device='cuda'",
     ),
     # 4. te_general_gemm NameError without Transformer Engine ------------------------------------
@@ -375,6 +420,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(1192, 1225),
         expects=("te_general_gemm is not None",),
         kind="attribute",
+        when=_NO_TE,
         why="RouterGatingLinearFunction reads te_general_gemm, bound only when TE imports (NameError); bound to None",
     ),
     PatchSite(
@@ -384,6 +430,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(62, 184),
         expects=("HAVE_TE\n            and isinstance(self.linear_proj, TELinear)",),
         kind="attribute",
+        when=_NO_TE,
         why="without Transformer Engine megatron's TE extension binds TELinear to a stub object, MLA's import "
         "of it succeeds and sets HAVE_TE, then isinstance(self.linear_proj, TELinear) raises TypeError; "
         "HAVE_TE is set to False",
@@ -396,10 +443,12 @@ SITES: tuple[PatchSite, ...] = (
         lines=(3, 6, 22),
         expects=("ops = grouped_gemm.ops if grouped_gemm_is_available() else None",),
         kind="attribute",
+        when=("grouped-gemm-absent",),
         why="GroupedMLP (moe_grouped_gemm=True without Transformer Engine) needs the grouped_gemm CUDA package "
         "(gg.ops.gmm); when it does not import, grouped_gemm and ops are bound to megatron_rl.parallel."
-        "grouped_gemm_torch: torch's grouped matmul (torch._grouped_mm) where it runs, else per-expert torch "
-        "matmuls over the tokens_per_expert splits, through autograd",
+        "grouped_gemm_torch: torch's grouped matmul (torch._grouped_mm) where it runs (bf16 on Hopper, CPU), else "
+        "per-expert torch matmuls over the tokens_per_expert splits, through autograd. On a GPU, models.kernels "
+        "builds GroupedMLP only where torch's kernel runs (else SequentialMLP, or a refusal naming the key)",
     ),
     PatchSite(
         name="grouped-mlp-bf16",
@@ -408,6 +457,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(225,),
         expects=('assert self.config.bf16, "Currently GroupedMLP for MoE only supports bf16."',),
         kind="method",
+        when=("grouped-gemm-absent", "cuda-absent"),
         why="GroupedMLP.forward asserts bf16 because the CUDA grouped_gemm kernel is bf16-only; the CPU fallback "
         "computes in any dtype, so an fp32 model runs the forward with a shallow copy of its config whose bf16 is True "
         "(the forward reads nothing else of it that differs)",
@@ -420,6 +470,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(32,),
         expects=("assert not config.sequence_parallel",),
         kind="method",
+        when=("apex-absent",),
         why="the torch norm (used without apex/TE) refuses sequence_parallel, which MoE with TP>1 "
         "requires (moe_layer.py:379); the patch builds it and marks its parameters sequence_parallel "
         "so finalize_model_grads all-reduces their grads over TP, as TE's norms do",
@@ -432,7 +483,8 @@ SITES: tuple[PatchSite, ...] = (
         lines=(150,),
         expects=("torch.distributed.all_gather(output_tensor_list",),
         kind="function",
-        why="gloo's list all_gather rejects uneven sizes ('invalid tensor size'); emulated by "
+        when=_NO_CUDA,
+        why="(CUDA absent means the gloo backend) gloo's list all_gather rejects uneven sizes ('invalid tensor size'); emulated by "
         "padding + all_gather_into_tensor when output_split_sizes is given",
     ),
     PatchSite(
@@ -442,7 +494,8 @@ SITES: tuple[PatchSite, ...] = (
         lines=(193,),
         expects=("torch.distributed.reduce_scatter(output, input_tensor_list",),
         kind="function",
-        why="gloo has no list reduce_scatter for uneven sizes; emulated by all_reduce + slice",
+        when=_NO_CUDA,
+        why="(CUDA absent means the gloo backend) gloo has no list reduce_scatter for uneven sizes; emulated by all_reduce + slice",
     ),
     # 8./9. cuda tensor-type checks ------------------------------------------------------------
     PatchSite(
@@ -452,6 +505,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(167,),
         expects=("param.grad.type() == 'torch.cuda.FloatTensor'",),
         kind="tensor-type",
+        when=_NO_CUDA,
         why="asserts grads are torch.cuda.FloatTensor; Tensor.type() reports the cuda type name to this module",
     ),
     PatchSite(
@@ -461,6 +515,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(671, 690),
         expects=("param.type() == 'torch.cuda.FloatTensor'",),
         kind="tensor-type",
+        when=_NO_CUDA,
         why="accepts only cuda tensor types; Tensor.type() reports the cuda type name to this module",
     ),
     PatchSite(
@@ -470,6 +525,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(361, 420, 582),
         expects=("model_param.type() == 'torch.cuda.FloatTensor'",),
         kind="tensor-type",
+        when=_NO_CUDA,
         why="accepts only cuda tensor types; Tensor.type() reports the cuda type name to this module",
     ),
     PatchSite(
@@ -479,6 +535,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(938, 2101),
         expects=("dst_tensors[key].copy_(tensors[key])",),
         kind="method",
+        when=("te-absent", "apex-absent"),
         why=(
             "without TE/apex the inner optimizer is torch's Adam, whose per-parameter state holds 'step'; "
             "loading a fully_reshardable checkpoint skips 'step' in the source (it is restored from the "
@@ -494,6 +551,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(244,),
         expects=("weight.data = weight.data.cuda()",),
         kind="tensor-cuda",
+        when=_NO_CUDA,
         why="PP>1 with tied embeddings moves the word embedding with .cuda(); a no-op for this module",
     ),
     PatchSite(
@@ -503,6 +561,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(375, 380),
         expects=("p.data.cuda()",),
         kind="tensor-cuda",
+        when=_NO_CUDA,
         why="optimizer state reload moves tensors with .cuda(); a no-op for this module",
     ),
     PatchSite(
@@ -512,6 +571,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(1089,),
         expects=("send_tensor.cuda()",),
         kind="tensor-cuda",
+        when=_NO_CUDA,
         why="distributed optimizer state gather moves buffers with .cuda(); a no-op for this module",
     ),
     PatchSite(
@@ -521,6 +581,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(336, 499),
         expects=("all_loaded_tensors[shard_id].cuda()", "local_ten = all_loaded_tensors[shard_id].cuda()"),
         kind="tensor-cuda",
+        when=_NO_CUDA,
         why="checkpoint load exchange moves tensors with .cuda(); a no-op for this module",
     ),
     PatchSite(
@@ -530,6 +591,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(898,),
         expects=("torch.stack(local_param_hashes).cuda()",),
         kind="tensor-cuda",
+        when=_NO_CUDA,
         why="parameter-hash check moves hashes with .cuda(); a no-op for this module",
     ),
     PatchSite(
@@ -539,6 +601,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(84,),
         expects=("data[key].cuda()",),
         kind="tensor-cuda",
+        when=_NO_CUDA,
         why="broadcast_data moves the batch with .cuda(); a no-op for this module",
     ),
     # 10./11. inference and resharding (optional modules) -------------------------------------
@@ -549,6 +612,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(75, 100, 1163, 1337),
         expects=("torch.cuda.Event(",),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="legacy static inference times steps with torch.cuda.Event; the shim's Event uses perf_counter",
         optional=True,
     ),
@@ -559,6 +623,7 @@ SITES: tuple[PatchSite, ...] = (
         lines=(46, 146),
         expects=("torch.cuda.Stream()",),
         kind="cuda-shim",
+        when=_NO_CUDA,
         why="swap_model_weights over gloo creates/uses a CUDA stream",
         optional=True,
     ),

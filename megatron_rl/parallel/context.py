@@ -2,8 +2,9 @@
 
 ``init_parallel`` validates the layout (before any process group exists),
 starts torch.distributed from the torchrun/env:// variables (or a world of one
-on a free localhost port), applies the CPU compatibility layer when CUDA is
-absent, initialises megatron's parallel state and RNG tracker, and returns a
+on a free localhost port), applies the compatibility layer's sites whose
+conditions hold (all of them on a CPU build, the Transformer-Engine-absent ones
+on a GPU without TE), initialises megatron's parallel state and RNG tracker, and returns a
 :class:`ParallelContext`. Everything else in megatron_rl receives that object
 explicitly; megatron-core itself still reads its own globals.
 """
@@ -237,13 +238,13 @@ def init_parallel(
 
     from megatron.core import parallel_state as mpu  # after the checks: importing it takes seconds
 
+    from megatron_rl.parallel.cpu_compat import apply_compat
+
+    apply_compat()  # the sites whose conditions hold here: CUDA absent, Transformer Engine absent, ...
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        from megatron_rl.parallel.cpu_compat import apply_cpu_compat
-
-        apply_cpu_compat()
         device = torch.device("cpu")
 
     if mpu.model_parallel_is_initialized():

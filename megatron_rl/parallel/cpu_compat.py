@@ -1,4 +1,4 @@
-"""Make megatron-core 0.16.1 run on a CPU-only torch build (gloo backend).
+"""Make megatron-core 0.16.1 run on a CPU-only torch build (gloo backend) and without Transformer Engine.
 
 megatron-core hard-codes CUDA in a few dozen places: the RNG tracker uses the
 CUDA generator, buffers are allocated on ``torch.cuda.current_device()``, the
@@ -24,8 +24,12 @@ Patch kinds, narrowest first:
   ``torch.cuda.*Tensor``); any other caller gets torch's own method. (On a
   CPU-only build ``.cuda()`` can only raise, so nothing that worked changes.)
 
-:func:`apply_cpu_compat` applies everything once (idempotent) and only when
-CUDA is absent. :func:`check_patch_targets` verifies that every target still
+:func:`apply_compat` applies, once each (idempotent), the sites whose
+conditions hold on this platform (``PatchSite.when``, decided by one
+:class:`~megatron_rl.parallel.availability.Availability`): on a CPU build all of
+them; on a GPU without Transformer Engine only those about TE (and apex) being
+absent, which megatron-core 0.16.1 needs there too; :func:`apply_cpu_compat`
+is the same call, reporting whether the CPU sites are applied. :func:`check_patch_targets` verifies that every target still
 exists and still contains the expression its patch relies on, raising
 :class:`PatchTargetError` naming the site otherwise (run by
 tests/unit/test_cpu_compat.py, so a megatron-core upgrade that moves a site
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -47,6 +52,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_rl.parallel.availability import Availability, all_hold, condition_holds, detect
 from megatron_rl.parallel.compat_sites import SITES, PatchSite
 
 _PATCH_MARK = "__megatron_rl_cpu_compat__"
@@ -321,6 +327,7 @@ setattr(_tensor_type, _PATCH_MARK, True)
 
 _LOCK = threading.Lock()
 _APPLIED = False
+_APPLIED_SITES: set[str] = set()
 _ORIGINALS: dict[tuple[str, str], Any] = {}
 
 
@@ -402,11 +409,17 @@ def _megatron_version() -> str:
 
 
 def cuda_absent() -> bool:
-    """True when this process must run megatron-core on the CPU."""
-    return not torch.cuda.is_available()
+    """True when this process must run megatron-core on the CPU (the 'cuda-absent' condition)."""
+    return not detect().cuda
+
+
+def sites_for(avail: Availability) -> list[PatchSite]:
+    """The sites whose conditions (PatchSite.when) all hold on `avail`: what apply_compat patches there."""
+    return [site for site in SITES if all_hold(site.when, avail)]
 
 
 def is_applied() -> bool:
+    """Whether the CUDA-absent (CPU) sites are applied in this process."""
     return _APPLIED
 
 
@@ -420,38 +433,55 @@ def _replace(site: PatchSite, owner: Any, attr: str, new: Any) -> None:
     setattr(owner, attr, new)
 
 
-def apply_cpu_compat(force: bool = False) -> bool:
-    """Apply every CPU patch once. No-op (returns False) when CUDA is present, unless force=True.
+def apply_compat(avail: Availability | None = None) -> list[str]:
+    """Apply, once each, the sites whose conditions hold on `avail` (default: this process's detect()).
 
-    Checks all targets first (check_patch_targets), so a moved site fails here,
-    before anything is half-patched.
+    On a CPU build that is every site; on a GPU without Transformer Engine the
+    te-absent (and apex-absent) ones; with TE and apex, none. Checks the targets
+    of those sites first (check_patch_targets), so a moved site fails here,
+    before anything is half-patched. Returns the names of the sites applied in
+    this process so far.
     """
     global _APPLIED
-    if not force and not cuda_absent():
-        return False
+    avail = detect() if avail is None else avail
+    sites = [s for s in sites_for(avail) if s.name not in _APPLIED_SITES]
     with _LOCK:
-        if _APPLIED:
-            return True
-        check_patch_targets()
-        shim = _make_torch_shim()
+        if sites:
+            check_patch_targets(sites)
+        shim: types.ModuleType | None = None
         shimmed: set[str] = set()
-        for site in SITES:
+        for site in sites:
             module = _import(site)
             if module is None:
                 continue
             if site.kind == "cuda-shim":
-                if site.module not in shimmed:
+                if site.module not in shimmed and not getattr(module.torch, _PATCH_MARK, False):
+                    shim = shim or _make_torch_shim()
                     _ORIGINALS.setdefault((site.module, ""), module.torch)
                     module.torch = shim
-                    shimmed.add(site.module)
+                shimmed.add(site.module)
             elif site.name in _REPLACERS:
                 _REPLACERS[site.name](site, module)
-        if not getattr(torch.Tensor.cuda, _PATCH_MARK, False):
-            torch.Tensor.cuda = _tensor_cuda
-        if not getattr(torch.Tensor.type, _PATCH_MARK, False):
-            torch.Tensor.type = _tensor_type
-        _APPLIED = True
-        return True
+            if site.kind == "tensor-cuda" and not getattr(torch.Tensor.cuda, _PATCH_MARK, False):
+                torch.Tensor.cuda = _tensor_cuda
+            if site.kind == "tensor-type" and not getattr(torch.Tensor.type, _PATCH_MARK, False):
+                torch.Tensor.type = _tensor_type
+            _APPLIED_SITES.add(site.name)
+        if condition_holds("cuda-absent", avail):
+            _APPLIED = True
+        return [s.name for s in SITES if s.name in _APPLIED_SITES]
+
+
+def apply_cpu_compat(force: bool = False) -> bool:
+    """apply_compat() on this platform; True when the CPU (CUDA-absent) sites are applied.
+
+    force=True applies them as if CUDA were absent (the other conditions as detected).
+    """
+    avail = detect()
+    if force:
+        avail = dataclasses.replace(avail, cuda=False)
+    apply_compat(avail)
+    return _APPLIED
 
 
 def _patch_attr(site: PatchSite, module: types.ModuleType, new_from_old: Callable[[Any], Any]) -> None:
@@ -544,7 +574,5 @@ _REPLACERS: dict[str, Callable[[PatchSite, types.ModuleType], None]] = {
 
 
 def patched_sites() -> list[str]:
-    """Descriptions of the sites patched in this process (empty when not applied)."""
-    if not _APPLIED:
-        return []
-    return [s.describe() for s in SITES if s.module in sys.modules]
+    """Descriptions of the sites patched in this process (empty when none applied)."""
+    return [s.describe() for s in SITES if s.name in _APPLIED_SITES]

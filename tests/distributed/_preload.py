@@ -23,6 +23,6 @@ with warnings.catch_warnings():
         import megatron_rl.parallel  # noqa: F401
         from megatron_rl.parallel.cpu_compat import apply_cpu_compat
 
-        apply_cpu_compat()  # only when CUDA is absent; idempotent in the ranks
+        apply_cpu_compat()  # the sites whose conditions hold (the harness hides CUDA from its ranks); idempotent
     except ImportError:  # a test without megatron still runs, just slower to start
         pass

@@ -70,8 +70,30 @@ def _context() -> Any:
             if root not in paths:
                 os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in paths if p])
             ctx.set_forkserver_preload(list(PRELOAD))
+            _start_forkserver_without_cuda()
         _CTX = ctx
     return _CTX
+
+
+def _start_forkserver_without_cuda() -> None:
+    """Start the forkserver with no CUDA device visible, so neither it nor a rank forked from it touches a GPU.
+
+    The ranks run on the CPU over gloo on purpose (the distributed tests compare layouts against a single-rank
+    reference on gloo, as on the CPU machines); on a GPU machine their ranks would otherwise share one GPU, which
+    NCCL refuses, and a forkserver that asked CUDA anything would hand its children a CUDA context they cannot use.
+    Tests that need a GPU per rank pass cuda=True (fresh interpreters, see run_distributed).
+    """
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def _write(path: Path, payload: Any) -> None:
@@ -126,6 +148,7 @@ def run_distributed(
     timeout: float = DEFAULT_TIMEOUT,
     env: dict[str, str] | None = None,
     threads_per_rank: int | None = None,
+    cuda: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
 
@@ -137,10 +160,15 @@ def run_distributed(
     traceback) or the ranks still running at the timeout; all processes are
     killed in both cases. Set MEGATRON_RL_TEST_START_METHOD=spawn to start
     ranks as fresh interpreters instead (slower, for debugging the forkserver).
+
+    Ranks run on the CPU (gloo) even where GPUs are present: no CUDA device is visible to
+    them (CUDA_VISIBLE_DEVICES=''). cuda=True gives them the GPUs (fresh interpreters:
+    a forked CUDA context is unusable); the caller skips, saying so, when there are fewer
+    GPUs than ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = _context()
+    ctx = mp.get_context("spawn") if cuda else _context()
     port = _free_port()
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     procs: list[Any] = []
@@ -156,6 +184,7 @@ def run_distributed(
                     "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world_size),
                     "OMP_NUM_THREADS": str(threads),
+                    **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""}),
                     **(env or {}),
                 }
                 proc = ctx.Process(

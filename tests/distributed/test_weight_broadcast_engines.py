@@ -26,6 +26,9 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender
+from tests.extras import VLLM_EXTRA
+
+pytestmark = pytest.mark.extra(VLLM_EXTRA, "vllm")  # the engines' workers join through vllm.distributed.utils
 
 WORKERS_PER_ENGINE = [1] * 15 + [2]
 TIMEOUT_S = 60.0

@@ -142,7 +142,7 @@ def test_each_worker_maps_the_copy_on_its_own_ranks_device_and_loads_bit_exact(t
 def check_relay(tmp_path: Path, device_type: str) -> None:
     """The relay on host memory, or on two GPUs (tests/gpu/test_weight_ipc_gpu.py), checked as the module says."""
     first, second = make_model_dir(tmp_path / "a", 0), make_model_dir(tmp_path / "b", 1)
-    rank0, rank1 = run_distributed(_relay_ranks, 2, str(tmp_path), device_type, timeout=240)
+    rank0, rank1 = run_distributed(_relay_ranks, 2, str(tmp_path), device_type, timeout=240, cuda=device_type == "cuda")
     target, original = load_state(second), load_state(first)
     pids = rank0["pids"]
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extra, without vLLM; a broken install fails)
 from megatron_rl.metrics import read_metrics
 from tests.e2e.async_runs import LEARN_STEPS, TARGET
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extra, without vLLM; a broken install fails)
 from megatron_rl.metrics import read_metrics
 from megatron_rl.models.tiny import make_tiny_model_dir
 

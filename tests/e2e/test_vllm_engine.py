@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-import vllm  # noqa: F401,E402  (a required dependency: a broken install must fail, not skip)
+import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the extra, without vLLM; a broken install fails)
 
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import EngineStartError, PromptError, SamplingSpec, VLLMEngine  # noqa: E402

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import vllm  # noqa: F401,E402  (a required dependency: a broken install must fail, not skip)
+import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the extra, without vLLM; a broken install fails)
 
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import SamplingSpec, VLLMServer, VLLMServerEngine  # noqa: E402

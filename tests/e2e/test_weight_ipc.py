@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-import vllm  # noqa: F401  (a required dependency: a broken install must fail, not skip)
+import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the extra, without vLLM; a broken install fails)
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout import SamplingSpec, VLLMEngine

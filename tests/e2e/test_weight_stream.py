@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-import vllm  # noqa: F401  (a required dependency: a broken install must fail, not skip)
+import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the extra, without vLLM; a broken install fails)
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.models.tiny import make_tiny_model_dir

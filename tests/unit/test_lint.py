@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -14,6 +16,7 @@ def _ruff():
     return str(local) if local.exists() else shutil.which("ruff")
 
 
+@pytest.mark.extra("test", "bin:ruff")  # skipped without it, naming the extra (fails under make test)
 def test_ruff_passes_on_the_tree():
     assert _ruff() is not None, "ruff is missing: pip install ruff (setup.py's test extra)"
     assert "[tool.ruff" in (REPO / "pyproject.toml").read_text(), "pyproject.toml has no [tool.ruff] settings"

@@ -169,24 +169,27 @@ def test_packed_microbatch_gives_each_sequences_logits_and_gradients(parallel_ct
     model_dir = make_tiny_model_dir(tmp_path / "tiny", "qwen3_moe", seed=2, with_tokenizer=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        (model,) = build_model(ModelConfig(path=str(model_dir)), parallel_ctx)
+        # float32 on every device (auto would be bfloat16 on a GPU): the 1e-5 tolerances below are fp32's.
+        (model,) = build_model(ModelConfig(path=str(model_dir), dtype="float32"), parallel_ctx)
+    device = parallel_ctx.device  # the model's device; inputs go there
     lengths = [2, 29, 6, 11]
     gen = torch.Generator().manual_seed(11)
     sequences = [torch.randint(0, 256, (n,), generator=gen) for n in lengths]
-    params = packed_seq_params(lengths, multiple=4)  # padding inside the pack, as CP/SP layouts have
+    params = packed_seq_params(lengths, multiple=4, device=device)  # padding inside the pack, as CP/SP layouts have
     offsets = params.cu_seqlens_q_padded.tolist()
     tokens = torch.full((1, offsets[-1]), 3, dtype=torch.long)  # pad id between sequences
     positions = torch.cat([torch.arange(end - start) for start, end in pairwise(offsets)])[None]
     for start, sequence in zip(offsets, sequences):
         tokens[0, start : start + len(sequence)] = sequence
-    weights = [torch.randn(n, 256, generator=gen) for n in lengths]  # a random linear function of the logits
+    weights = [torch.randn(n, 256, generator=gen).to(device) for n in lengths]  # a random linear function of the logits
+    tokens, positions = tokens.to(device), positions.to(device)
 
     packed = model(tokens, positions, attention_mask=None, packed_seq_params=params)
     sum(((packed[0, start : start + n] * w).sum() for start, n, w in zip(offsets, lengths, weights))).backward()
     packed_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     for start, sequence, w in zip(offsets, sequences, weights):
-        alone = model(sequence[None], torch.arange(len(sequence))[None], attention_mask=None)
+        alone = model(sequence[None].to(device), torch.arange(len(sequence), device=device)[None], attention_mask=None)
         torch.testing.assert_close(packed[0, start : start + len(sequence)], alone[0], atol=1e-5, rtol=0)
         (alone[0] * w).sum().backward()  # gradients accumulate over the sequences
     alone_grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}

@@ -175,7 +175,8 @@ def test_transformer_config_cpu_requirements():
     assert config.params_dtype == torch.float32 and not config.bf16
     assert config.hidden_dropout == 0 and config.attention_dropout == 0
     assert not config.add_bias_linear and not config.add_qkv_bias and config.qk_layernorm
-    assert config.use_cpu_initialization and not config.moe_grouped_gemm
+    # CPU initialisation exactly where there is no CUDA device (megatron then initialises on the GPU).
+    assert config.use_cpu_initialization == (not torch.cuda.is_available()) and not config.moe_grouped_gemm
     assert config.normalization == "RMSNorm" and config.gated_linear_unit and config.kv_channels == 32
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 64)
     assert not config.moe_router_pre_softmax  # norm_topk_prob=True: top-k over logits, then softmax
@@ -223,19 +224,33 @@ def test_unknown_override_is_an_error():
 
 
 def test_float32_only_on_cpu():
+    """auto = bfloat16 on a GPU, float32 on a CPU build, where half precision is refused naming the key."""
     from megatron_rl.models import resolve_dtype
 
+    assert resolve_dtype(ModelConfig(dtype="float32")) == torch.float32
     if torch.cuda.is_available():
-        pytest.skip("CPU-only behaviour")
+        assert resolve_dtype(ModelConfig()) == torch.bfloat16 == resolve_dtype(ModelConfig(dtype="bfloat16"))
+        return
     assert resolve_dtype(ModelConfig()) == torch.float32
     with pytest.raises(ConfigError, match="model.dtype=bfloat16"):
         resolve_dtype(ModelConfig(dtype="bfloat16"))
 
 
 def test_grouped_gemm_and_permute_fusion_settings():
-    config = _transformer_config("qwen3_moe", ModelConfig(moe_grouped_gemm=True))
-    assert config.moe_grouped_gemm and not config.moe_permute_fusion
-    if torch.cuda.is_available():
-        pytest.skip("Transformer Engine may import on a GPU machine")
-    with pytest.raises(ConfigError, match=r"model.moe_permute_fusion=true needs Transformer Engine.*set model.moe_permute_fusion=false"):
-        _transformer_config("qwen3_moe", ModelConfig(moe_permute_fusion=True))
+    """What is built or refused follows the platform (availability.detect), on a CPU build and on a GPU alike:
+    fp32 grouped experts run on a CPU build (torch grouped GEMM) or with TE (TEGroupedMLP), and are refused on
+    a GPU without TE (megatron's GroupedMLP kernels are bf16-only); the fused permute needs TE."""
+    from megatron_rl.parallel.availability import detect
+
+    avail = detect()
+    if avail.cuda and not avail.transformer_engine:
+        with pytest.raises(ConfigError, match=r"model.moe_grouped_gemm=true .*model.moe_grouped_gemm=false|model.moe_grouped_gemm=true with model.dtype=float32"):
+            _transformer_config("qwen3_moe", ModelConfig(moe_grouped_gemm=True))
+    else:
+        config = _transformer_config("qwen3_moe", ModelConfig(moe_grouped_gemm=True))
+        assert config.moe_grouped_gemm and not config.moe_permute_fusion
+    if avail.transformer_engine:
+        assert _transformer_config("qwen3_moe", ModelConfig(moe_permute_fusion=True)).moe_permute_fusion
+    else:
+        with pytest.raises(ConfigError, match=r"model.moe_permute_fusion=true needs Transformer Engine.*set model.moe_permute_fusion=false"):
+            _transformer_config("qwen3_moe", ModelConfig(moe_permute_fusion=True))

@@ -67,29 +67,47 @@ def model_root(tmp_path_factory):
     return tmp_path_factory.mktemp("models_logits")
 
 
+def grouped_experts_refused_here() -> bool:
+    """fp32 grouped experts on a GPU without Transformer Engine: megatron's GroupedMLP kernels are bf16-only
+    (and need the grouped_gemm package), so models.build refuses them; on a CPU build the compatibility
+    layer's torch grouped GEMM runs them, with TE TEGroupedMLP does."""
+    from megatron_rl.parallel.availability import detect
+
+    avail = detect()
+    return avail.cuda and not avail.transformer_engine
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(variant, parallel_ctx, model_root):
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.config import ModelConfig
+    from megatron_rl.config import ConfigError, ModelConfig
     from megatron_rl.models import build_model
     from megatron_rl.models.tiny import make_tiny_model_dir
 
     family, overrides, *settings = VARIANTS[variant]
     model_dir = make_tiny_model_dir(model_root / variant, family, seed=1, with_tokenizer=False, **overrides)
+    # float32 on every device (auto would be bfloat16 on a GPU): the 1e-4 tolerance is fp32's.
+    model_cfg = ModelConfig(path=str(model_dir), dtype="float32", **(settings[0] if settings else {}))
+    if settings and grouped_experts_refused_here():
+        with pytest.raises(ConfigError, match="model.moe_grouped_gemm=true"):
+            build_model(model_cfg, parallel_ctx)
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        (model,) = build_model(ModelConfig(path=str(model_dir), **(settings[0] if settings else {})), parallel_ctx)
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # on the CPU: the reference
+        (model,) = build_model(model_cfg, parallel_ctx)
     if settings:
-        assert all(type(layer.mlp.experts).__name__ == "GroupedMLP" for layer in model.decoder.layers if hasattr(layer.mlp, "experts"))
+        grouped = {"GroupedMLP", "TEGroupedMLP"}
+        assert all(type(layer.mlp.experts).__name__ in grouped for layer in model.decoder.layers if hasattr(layer.mlp, "experts"))
     model.eval()
     vocab = reference.config.vocab_size
     tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    device = parallel_ctx.device  # the model's device
     with torch.no_grad():
         expected = reference(tokens).logits
-        got = model(tokens, positions, attention_mask=None)
+        got = model(tokens.to(device), positions.to(device), attention_mask=None).cpu()
     assert got.shape[-1] == model.hf_info.padded_vocab_size
     err = (got[..., :vocab] - expected).abs().max().item()
     assert err < 1e-4, f"{variant}: max |megatron - transformers| = {err:.3g}"

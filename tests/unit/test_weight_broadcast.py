@@ -27,6 +27,9 @@ from megatron_rl.weight_sync.broadcast import (
     resolve_backend,
     unpack_bucket,
 )
+from tests.extras import VLLM_EXTRA
+
+needs_vllm = pytest.mark.extra(VLLM_EXTRA, "vllm")  # the group forms through vllm.distributed.utils (open_group)
 
 
 def _bucket() -> list[tuple[str, torch.Tensor]]:
@@ -150,6 +153,7 @@ def workers():
         worker.stop()
 
 
+@needs_vllm
 def test_buckets_reach_every_worker_bit_exact(workers):
     sender = BroadcastSender("gloo", "127.0.0.1", timeout_s=60)
     try:
@@ -171,6 +175,7 @@ def test_buckets_reach_every_worker_bit_exact(workers):
         sender.shutdown()
 
 
+@needs_vllm
 def test_a_failed_receive_ends_the_broadcast_at_once_and_the_group_forms_again(workers):
     worker = workers[0]
     sender = BroadcastSender("gloo", "127.0.0.1", timeout_s=60)

@@ -1,0 +1,103 @@
+"""What this process can use: CUDA, Transformer Engine, NVIDIA apex, the grouped_gemm kernels.
+
+One :class:`Availability` describes the platform; every compatibility binding
+(compat_sites.PatchSite.when) and the layer-spec choice (models.build) are
+decided from it, never from scattered ``torch.cuda.is_available()`` checks, so
+a test can fake any combination (CUDA without TE, a CPU build, ...):
+
+    avail = detect()                                   # this process
+    avail = Availability(cuda=True, transformer_engine=False, apex=False, grouped_gemm=False)
+    condition_holds("te-absent", avail)                # True
+
+Conditions (a PatchSite is applied when all of its conditions hold):
+
+* ``cuda-absent``: a CPU-only torch build or no visible GPU; megatron-core's
+  hard-coded CUDA calls must be redirected to the CPU.
+* ``te-absent``: Transformer Engine does not import (no wheel, a wheel built
+  for another torch/CUDA, or no CUDA); megatron-core's TE-absent code paths
+  have bugs of their own that need bindings, on a GPU as much as on a CPU.
+* ``apex-absent``: NVIDIA apex does not import (megatron-core then uses torch
+  norms and torch's Adam). PyPI's ``apex`` is an unrelated package: the check
+  imports the module megatron-core uses (apex.optimizers.FusedAdam).
+* ``grouped-gemm-absent``: the grouped_gemm CUDA kernel package does not import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+from typing import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Availability:
+    """The optional pieces of the platform this process can use."""
+
+    cuda: bool
+    """torch sees at least one CUDA device."""
+    transformer_engine: bool
+    """transformer_engine.pytorch imports (it needs CUDA)."""
+    apex: bool
+    """NVIDIA apex's apex.optimizers imports."""
+    grouped_gemm: bool
+    """The grouped_gemm CUDA kernel package imports."""
+
+    def describe(self) -> str:
+        """One phrase, e.g. 'CUDA yes, Transformer Engine no, apex no, grouped_gemm no'."""
+        yes = {True: "yes", False: "no"}
+        return (
+            f"CUDA {yes[self.cuda]}, Transformer Engine {yes[self.transformer_engine]}, "
+            f"apex {yes[self.apex]}, grouped_gemm {yes[self.grouped_gemm]}"
+        )
+
+
+CONDITIONS: dict[str, Callable[[Availability], bool]] = {
+    "cuda-absent": lambda a: not a.cuda,
+    "te-absent": lambda a: not a.transformer_engine,
+    "apex-absent": lambda a: not a.apex,
+    "grouped-gemm-absent": lambda a: not a.grouped_gemm,
+}
+
+
+def condition_holds(condition: str, avail: Availability) -> bool:
+    """Whether one named condition (see the module docstring) holds on `avail`."""
+    try:
+        return CONDITIONS[condition](avail)
+    except KeyError:
+        raise ValueError(f"unknown compatibility condition {condition!r}; known: {sorted(CONDITIONS)}") from None
+
+
+def all_hold(conditions: tuple[str, ...], avail: Availability) -> bool:
+    """Whether every condition in `conditions` holds (a site's `when`)."""
+    return all(condition_holds(c, avail) for c in conditions)
+
+
+def _imports(module: str) -> bool:
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - missing, or built against another torch/CUDA: unusable either way
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _package_imports(module: str) -> bool:
+    return _imports(module)
+
+
+def detect() -> Availability:
+    """This process's Availability (package import results are cached; CUDA is asked each time)."""
+    cuda = torch.cuda.is_available()
+    return Availability(
+        cuda=cuda,
+        transformer_engine=cuda and _package_imports("transformer_engine.pytorch"),
+        apex=cuda and _package_imports("apex.optimizers"),
+        grouped_gemm=cuda and _package_imports("grouped_gemm"),
+    )
