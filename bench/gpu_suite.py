@@ -17,10 +17,14 @@ reports what it finished):
    policy, whose loss must equal -mean(A) (at the first step every sequence
    ratio s_i = 1, GSPO Eq. 5-7) with a finite gradient norm.
 4. ``speed``: a Qwen3-MoE-shaped model that fits one GPU (2.55 B parameters,
-   bf16; tiny with --tiny): the actor's train step (packed) and old-policy
-   forward in tokens/s, MFU and peak memory, beside transformers' own
-   forward + backward + AdamW (torch, fused on CUDA) of the same model shape
-   and batch.
+   bf16; tiny with --tiny): the actor's train step (packed, through
+   actor.distribute as the trainer runs it) and old-policy forward in
+   tokens/s, MFU and peak memory, beside transformers' own forward + backward +
+   AdamW (torch, fused on CUDA) of the same model shape and batch, and their
+   ratio; where one step's time goes (megatron_rl.actor.phases: experts,
+   attention, router, permutation, logprobs, optimizer, other, host overhead);
+   and each kernel choice of models.kernels undone in turn (per-expert GEMMs,
+   per-sequence attention, fusions off, padded rows) as a before/after line.
 5. ``vocab_logprobs``: peak memory of vocab-parallel logprobs + entropy
    (forward and backward) on bf16 logits as a multiple of the logits' bytes,
    and their values against log_softmax.
@@ -279,23 +283,63 @@ def _peak(device: torch.device, fn) -> tuple[object, int | None]:
     return result, torch.cuda.max_memory_allocated(device)
 
 
-def actor_speed(ctx, hf: dict, rows: int, length: int, budget: int, repeats: int) -> dict:
+def actor_speed(ctx, hf: dict, rows: int, length: int, budget: int, repeats: int, *, packed: bool = True,
+                model: dict | None = None, phases: bool = False) -> dict:
+    """The actor's old-policy forward and train step through the trainer's path (actor.distribute, prepare_batch,
+    train_step); `model`: ModelConfig overrides (the kernel ablations); `phases`: also one profiled step
+    (megatron_rl.actor.phases)."""
+    from megatron_rl.actor.phases import profile_train_step
     from megatron_rl.config import ModelConfig
 
     dtype = "bfloat16" if ctx.device.type == "cuda" else "float32"
-    actor = _actor(ctx, ModelConfig(dtype=dtype, load_weights=False), packed=True, budget=budget, hf_config=hf)
-    batch = make_batch(rows, length, hf["vocab_size"], seed=2, prompt=length // 8, full=True)
+    actor = _actor(ctx, ModelConfig(dtype=dtype, load_weights=False, **(model or {})), packed=packed, budget=budget, hf_config=hf)
+    batch = actor.distribute(make_batch(rows, length, hf["vocab_size"], seed=2, prompt=length // 8, full=True))
+    breakdown = None
     try:
         fwd_s, old = _timed(lambda: actor.compute_logprobs(batch), ctx.device, repeats)
         step_batch = batch.replace(old_logprobs=old)
         _timed(lambda: actor.train_step(step_batch), ctx.device, 0)  # warm-up (optimizer state)
         (step_s, _), peak = _peak(ctx.device, lambda: _timed(lambda: actor.train_step(step_batch), ctx.device, repeats))
+        if phases:
+            breakdown = profile_train_step(actor, step_batch)
     finally:
         actor.close()
         actor.__dict__.clear()  # drop the model, its grad buffers and the optimizer now: transformers' model comes next
     tokens = rows * length
-    return {"dtype": dtype, "train_step_s": step_s, "train_tokens_per_s": tokens / step_s, "forward_s": fwd_s,
-            "forward_tokens_per_s": tokens / fwd_s, "peak_memory_bytes": peak}
+    out = {"dtype": dtype, "train_step_s": step_s, "train_tokens_per_s": tokens / step_s, "forward_s": fwd_s,
+           "forward_tokens_per_s": tokens / fwd_s, "peak_memory_bytes": peak}
+    if breakdown is not None:
+        out["phases"] = breakdown
+    return out
+
+
+# Each kernel choice of models.kernels turned back off, one at a time (same model, batch and run), and padded rows.
+ABLATIONS = {
+    "experts_per_expert_gemm": {"model": {"moe_grouped_gemm": False}},
+    "attention_per_sequence": {"model": {"packed_attention": "per_sequence"}},
+    "fusions_off": {"model": {"fusions": False}},
+    "padded_rows": {"packed": False},
+}
+
+
+def ablations(suite: Suite, ctx, hf: dict, rows: int, length: int, budget: int, baseline: dict) -> dict:
+    """train tokens/s with each kernel choice undone, as a before/after line against the baseline (all on)."""
+    out = {}
+    for name, change in ABLATIONS.items():
+        try:
+            result = actor_speed(ctx, hf, rows, length, budget, 1, **change)
+        except Exception as err:  # noqa: BLE001 - recorded; the other ablations still run
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:1000]}
+            continue
+        finally:
+            gc.collect()
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+        result["all_on_over_this"] = baseline["train_tokens_per_s"] / result["train_tokens_per_s"]
+        out[name] = result
+        print(f"ablation/{name}: train {result['train_tokens_per_s']:.0f} tok/s; all on is x{result['all_on_over_this']:.2f}",
+              flush=True)
+    return out
 
 
 def transformers_speed(device: torch.device, hf: dict, rows: int, length: int, budget: int, repeats: int) -> dict:
@@ -348,7 +392,7 @@ def speed(suite: Suite, ctx, tiny: bool) -> dict:
            "train_flops_per_token": model_flops_per_token(hf, length, train=True),
            "forward_flops_per_token": model_flops_per_token(hf, length, train=False)}
     repeats = 1 if tiny else 2
-    for name, run in (("megatron_rl", lambda: actor_speed(ctx, hf, rows, length, budget, repeats)),
+    for name, run in (("megatron_rl", lambda: actor_speed(ctx, hf, rows, length, budget, repeats, phases=True)),
                       ("transformers", lambda: transformers_speed(ctx.device, hf, rows, length, budget, repeats))):
         try:
             result = run()
@@ -369,6 +413,22 @@ def speed(suite: Suite, ctx, tiny: bool) -> dict:
         suite.save("speed", out)
         print(f"speed/{name}: train {result['train_tokens_per_s']:.0f} tok/s (MFU {result['train_mfu_vs_measured']:.3f} of "
               f"measured), forward {result['forward_tokens_per_s']:.0f} tok/s, peak {result['peak_memory_bytes']}", flush=True)
+    if "train_tokens_per_s" in out.get("megatron_rl", {}):
+        ours = out["megatron_rl"]
+        if "train_tokens_per_s" in out.get("transformers", {}):
+            out["megatron_rl_over_transformers_train"] = ours["train_tokens_per_s"] / out["transformers"]["train_tokens_per_s"]
+            print(f"speed: megatron_rl / transformers train tokens/s = x{out['megatron_rl_over_transformers_train']:.2f}", flush=True)
+        phases = ours.get("phases", {})
+        named = sum(phases.get("phases_s", {}).values())
+        suite.check("phases", bool(phases) and named <= phases["wall_s"] * 1.05 + 1e-3,
+                    f"phases {sorted(phases.get('phases_s', {}))}: {named:.3f} s of a {phases.get('wall_s', 0):.3f} s profiled step")
+        print("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in phases.get("phases_s", {}).items())
+              + (f", host overhead {phases['host_overhead_s']:.3f} s" if phases.get("host_overhead_s") is not None else ""),
+              flush=True)
+        suite.save("speed", out)
+        out["ablations"] = ablations(suite, ctx, hf, rows, length, budget, ours)
+        suite.check("ablations", all("train_tokens_per_s" in r for r in out["ablations"].values()),
+                    f"{len(out['ablations'])} kernel ablations measured")
     if tiny:  # the FLOP count's parameter arithmetic against the model's own parameters
         from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -85,6 +85,14 @@ class ModelConfig:
     grouped matmul (torch._grouped_mm: bf16 on compute capability 9.0+, and CPU). False: SequentialMLP, one
     GEMM per expert. None (auto): grouped where a grouped kernel runs on the GPU, SequentialMLP on CPU
     (models.kernels; the start-up line says which)."""
+    fusions: bool = True
+    """Turn on each megatron fusion whose kernel exists here (models.kernels: jit-fused bias-SwiGLU and
+    bias-dropout-add with triton on CUDA, RoPE / router fusion with Transformer Engine, ...); False turns every
+    one off (for before/after measurements). On CPU none exists."""
+    packed_attention: Literal["auto", "varlen", "per_sequence"] = "auto"
+    """Packed (THD) attention of the local spec: varlen = torch's flash varlen kernel, one call per microbatch
+    (CUDA, bf16/fp16, no context parallelism); per_sequence = one exact SDPA per sequence; auto = varlen where
+    it runs, else per_sequence. Ignored with Transformer Engine (its own attention)."""
     moe_permute_fusion: bool = False
     """Transformer Engine's fused token permute / unpermute in the MoE dispatcher (megatron's moe_permute_fusion);
     needs Transformer Engine."""

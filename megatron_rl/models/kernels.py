@@ -157,10 +157,18 @@ def choose_experts(kernels: Kernels, requested: bool | None, *, use_te: bool, dt
     return "per_expert_loop", "this torch has no torch._grouped_mm"
 
 
-def choose_attention(kernels: Kernels, *, use_te: bool, dtype: torch.dtype, context_parallel: int) -> tuple[str, str]:
-    """(provider, why) for packed (THD) attention."""
+def choose_attention(kernels: Kernels, *, use_te: bool, dtype: torch.dtype, context_parallel: int,
+                     requested: str = "auto") -> tuple[str, str]:
+    """(provider, why) for packed (THD) attention; requested = model.packed_attention."""
     if use_te:
         return "te", "Transformer Engine's attention"
+    if requested == "per_sequence":
+        return "per_sequence", "model.packed_attention=per_sequence"
+    if requested == "varlen":
+        available, why = choose_attention(kernels, use_te=False, dtype=dtype, context_parallel=context_parallel)
+        if available != "varlen":
+            raise ConfigError(f"model.packed_attention=varlen cannot run here ({why}): set model.packed_attention=auto")
+        return available, why
     if not kernels.cuda:
         return "per_sequence", "CPU: exact attention per sequence"
     if context_parallel > 1:
@@ -172,8 +180,8 @@ def choose_attention(kernels: Kernels, *, use_te: bool, dtype: torch.dtype, cont
     return "varlen", "torch's flash varlen kernel, one call per microbatch"
 
 
-def choose_fusions(kernels: Kernels, *, use_te: bool) -> tuple[dict[str, bool], dict[str, str]]:
-    """(TransformerConfig fusion fields, why each off one is off)."""
+def choose_fusions(kernels: Kernels, *, use_te: bool, enabled: bool = True) -> tuple[dict[str, bool], dict[str, str]]:
+    """(TransformerConfig fusion fields, why each off one is off); enabled = model.fusions."""
     reasons = {
         "bias_activation_fusion": (kernels.cuda and kernels.jit_compiler, "needs CUDA and triton for megatron's jit fusions"),
         "bias_dropout_fusion": (kernels.cuda and kernels.jit_compiler, "needs CUDA and triton for megatron's jit fusions"),
@@ -183,6 +191,8 @@ def choose_fusions(kernels: Kernels, *, use_te: bool) -> tuple[dict[str, bool], 
         "persist_layer_norm": (kernels.apex and not use_te, "needs apex's persistent layer norm (local spec)"),
         "gradient_accumulation_fusion": (use_te or kernels.apex, "needs Transformer Engine or apex's fused wgrad kernel"),
     }
+    if not enabled:
+        reasons = {name: (False, "model.fusions=false") for name in reasons}
     fusions = {name: bool(on) for name, (on, _) in reasons.items()}
     off = {name: why for name, (on, why) in reasons.items() if not on}
     return fusions, off
@@ -204,8 +214,9 @@ def choose_kernels(kernels: Kernels, model_cfg, *, use_te: bool, dtype: torch.dt
         experts, experts_why = choose_experts(kernels, model_cfg.moe_grouped_gemm, use_te=use_te, dtype=dtype)
     else:
         experts, experts_why = "sequential", "dense model"
-    attention, attention_why = choose_attention(kernels, use_te=use_te, dtype=dtype, context_parallel=context_parallel)
-    fusions, off = choose_fusions(kernels, use_te=use_te)
+    attention, attention_why = choose_attention(kernels, use_te=use_te, dtype=dtype, context_parallel=context_parallel,
+                                                requested=model_cfg.packed_attention)
+    fusions, off = choose_fusions(kernels, use_te=use_te, enabled=model_cfg.fusions)
     overlap, overlap_why = choose_overlap(kernels, data_parallel)
     return KernelChoice(experts=experts, experts_why=experts_why, attention=attention, attention_why=attention_why,
                         fusions=fusions, fusions_off_why=off, overlap_grad_reduce=overlap, overlap_why=overlap_why)

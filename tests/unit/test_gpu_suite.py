@@ -61,3 +61,21 @@ def test_mfu_and_throughput_follow_from_the_recorded_numbers(tiny_run):
         assert r["train_tokens_per_s"] == pytest.approx(tokens / r["train_step_s"], rel=1e-9)
         assert r["train_mfu_vs_measured"] == pytest.approx(train_flops * r["train_tokens_per_s"] / 1e12 / speed["peak_tflops_measured_bf16_matmul"], rel=1e-9)
         assert 0 < r["train_mfu_vs_measured"] and 0 < r["forward_mfu_vs_measured"]
+
+
+def test_phases_and_kernel_ablations_are_recorded(tiny_run):
+    """One profiled step splits into the named phases (none negative, together within the step's wall time),
+    and each kernel choice undone in turn is a before/after ratio recomputed here from the recorded tokens/s."""
+    from megatron_rl.actor.phases import PHASES
+
+    _, result = tiny_run
+    speed = result["speed"]
+    phases = speed["megatron_rl"]["phases"]
+    assert set(phases["phases_s"]) == set(PHASES) and all(v >= 0 for v in phases["phases_s"].values())
+    assert sum(phases["phases_s"].values()) <= phases["wall_s"] * 1.05 + 1e-3
+    assert phases["phases_s"]["experts"] > 0 and phases["phases_s"]["attention"] > 0
+    ours, theirs = speed["megatron_rl"]["train_tokens_per_s"], speed["transformers"]["train_tokens_per_s"]
+    assert speed["megatron_rl_over_transformers_train"] == pytest.approx(ours / theirs)
+    assert set(speed["ablations"]) == {"experts_per_expert_gemm", "attention_per_sequence", "fusions_off", "padded_rows"}
+    for run in speed["ablations"].values():
+        assert run["all_on_over_this"] == pytest.approx(ours / run["train_tokens_per_s"])

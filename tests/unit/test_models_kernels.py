@@ -77,3 +77,12 @@ def test_the_cpu_build_uses_the_cpu_choices():
         pytest.skip("a GPU is present: this checks the CPU platform's choices")
     choice = choose_kernels(kernels, ModelConfig(), use_te=False, dtype=FP32)
     assert (choice.experts, choice.attention, any(choice.fusions.values())) == ("sequential", "per_sequence", False)
+
+
+def test_the_model_config_can_turn_each_kernel_off_for_comparisons():
+    choice = choose_kernels(H200_NO_TE, ModelConfig(fusions=False, packed_attention="per_sequence", moe_grouped_gemm=False),
+                            use_te=False, dtype=BF16)
+    assert (choice.experts, choice.attention, any(choice.fusions.values())) == ("sequential", "per_sequence", False)
+    assert choice.fusions_off_why["bias_activation_fusion"] == "model.fusions=false"
+    with pytest.raises(ConfigError, match="model.packed_attention=varlen cannot run here.*CPU"):
+        choose_kernels(CPU, ModelConfig(packed_attention="varlen"), use_te=False, dtype=FP32)
