@@ -23,6 +23,10 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides parsed as YAML, e.g. algorithm.eps_high=4e-4"
     )
+    parser.add_argument(
+        "--debug", action="store_true",
+        help="on an error in the input, also print its traceback (always in <logging.dir>/logs/error.log)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,14 +68,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     from megatron_rl import trainer
-    from megatron_rl.config.core import ConfigError
+    from megatron_rl.errors import report_error
 
     try:
         trainer.main(args.config, list(args.overrides))
-    except ConfigError as err:  # a bad key or value: say which, no traceback
-        print(f"megatron-rl train: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    except Exception as error:  # bad input: one line naming the value and the fix (megatron_rl.errors)
+        code = report_error("megatron-rl train", error, debug=args.debug, log_dir=_run_log_dir(args))
+        if code is None:
+            raise  # a bug: its full traceback
+        return code
     return 0
+
+
+def _run_log_dir(args: argparse.Namespace) -> str | None:
+    """logging.dir of the run, where its error log goes (None when the config itself does not load)."""
+    from megatron_rl.config.core import ConfigError, load_config
+    from megatron_rl.config.schema import RLConfig
+
+    try:
+        return load_config(RLConfig, args.config, list(args.overrides)).logging.dir
+    except ConfigError:
+        return None
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -112,5 +112,9 @@ def compute_rewards(
                 logger.warning(message)
         result.rewards.append(value)
     if responses and result.num_errors == len(responses):
-        raise RewardError(f"the reward function failed on all {len(responses)} samples; first: {result.errors[0]}")
+        name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+        raise RewardError(
+            f"the reward function {name} (data.reward) failed on all {len(responses)} samples; first: {result.errors[0]}; "
+            "fix the function, or set data.reward to another one"
+        )
     return result
