@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
 EXIT_RUNTIME_FAILURE = 1
+OTHER_RANKS_WAIT_S = 3.0
+"""How long a rank other than 0 waits before exiting on a reported error: torchrun stops every rank when one
+exits, and rank 0, which prints the message, must get to print it."""
 EXIT_BAD_INPUT = 2
 
 BAD_INPUT = frozenset({
@@ -78,7 +82,7 @@ def one_line(error: BaseException) -> str:
 
 def write_traceback(error: BaseException, log_dir: str | os.PathLike | None) -> Path | None:
     """Append the traceback to `<log_dir>/logs/error[.rankN].log` when that directory can be written; its path."""
-    if not log_dir:
+    if not log_dir or not Path(log_dir).is_dir():  # a run that did not start creates nothing
         return None
     rank = int(os.environ.get("RANK", "0"))
     path = Path(log_dir) / "logs" / (f"error.rank{rank}.log" if rank else "error.log")
@@ -102,4 +106,6 @@ def report_error(command: str, error: BaseException, *, debug: bool = False, log
             traceback.print_exception(error, file=sys.stderr)
         print(f"{command}: error: {one_line(error)}", file=sys.stderr)
         sys.stderr.flush()
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(OTHER_RANKS_WAIT_S)
     return code
