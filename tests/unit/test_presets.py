@@ -182,3 +182,19 @@ def test_gpu_presets_run_the_experts_as_grouped_gemms():
         assert model.moe_grouped_gemm, path.name
         assert model.moe_permute_fusion == (not path.name.startswith("tiny")), path.name
     assert not load_config(RLConfig, CONFIGS / "tiny-gspo.yaml").model.moe_grouped_gemm  # CPU: off
+
+
+def test_the_tiny_model_is_built_only_at_the_preset_s_own_path_or_when_asked(tmp_path):
+    from megatron_rl.models.tiny import preset_model_path, tiny_family_to_build
+
+    preset = CONFIGS / "tiny-gspo.yaml"
+    assert preset_model_path(preset) == "outputs/tiny-moe"  # configs/models/tiny-moe.yaml, with the family
+    own = load_config(RLConfig, preset, ["model.path=outputs/tiny-moe-never-built"]).model
+    assert tiny_family_to_build(own, "outputs/tiny-moe-never-built") == "qwen3_moe"
+    typed = load_config(RLConfig, preset, [f"model.path={tmp_path / 'typo'}"]).model
+    assert tiny_family_to_build(typed, preset_model_path(preset)) == ""  # a typed path: an error, not a stand-in
+    assert tiny_family_to_build(typed, None) == ""
+    asked = load_config(RLConfig, preset, [f"model.path={tmp_path / 'new'}", "model.make_tiny=true"]).model
+    assert tiny_family_to_build(asked, None) == "qwen3_moe"
+    (tmp_path / "typo").mkdir()
+    assert tiny_family_to_build(typed, str(tmp_path / "typo")) == ""  # an existing directory is never rebuilt
