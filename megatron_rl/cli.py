@@ -23,10 +23,6 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides parsed as YAML, e.g. algorithm.eps_high=4e-4"
     )
-    parser.add_argument(
-        "--debug", action="store_true",
-        help="on an error in the input, also print its traceback (always in <logging.dir>/logs/error.log)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,serve}")
     train = sub.add_parser("train", help="run the RL loop (under torchrun for several processes)")
     _add_config_args(train)
+    train.add_argument(
+        "--debug", action="store_true",
+        help="on an error in the input, also print its traceback (always in <logging.dir>/logs/error.log)",
+    )
     planner = sub.add_parser("plan", help="check a preset against its cluster and estimate memory per device, no GPU needed")
     _add_config_args(planner)
     planner.add_argument("--model-config", help="the model's config.json, instead of <model.path>/config.json")

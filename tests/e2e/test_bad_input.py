@@ -360,3 +360,25 @@ def test_sigkill_during_a_save_loses_nothing_and_a_raising_reward_is_named(corpu
     _check_console(text, ["rewards_mod:always_raises", "failed on all", "KeyError"])
     assert _snapshot(ckpt / last) == saved
     assert (ckpt / "latest").read_text().strip() == last
+
+
+def test_debug_prints_the_traceback_the_log_file_always_has_it_and_bugs_keep_theirs(corpus, tmp_path, capfd, monkeypatch):
+    (tmp_path / "out").mkdir()
+    argv = _train("data.path={root}/data/none.jsonl")(corpus, tmp_path)
+    assert main(argv) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and err.count("none.jsonl") == 1
+    logged = (tmp_path / "out" / "logs" / "error.log").read_text()
+    assert "Traceback" in logged and "DatasetError" in logged and "none.jsonl" in logged
+    assert main([*argv, "--debug"]) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" in err and "DatasetError" in err and "megatron-rl train: error:" in err
+
+    from megatron_rl import trainer
+
+    def bug(config_path, overrides):
+        return {}["no such key"]
+
+    monkeypatch.setattr(trainer, "main", bug)
+    with pytest.raises(KeyError, match="no such key"):  # not bad input: the bug's own exception and traceback
+        main(argv)
