@@ -56,6 +56,7 @@ RUNTIME_FAILURES = frozenset({
     "megatron_rl.rollout.server_engine.ServerDeadError",
     "megatron_rl.checkpoint.state.StorageFullError",
     "megatron_rl.algorithms.validation.NonFiniteLogprobsError",
+    "megatron_rl.actor.batch.BatchError",  # e.g. NaN/inf logprobs returned by the engine, named by sample and position
     "megatron_rl.algorithms.dynamic_sampling.DynamicSamplingExhausted",
 })
 """Failures of a run with good input that the project detects and explains: exit code 1."""

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from megatron_rl.cli import main
 from megatron_rl.models.tiny import make_tiny_model_dir
@@ -79,6 +80,8 @@ def corpus(tmp_path_factory) -> Path:
     variant("bad_json", lambda d: (d / "config.json").write_text("{\"model_type\": \"qwen3_moe\", "))
     variant("no_hidden", lambda d: (d / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"})))
     variant("unsupported", lambda d: (d / "config.json").write_text(json.dumps({**config, "model_type": "gpt_bigcode", "architectures": ["GPTBigCodeForCausalLM"]})))
+    # model_type names another model than architectures: megatron_rl builds it (by architectures), vLLM cannot start
+    variant("engine_refuses", lambda d: (d / "config.json").write_text(json.dumps({**config, "model_type": "gpt_bigcode"})))
     variant("list_config", lambda d: (d / "config.json").write_text("[1, 2]"))
 
     def truncate(d: Path) -> None:
@@ -95,6 +98,15 @@ def corpus(tmp_path_factory) -> Path:
         save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
 
     variant("wrong_shape", reshape)
+
+    def nan_weights(d: Path) -> None:  # a diverged or corrupt checkpoint: every logit NaN, in the engine as in the actor
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(d / "model.safetensors"))
+        tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+    variant("nan_weights", nan_weights)
     variant("no_weights", lambda d: (d / "model.safetensors").unlink())
 
     def drop_tokenizer(d: Path) -> None:
@@ -181,6 +193,9 @@ CASES = [
     Case(name="tokenizer_path_missing", argv=_train("data.tokenizer={root}/tok.model"), code=2, culprit=["tok.model", "data.tokenizer"]),
     Case(name="unwritable_logging_dir", argv=_train("logging.dir={root}/afile/run"), code=2, culprit=["logging.dir=", "afile/run", "not writable"]),
     Case(name="unwritable_checkpoint_dir", argv=_train("checkpoint.dir={root}/afile/ckpt"), code=2, culprit=["checkpoint.dir=", "afile/ckpt", "not writable"]),
+    Case(name="engine_cannot_start", argv=_train(model="engine_refuses"), code=2,
+         culprit=["vLLM could not start on model directory", "engine_refuses"], absent=["ckpt/step_00000001"]),
+    Case(name="nan_engine_logprobs", argv=_train(model="nan_weights"), code=1, culprit=["NaN"], absent=["ckpt/step_00000001"]),
     # -- data
     Case(name="missing_dataset", argv=_train("data.path={root}/data/none.jsonl"), code=2, culprit=["none.jsonl", "does not exist", "data.path"]),
     Case(name="empty_dataset", argv=_train("data.path={root}/data/empty.jsonl"), code=2, culprit=["empty.jsonl", "no rows"]),
