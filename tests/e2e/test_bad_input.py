@@ -193,9 +193,6 @@ CASES = [
     Case(name="tokenizer_path_missing", argv=_train("data.tokenizer={root}/tok.model"), code=2, culprit=["tok.model", "data.tokenizer"]),
     Case(name="unwritable_logging_dir", argv=_train("logging.dir={root}/afile/run"), code=2, culprit=["logging.dir=", "afile/run", "not writable"]),
     Case(name="unwritable_checkpoint_dir", argv=_train("checkpoint.dir={root}/afile/ckpt"), code=2, culprit=["checkpoint.dir=", "afile/ckpt", "not writable"]),
-    Case(name="engine_cannot_start", argv=_train(model="engine_refuses"), code=2,
-         culprit=["vLLM could not start on model directory", "engine_refuses"], absent=["ckpt/step_00000001"]),
-    Case(name="nan_engine_logprobs", argv=_train(model="nan_weights"), code=1, culprit=["NaN"], absent=["ckpt/step_00000001"]),
     # -- data
     Case(name="missing_dataset", argv=_train("data.path={root}/data/none.jsonl"), code=2, culprit=["none.jsonl", "does not exist", "data.path"]),
     Case(name="empty_dataset", argv=_train("data.path={root}/data/empty.jsonl"), code=2, culprit=["empty.jsonl", "no rows"]),
@@ -225,6 +222,11 @@ CASES = [
     Case(name="resume_missing_dir", argv=_train("checkpoint.resume={root}/ckpts/gone"), code=2, culprit=["ckpts/gone", "checkpoint.resume"]),
     Case(name="resume_another_model", argv=_train("checkpoint.dir={root}/ckpts/foreign", "checkpoint.resume=auto"), code=2,
          culprit=["foreign/step_00000001", "another model", "model.path=", "hidden_size"], untouched=["ckpts/foreign"]),
+    # -- the engine, last: a vLLM start that fails in this process leaves vLLM's own process-group state behind
+    # (a user's run is a process of its own), so no later case may start an engine
+    Case(name="nan_engine_logprobs", argv=_train(model="nan_weights"), code=1, culprit=["NaN"], absent=["ckpt/step_00000001"]),
+    Case(name="engine_cannot_start", argv=_train(model="engine_refuses"), code=2,
+         culprit=["vLLM could not start on model directory", "engine_refuses"], absent=["ckpt/step_00000001"]),
 ]
 
 
