@@ -71,11 +71,12 @@ def run(cfg: RLConfig, engine=None) -> dict[str, float]:
     from megatron_rl.parallel import destroy_parallel, init_parallel
     from megatron_rl.plan.report import require_fit
 
-    require_fit(cfg)  # GPU clusters: a layout that does not fit its GPUs stops here, before any device is touched
     tiny_family = tiny_family_to_build(cfg.model, None)  # only with model.make_tiny (trainer.main sets it for a preset's own path)
     if tiny_family:
         ensure_tiny_model_dir(cfg.model.path, tiny_family, seed=cfg.model.init_seed)
-    check_before_start(cfg)  # model directory, writable directories, lengths, resume checkpoint: before any work
+    load_hf_config(cfg.model.path)  # a missing or broken model directory: one error naming it, first
+    require_fit(cfg)  # GPU clusters: a layout that does not fit its GPUs stops here, before any device is touched
+    check_before_start(cfg)  # writable directories, lengths, resume checkpoint: before any work
     with library_logs(cfg.logging.dir) as logs:
         shape = model_shape(load_hf_config(cfg.model.path))
         ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
