@@ -222,11 +222,9 @@ CASES = [
     Case(name="resume_missing_dir", argv=_train("checkpoint.resume={root}/ckpts/gone"), code=2, culprit=["ckpts/gone", "checkpoint.resume"]),
     Case(name="resume_another_model", argv=_train("checkpoint.dir={root}/ckpts/foreign", "checkpoint.resume=auto"), code=2,
          culprit=["foreign/step_00000001", "another model", "model.path=", "hidden_size"], untouched=["ckpts/foreign"]),
-    # -- the engine, last: a vLLM start that fails in this process leaves vLLM's own process-group state behind
-    # (a user's run is a process of its own), so no later case may start an engine
+    # -- the engine (one that cannot start runs as a process of its own below: a vLLM start that fails in a process
+    # leaves vLLM's process-group state behind, which would break every later engine of this test process)
     Case(name="nan_engine_logprobs", argv=_train(model="nan_weights"), code=1, culprit=["NaN"], absent=["ckpt/step_00000001"]),
-    Case(name="engine_cannot_start", argv=_train(model="engine_refuses"), code=2,
-         culprit=["vLLM could not start on model directory", "engine_refuses"], absent=["ckpt/step_00000001"]),
 ]
 
 
@@ -280,7 +278,7 @@ def _run(cmd: list[str], timeout: float, cwd: Path = REPO, **extra_env: str) -> 
     return result.returncode, result.stdout + result.stderr, time.perf_counter() - start
 
 
-SUBPROCESS_CASES = ["command_line_missing_model", "torchrun_two_processes_bad_data", "convert_truncated_safetensors",
+SUBPROCESS_CASES = ["command_line_missing_model", "engine_cannot_start", "torchrun_two_processes_bad_data", "convert_truncated_safetensors",
                     "convert_into_unwritable_dir", "convert_truncated_dist_shard", "convert_back_into_unwritable_dir",
                     "sigkill_during_save_then_resume", "reward_always_raises"]
 """The cases of the tests below (real processes, and the conversion tools' main in-process)."""
@@ -296,6 +294,14 @@ def test_command_line_refuses_a_typed_model_path_and_creates_nothing(corpus, tmp
     assert len([line for line in text.splitlines() if line.strip()]) == 1, text
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing may be created"
     assert seconds < 60
+
+
+def test_an_engine_that_cannot_start_on_the_model_is_one_line(corpus, tmp_path):
+    code, text, seconds = _run([sys.executable, "-m", "megatron_rl.cli", *_train(model="engine_refuses")(corpus, tmp_path)],
+                               timeout=180)
+    assert code == 2, text[-4000:]
+    _check_console(text, ["vLLM could not start on model directory", "engine_refuses"])
+    assert not (tmp_path / "ckpt" / "step_00000001").exists() and seconds < 150
 
 
 def test_torchrun_prints_a_data_error_once(corpus, tmp_path):
