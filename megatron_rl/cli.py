@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,serve,doctor}")
     train = sub.add_parser("train", help="run the RL loop (under torchrun for several processes)")
     _add_config_args(train)
+    train.add_argument(
+        "--debug", action="store_true",
+        help="on an error in the input, also print its traceback (always in <logging.dir>/logs/error.log)",
+    )
     planner = sub.add_parser("plan", help="check a preset against its cluster and estimate memory per device, no GPU needed")
     _add_config_args(planner)
     planner.add_argument("--model-config", help="the model's config.json, instead of <model.path>/config.json")
@@ -68,14 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     from megatron_rl import trainer
-    from megatron_rl.config.core import ConfigError
+    from megatron_rl.errors import report_error
 
     try:
         trainer.main(args.config, list(args.overrides))
-    except ConfigError as err:  # a bad key or value: say which, no traceback
-        print(f"megatron-rl train: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    except Exception as error:  # bad input: one line naming the value and the fix (megatron_rl.errors)
+        code = report_error("megatron-rl train", error, debug=args.debug, log_dir=_run_log_dir(args))
+        if code is None:
+            raise  # a bug: its full traceback
+        return code
     return 0
+
+
+def _run_log_dir(args: argparse.Namespace) -> str | None:
+    """logging.dir of the run, where its error log goes (None when the config itself does not load)."""
+    from megatron_rl.config.core import ConfigError, load_config
+    from megatron_rl.config.schema import RLConfig
+
+    try:
+        return load_config(RLConfig, args.config, list(args.overrides)).logging.dir
+    except ConfigError:
+        return None
 
 
 def _plan(args: argparse.Namespace) -> int:

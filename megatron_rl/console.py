@@ -67,6 +67,7 @@ class LibraryLogs:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         saved = [os.dup(1), os.dup(2)]
+        console = sys.stderr
         with open(self.vllm, "a", buffering=1) as log:
             try:
                 os.dup2(log.fileno(), 1)
@@ -81,6 +82,26 @@ class LibraryLogs:
                 os.dup2(saved[1], 2)
                 for fd in saved:
                     os.close(fd)
+                repoint_stream_handlers(log, console)
+
+
+def repoint_stream_handlers(old, new) -> int:
+    """Point every logging.StreamHandler writing to `old` at `new`; how many were.
+
+    Handlers made while the engine starts (vLLM's console handler from its logging
+    config's ext://sys.stderr, the root handler of a library's basicConfig,
+    transformers' default handler) bind the sys.stderr of that moment: the log file,
+    closed when engine_start ends. Left so, every later warning (the project's own
+    included) ended in "--- Logging error --- ValueError: I/O operation on closed file".
+    """
+    loggers = [logging.getLogger(), *(lg for lg in list(logging.Logger.manager.loggerDict.values()) if isinstance(lg, logging.Logger))]
+    count = 0
+    for lg in loggers:
+        for handler in list(lg.handlers):
+            if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) is old:
+                handler.setStream(new)
+                count += 1
+    return count
 
 
 def _handler(handler: logging.Handler, level: int) -> logging.Handler:

@@ -50,7 +50,12 @@ logger = logging.getLogger(__name__)
 
 def main(config_path: str | None = None, overrides: Sequence[str] = ()) -> dict[str, float]:
     """Entry point of `megatron-rl train`: load the config, start the parallel context, run."""
+    from megatron_rl.config.core import replace
+    from megatron_rl.models.tiny import preset_model_path, tiny_family_to_build
+
     cfg = load_config(RLConfig, config_path, list(overrides))
+    if tiny_family_to_build(cfg.model, preset_model_path(config_path)):  # the preset's own tiny model, first use
+        cfg = replace(cfg, model=replace(cfg.model, make_tiny=True))
     return run(cfg)
 
 
@@ -61,13 +66,17 @@ def run(cfg: RLConfig, engine=None) -> dict[str, float]:
     uses instead of starting its own and leaves running: several runs in one process share it.
     """
     from megatron_rl.models import load_hf_config, model_shape
-    from megatron_rl.models.tiny import ensure_tiny_model_dir
+    from megatron_rl.models.tiny import ensure_tiny_model_dir, tiny_family_to_build
+    from megatron_rl.preflight import check_before_start
     from megatron_rl.parallel import destroy_parallel, init_parallel
     from megatron_rl.plan.report import require_fit
 
+    tiny_family = tiny_family_to_build(cfg.model, None)  # only with model.make_tiny (trainer.main sets it for a preset's own path)
+    if tiny_family:
+        ensure_tiny_model_dir(cfg.model.path, tiny_family, seed=cfg.model.init_seed)
+    load_hf_config(cfg.model.path)  # a missing or broken model directory: one error naming it, first
     require_fit(cfg)  # GPU clusters: a layout that does not fit its GPUs stops here, before any device is touched
-    if cfg.model.make_tiny_if_missing:
-        ensure_tiny_model_dir(cfg.model.path, cfg.model.make_tiny_if_missing, seed=cfg.model.init_seed)
+    check_before_start(cfg)  # writable directories, lengths, resume checkpoint: before any work
     with library_logs(cfg.logging.dir) as logs:
         shape = model_shape(load_hf_config(cfg.model.path))
         ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
@@ -356,6 +365,8 @@ class Trainer:
 
     def save(self) -> Path:
         from megatron_rl.checkpoint.state import save_checkpoint
+        from megatron_rl.models import load_hf_config
+        from megatron_rl.preflight import model_architecture
 
         data_position = self._pending[1] if self._pending is not None else self.dataset.state_dict()
         if self._stream is not None:
@@ -365,6 +376,7 @@ class Trainer:
             "data": data_position,
             **self.actor.schedule_state(),
             "config": to_dict(self.cfg),
+            "model_architecture": model_architecture(load_hf_config(self.cfg.model.path)),  # compared at resume
         }
         with self._offload.on_device():
             return save_checkpoint(

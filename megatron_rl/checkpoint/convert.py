@@ -130,8 +130,13 @@ def atomic_output_dir(final: str | os.PathLike, *, overwrite: bool = False) -> I
     final = Path(final)
     _check_output(final, overwrite)
     existed = final.exists()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    except OSError as err:
+        raise ConversionError(
+            f"cannot write the output {str(final)!r}: {err.strerror or err} ({err.filename}): choose a directory you can write"
+        ) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the output private

@@ -438,7 +438,7 @@ class PieceReader:
         """stored: layout key -> stored tensor (match_stored_tensors)."""
         from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
 
-        self.layout, self.stored = layout, stored
+        self.layout, self.stored, self.ckpt_dir = layout, stored, ckpt_dir
         self._reader = CachedMetadataFileSystemReader(str(ckpt_dir))
         self._by_param: dict[str, list[Piece]] = defaultdict(list)
         for pieces in layout.pieces.values():
@@ -463,7 +463,17 @@ class PieceReader:
         for key, pieces in wanted.items():
             stored = self.stored[key]
             state[stored.key] = _PieceBuffers(stored.shape, stored.dtype, [self._chunk(p) for p in pieces])
-        dcp_load(state, storage_reader=self._reader, planner=DefaultLoadPlanner(flatten_state_dict=False))
+        try:
+            dcp_load(state, storage_reader=self._reader, planner=DefaultLoadPlanner(flatten_state_dict=False))
+        except BaseException as err:  # torch DCP's CheckpointException derives from BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            cause = _dcp_cause(err)
+            detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+            raise ConversionError(
+                f"cannot read tensors {sorted(wanted)[:3]} from the checkpoint {str(self.ckpt_dir)!r} ({detail}): "
+                "a data file is truncated or damaged: save or convert it again"
+            ) from err
         values = {}
         for name in names:
             parts = []
@@ -518,3 +528,14 @@ def load_mcore_checkpoint(model_chunks: list, ckpt_dir: str | os.PathLike) -> No
         not_loaded = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if not_loaded:
             raise ConversionError(f"loading {str(ckpt_dir)!r} left parameters unset: {not_loaded[:4]}")
+
+
+def _dcp_cause(err: BaseException) -> BaseException:
+    """The exception inside torch DCP's CheckpointException (it wraps each rank's failure)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, BaseException):
+            return _dcp_cause(inner)
+    return err

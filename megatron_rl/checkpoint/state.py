@@ -105,10 +105,45 @@ def save_checkpoint(
     rank_state: dict[str, Any] | None = None,
     keep_last: int = 2,
 ) -> Path:
-    """Write step `step` on every rank (collective); returns the final directory."""
+    """Write step `step` on every rank (collective); returns the final directory. A full disk raises
+    StorageFullError naming checkpoint.dir (the partial directory removed, `latest` untouched)."""
+    try:
+        return _save(Path(root), step, sharded_state_dict, trainer_state, rank_state=rank_state, keep_last=keep_last)
+    except Exception as err:
+        if not _disk_full(err):
+            raise
+        partial = Path(root) / f".{step_dir_name(step)}.partial"
+        shutil.rmtree(partial, ignore_errors=True)  # give the space back; the complete checkpoints stay
+        latest = Path(root) / LATEST
+        kept = f"{latest} still names {latest.read_text().strip()}, complete" if latest.is_file() else "no earlier checkpoint"
+        raise StorageFullError(
+            f"no space left on the device of checkpoint.dir={str(root)!r} while saving step {step} "
+            f"({kept}): free space there, or set checkpoint.dir to a larger disk (and checkpoint.keep_last lower), "
+            "then resume with checkpoint.resume=auto"
+        ) from err
+
+
+class StorageFullError(OSError):
+    """The disk filled up while a checkpoint was written; the message names the directory and what is kept."""
+
+
+def _disk_full(err: BaseException | None) -> bool:
+    """Whether `err` or an exception it chains is ENOSPC / EDQUOT (megatron wraps the OSError of its writers)."""
+    import errno
+
+    seen = 0
+    while err is not None and seen < 20:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def _save(root: Path, step: int, sharded_state_dict: dict, trainer_state: dict[str, Any], *, rank_state, keep_last: int) -> Path:
     from megatron.core import dist_checkpointing
 
-    root = Path(root)
     final = root / step_dir_name(step)
     partial = root / f".{final.name}.partial"
     if _rank() == 0:

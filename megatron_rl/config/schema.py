@@ -104,7 +104,12 @@ class ModelConfig:
     """Load the safetensors weights in `path` (False: random init from the config)."""
     make_tiny_if_missing: Literal["", "llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"] = ""
     """When `path` does not exist, first build a tiny random model of this family there (megatron_rl.models.tiny,
-    seed `init_seed`), as the CPU demo does: the tiny presets run from a fresh clone. Empty: a missing path is an error."""
+    seed `init_seed`), as the CPU demo does: the tiny presets run from a fresh clone. Only at the path the preset
+    itself gives (a `model.path=...` typed on the command line that does not exist stays an error, unless
+    `make_tiny`). Empty: a missing path is an error."""
+    make_tiny: bool = False
+    """Build the tiny random model (family `make_tiny_if_missing`, qwen3_moe when empty) at a missing `path` even
+    when `path` is not the preset's own, e.g. `model.path=outputs/tiny-b model.make_tiny=true`."""
 
 
 @dataclass(kw_only=True)
@@ -144,6 +149,15 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.lr={self.lr}, optimizer.min_lr={self.min_lr}: learning rates must be >= 0")
         if self.clip_grad < 0:
             raise ConfigError(f"optimizer.clip_grad={self.clip_grad}: must be >= 0 (0 disables clipping)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay={self.weight_decay}: must be >= 0 (0 disables weight decay)")
+        for key, beta in (("adam_beta1", self.adam_beta1), ("adam_beta2", self.adam_beta2), ("sgd_momentum", self.sgd_momentum)):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"optimizer.{key}={beta}: must be in [0, 1), e.g. adam_beta1=0.9, adam_beta2=0.999")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"optimizer.adam_eps={self.adam_eps}: must be > 0, e.g. 1.0e-8")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optimizer.min_lr={self.min_lr} is above optimizer.lr={self.lr}: set min_lr <= lr")
         if self.warmup_steps < 0 or self.lr_decay_steps < 0:
             raise ConfigError(
                 f"optimizer.warmup_steps={self.warmup_steps}, optimizer.lr_decay_steps={self.lr_decay_steps}: must be >= 0"

@@ -55,9 +55,15 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
         import_extra("pyarrow", extra="data", feature=f"reading {spec}")
         import pyarrow.parquet as pq
 
-        return pq.read_table(p).to_pylist()
+        try:
+            return pq.read_table(p).to_pylist()
+        except Exception as err:  # noqa: BLE001 - pyarrow raises its own error types
+            raise DatasetError(f"{spec}: not a readable parquet file ({err}); write it again or use .jsonl") from None
     if p.suffix == ".json":
-        data = json.loads(p.read_text())
+        try:
+            data = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise DatasetError(f"{spec}: not valid JSON ({err}); fix the file or use .jsonl (one row per line)") from None
         if not isinstance(data, list):
             raise DatasetError(f"{spec}: a .json dataset must hold a list of rows, got {type(data).__name__}")
         return data

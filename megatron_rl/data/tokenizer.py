@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Protocol
 
 
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be found or used; the message names the path and the fix."""
+
 class Tokenizer(Protocol):
     """What the data pipeline needs of a tokenizer."""
 
@@ -37,7 +41,7 @@ class HFTokenizer:
         self.path = str(path)
         self._tok = AutoTokenizer.from_pretrained(self.path)
         if self._tok.eos_token_id is None:
-            raise ValueError(f"tokenizer in {self.path!r} has no eos token: set eos_token in its tokenizer_config.json")
+            raise TokenizerError(f"tokenizer in {self.path!r} has no eos token: set eos_token in its tokenizer_config.json")
         self.eos_id = int(self._tok.eos_token_id)
         self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self._tok)
@@ -50,7 +54,7 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self._tok, "chat_template", None):
-            raise ValueError(
+            raise TokenizerError(
                 f"tokenizer in {self.path!r} has no chat template: set data.apply_chat_template=false "
                 "or add a chat_template to its tokenizer_config.json"
             )
@@ -69,7 +73,7 @@ class SentencePieceTokenizer:
         self._sp = spm.SentencePieceProcessor(model_file=self.path)
         self.eos_id = int(self._sp.eos_id())
         if self.eos_id < 0:
-            raise ValueError(f"sentencepiece model {self.path!r} has no eos piece: train it with eos_id set")
+            raise TokenizerError(f"sentencepiece model {self.path!r} has no eos piece: train it with eos_id set")
         self.pad_id = int(self._sp.pad_id()) if self._sp.pad_id() >= 0 else self.eos_id
         self.vocab_size = int(self._sp.get_piece_size())
 
@@ -93,11 +97,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if p.is_dir():
         if any((p / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             return HFTokenizer(p)
-        raise ValueError(
+        raise TokenizerError(
             f"directory {str(p)!r} holds no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model): "
             "point data.tokenizer at an HF tokenizer directory or a sentencepiece .model file"
         )
-    raise ValueError(
+    raise TokenizerError(
         f"tokenizer path {str(p)!r} does not exist or is neither a directory nor a .model file: "
         "point data.tokenizer at an HF tokenizer directory or a sentencepiece .model file"
     )

@@ -114,7 +114,12 @@ def load_hf_config(model_dir: str | os.PathLike) -> dict:
     if not str(model_dir):
         raise UnsupportedModelError("model.path is empty: set model.path=<directory with config.json and *.safetensors>")
     if not path.exists():
-        raise UnsupportedModelError(f"model directory {str(path)!r} does not exist: set model.path to an HF model directory")
+        raise UnsupportedModelError(
+            f"model.path={str(path)!r} does not exist: set model.path to a Hugging Face model directory (config.json, "
+            "*.safetensors, tokenizer), e.g. one downloaded with `huggingface-cli download <repo> --local-dir <dir>` or "
+            "converted from a megatron checkpoint with tools/convert_mcore_to_hf.py; with a tiny preset, "
+            "model.make_tiny=true builds a tiny random model there"
+        )
     if path.is_file():
         if path.name != "config.json":
             raise UnsupportedModelError(f"model path {str(path)!r} is a file: point model.path at the directory holding config.json")

@@ -53,9 +53,14 @@ class SafetensorsCheckpoint:
                 )
             self.files = {}
             for shard in shards:
-                with safe_open(str(shard), framework="pt") as fh:
-                    for name in fh.keys():
-                        self.files[name] = shard
+                try:
+                    with safe_open(str(shard), framework="pt") as fh:
+                        for name in fh.keys():
+                            self.files[name] = shard
+                except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+                    raise UnsupportedModelError(
+                        f"cannot read {str(shard)!r}: {err}; the file is truncated or damaged: download or convert it again"
+                    ) from None
         self._open: dict[Path, object] = {}
         self._safe_open = safe_open
 
@@ -70,7 +75,9 @@ class SafetensorsCheckpoint:
             try:
                 self._open[path] = self._safe_open(str(path), framework="pt")
             except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-                raise UnsupportedModelError(f"cannot read {str(path)!r}: {err}") from None
+                raise UnsupportedModelError(
+                    f"cannot read {str(path)!r}: {err}; the file is truncated or damaged: download or convert it again"
+                ) from None
         return self._open[path]
 
     def shape(self, name: str) -> tuple[int, ...]:

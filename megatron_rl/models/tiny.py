@@ -220,3 +220,31 @@ def ensure_tiny_model_dir(out_dir: str | os.PathLike, family: str, *, seed: int 
             return False
         make_tiny_model_dir(out_dir, family, seed=seed)
     return True
+
+
+def preset_model_path(config_path: str | os.PathLike | None) -> str | None:
+    """The `model.path` a preset file gives (its defaults included), before command-line overrides."""
+    if not config_path:
+        return None
+    from megatron_rl.config.core import load_yaml_preset
+
+    model = load_yaml_preset(config_path).get("model")
+    path = model.get("path") if isinstance(model, dict) else None
+    return path if isinstance(path, str) else None
+
+
+def tiny_family_to_build(model: Any, preset_path: str | None) -> str:
+    """The family of the tiny random model to build at `model.path` before a run, '' for none.
+
+    Only a missing directory, and only at the path the preset itself names next to
+    `model.make_tiny_if_missing` (`preset_path`), or anywhere with `model.make_tiny=true`:
+    a mistyped `model.path=...` must stop with an error, never train a random model.
+    model: a ModelConfig.
+    """
+    if not model.path or Path(model.path).exists():
+        return ""
+    if model.make_tiny:
+        return model.make_tiny_if_missing or "qwen3_moe"
+    if model.make_tiny_if_missing and preset_path is not None and model.path == preset_path:
+        return model.make_tiny_if_missing
+    return ""

@@ -29,7 +29,12 @@ def load_spec(cfg: RLConfig, model_config: str | None = None) -> ModelSpec:
 
 def plan_preset(config_path: str, overrides: list[str] | None = None, model_config: str | None = None) -> Plan:
     """Preset file + overrides -> Plan (ConfigError for an impossible layout)."""
+    from megatron_rl.config.core import replace
+    from megatron_rl.models.tiny import preset_model_path, tiny_family_to_build
+
     cfg = load_config(RLConfig, config_path, overrides)
+    if cfg.model.make_tiny_if_missing and not tiny_family_to_build(cfg.model, preset_model_path(config_path)):
+        cfg = replace(cfg, model=replace(cfg.model, make_tiny_if_missing=""))  # a typed model.path: no tiny stand-in
     return plan(cfg, load_spec(cfg, model_config))
 
 

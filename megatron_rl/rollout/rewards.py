@@ -109,8 +109,14 @@ def compute_rewards(
                 detail = "".join(traceback.format_exception_only(type(err), err)).strip()
                 message = f"reward failed on sample {i} (prompt {prompt[:80]!r}, response {response[:80]!r}): {detail}"
                 result.errors.append(message)
-                logger.warning(message)
         result.rewards.append(value)
-    if responses and result.num_errors == len(responses):
-        raise RewardError(f"the reward function failed on all {len(responses)} samples; first: {result.errors[0]}")
+    if not responses or result.num_errors < len(responses):  # a batch that fails as a whole is one error below
+        for message in result.errors:
+            logger.warning(message)
+    else:
+        name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+        raise RewardError(
+            f"the reward function {name} (data.reward) failed on all {len(responses)} samples; first: {result.errors[0]}; "
+            "fix the function, or set data.reward to another one"
+        )
     return result

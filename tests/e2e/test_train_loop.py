@@ -107,7 +107,8 @@ def test_two_processes_expert_parallel_grouped_experts_on_a_tiny_model_the_prese
     # them to the engine, whose logprobs must equal the actor's (_check_rows). The colocated run below keeps
     # SequentialMLP experts.
     model_dir = tmp_path / "models" / "tiny-moe"  # absent: both ranks start at once and one of them builds it
-    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path / "run", "train.steps=2", "model.moe_grouped_gemm=true", nproc=2),
+    _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path / "run", "train.steps=2", "model.moe_grouped_gemm=true",
+                  "model.make_tiny=true", nproc=2),
          timeout=400)
     _check_rows(read_metrics(tmp_path / "run" / "metrics.jsonl"), 2)
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-moe.lock", "tiny-moe"]  # no half-built copy

@@ -1,6 +1,7 @@
 """Which checkpoint a resume picks, and the errors for missing, half-written or damaged ones."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +45,37 @@ def test_damaged_checkpoints_are_named(tmp_path):
     (tmp_path / "latest").write_text("../../etc\n")
     with pytest.raises(CheckpointError, match=r"latest names '../../etc', not a step_XXXXXXXX directory"):
         resolve_checkpoint("auto", tmp_path)
+
+
+def test_a_full_disk_during_a_save_names_the_directory_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.checkpoint.state import StorageFullError, save_checkpoint
+    from megatron_rl.errors import EXIT_RUNTIME_FAILURE, exit_code_for
+
+    kept = tmp_path / "step_00000001"
+    kept.mkdir()
+    (kept / "trainer_state.json").write_text('{"step": 1}')
+    (tmp_path / "latest").write_text("step_00000001\n")
+
+    def full_disk(state, path):  # megatron wraps its writers' OSError in an error of its own
+        (Path(path) / "__0_0.distcp").write_bytes(b"half")
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as err:
+            raise RuntimeError("Worker failure") from err
+
+    monkeypatch.setattr(dist_checkpointing, "save", full_disk)
+    with pytest.raises(StorageFullError) as raised:
+        save_checkpoint(tmp_path, 2, {}, {"weight_version": 2})
+    message = str(raised.value)
+    assert f"checkpoint.dir={str(tmp_path)!r}" in message and "no space left" in message and "step 2" in message
+    assert "still names step_00000001" in message
+    assert exit_code_for(raised.value) == EXIT_RUNTIME_FAILURE
+    assert not (tmp_path / ".step_00000002.partial").exists()  # the space it took is given back
+    assert (tmp_path / "latest").read_text() == "step_00000001\n" and (kept / "trainer_state.json").is_file()
+    monkeypatch.setattr(dist_checkpointing, "save", lambda state, path: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):  # anything else is not reported as a full disk
+        save_checkpoint(tmp_path, 2, {}, {"weight_version": 2})

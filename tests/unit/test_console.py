@@ -88,3 +88,21 @@ def test_set_torch_threads_works_where_torch_set_num_threads_was_replaced(monkey
         assert torch.get_num_threads() == before + 1
     finally:
         set_torch_threads(before)
+
+
+def test_handlers_made_while_the_engine_starts_write_to_the_console_afterwards(tmp_path, capsys):
+    """A library's basicConfig during engine start binds the redirected stderr (the log file, closed after):
+    later warnings must reach the console, not end in "I/O operation on closed file"."""
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    try:
+        with library_logs(tmp_path) as logs:
+            with logs.engine_start():
+                root.handlers = [logging.StreamHandler(sys.stderr)]  # what logging.basicConfig() does
+                logging.getLogger("megatron_rl.test").warning("during start")
+            logging.getLogger("megatron_rl.test").warning("41 prompts were dropped")
+        err = capsys.readouterr().err
+        assert "41 prompts were dropped" in err and "Logging error" not in err and "during start" not in err
+        assert "during start" in logs.vllm.read_text()
+    finally:
+        root.handlers = saved

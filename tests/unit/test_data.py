@@ -141,5 +141,5 @@ def test_reward_failures_are_counted_and_reported():
     assert result.num_errors == 2
     assert "sample 1" in result.errors[0] and "KeyError" in result.errors[0]
     assert "sample 2" in result.errors[1] and "nan" in result.errors[1]
-    with pytest.raises(RewardError, match="failed on all 2 samples"):
+    with pytest.raises(RewardError, match=r"tests.unit.test_data:_flaky \(data.reward\) failed on all 2 samples"):
         compute_rewards(_flaky, ["raise", "nan"], [0, 0], ["a", "b"])

@@ -188,3 +188,37 @@ def test_launch_errors_are_clear(script, args, message):
     result = run(script, *args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+SCRIPT_SUFFIXES = {"", ".sh", ".sbatch", ".py"}  # not the YAML presets a tree listing names first on its lines
+
+
+def _scripts_run_directly() -> set[str]:
+    """Repository files that a command line in a README's code block runs by path (`launch/torchrun.sh ...`,
+    `sbatch ... launch/slurm.sbatch ...`): they must be executable for the command to work as written."""
+    found = set()
+    for readme in (REPO / "README.md", *REPO.glob("*/README.md")):
+        in_block = False
+        for line in readme.read_text().splitlines():
+            if line.lstrip().startswith("```"):
+                in_block = not in_block
+                continue
+            words = line.split("#")[0].split()
+            if not in_block or not words:
+                continue
+            candidates = words[:1] + ([w for w in words[1:] if not w.startswith("-")][:1] if words[0] == "sbatch" else [])
+            found |= {w.removeprefix("./") for w in candidates if "/" in w and Path(w).suffix in SCRIPT_SUFFIXES and (REPO / w).is_file()}
+    return found
+
+
+def test_scripts_the_readme_runs_directly_are_executable():
+    scripts = _scripts_run_directly()
+    assert {"launch/torchrun.sh", "launch/slurm.sbatch"} <= scripts, scripts  # the parser finds the known ones
+    staged = subprocess.run(
+        ["git", "ls-files", "--stage", "--", *sorted(scripts)], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    git_modes = {line.split("\t")[1]: line.split()[0] for line in staged.splitlines()}
+    for script in sorted(scripts):
+        assert git_modes.get(script) == "100755", f"{script}: git mode {git_modes.get(script)}; run git update-index --chmod=+x {script}"
+        assert os.stat(REPO / script).st_mode & 0o111 == 0o111, f"{script} is not executable here: chmod +x {script}"
+        assert (REPO / script).read_text().startswith("#!"), f"{script} has no #! line"

@@ -300,9 +300,12 @@ def test_model_config_option_and_missing_model(tmp_path, capsys):
         EXIT_CONFIG_ERROR  # one CPU process cannot hold EP 2
     )
     assert "world size 1" in capsys.readouterr().err
-    # The tiny presets build their model on first use, so the planner plans the model they will build ...
-    assert main(["plan", "--config", preset, f"model.path={tmp_path / 'nowhere'}"]) == 0
-    # ... and any other missing model is an error.
+    # The tiny presets build their model on first use at their own path (or with model.make_tiny=true), so the
+    # planner plans the model they will build ...
+    assert main(["plan", "--config", preset, f"model.path={tmp_path / 'nowhere'}", "model.make_tiny=true"]) == 0
+    # ... and any other missing model is an error: a typed path that does not exist, or no tiny family.
+    assert main(["plan", "--config", preset, f"model.path={tmp_path / 'nowhere'}"]) == EXIT_CONFIG_ERROR
+    assert f"model.path={str(tmp_path / 'nowhere')!r} does not exist" in capsys.readouterr().err
     assert main(["plan", "--config", preset, f"model.path={tmp_path / 'nowhere'}", 'model.make_tiny_if_missing=""']) == EXIT_CONFIG_ERROR
     assert "does not exist" in capsys.readouterr().err
 

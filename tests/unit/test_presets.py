@@ -182,3 +182,34 @@ def test_gpu_presets_run_the_experts_as_grouped_gemms():
         assert model.moe_grouped_gemm, path.name
         assert model.moe_permute_fusion == (not path.name.startswith("tiny")), path.name
     assert not load_config(RLConfig, CONFIGS / "tiny-gspo.yaml").model.moe_grouped_gemm  # CPU: off
+
+
+def test_the_tiny_model_is_built_only_at_the_preset_s_own_path_or_when_asked(tmp_path):
+    from megatron_rl.models.tiny import preset_model_path, tiny_family_to_build
+
+    preset = CONFIGS / "tiny-gspo.yaml"
+    assert preset_model_path(preset) == "outputs/tiny-moe"  # configs/models/tiny-moe.yaml, with the family
+    own = load_config(RLConfig, preset, ["model.path=outputs/tiny-moe-never-built"]).model
+    assert tiny_family_to_build(own, "outputs/tiny-moe-never-built") == "qwen3_moe"
+    typed = load_config(RLConfig, preset, [f"model.path={tmp_path / 'typo'}"]).model
+    assert tiny_family_to_build(typed, preset_model_path(preset)) == ""  # a typed path: an error, not a stand-in
+    assert tiny_family_to_build(typed, None) == ""
+    asked = load_config(RLConfig, preset, [f"model.path={tmp_path / 'new'}", "model.make_tiny=true"]).model
+    assert tiny_family_to_build(asked, None) == "qwen3_moe"
+    (tmp_path / "typo").mkdir()
+    assert tiny_family_to_build(typed, str(tmp_path / "typo")) == ""  # an existing directory is never rebuilt
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_every_preset_s_prompt_and_response_fit_its_model_s_positions(preset):
+    from megatron_rl.models.tiny import tiny_hf_config
+    from megatron_rl.preflight import check_lengths
+
+    cfg = load_config(RLConfig, preset)
+    config_file = Path(cfg.model.path) / "config.json"
+    hf_config = json.loads(config_file.read_text()) if config_file.is_file() else tiny_hf_config(cfg.model.make_tiny_if_missing)
+    assert cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens <= hf_config["max_position_embeddings"]
+    check_lengths(cfg, hf_config)  # the start-up check agrees
+    too_long = load_config(RLConfig, preset, [f"rollout.max_new_tokens={hf_config['max_position_embeddings']}"])
+    with pytest.raises(ConfigError, match=r"rollout.max_prompt_tokens \+ rollout.max_new_tokens = .* positions"):
+        check_lengths(too_long, hf_config)
