@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ def model_architecture(hf_config: dict) -> dict[str, Any]:
 def check_writable_dirs(cfg: RLConfig) -> None:
     """logging.dir and checkpoint.dir: made if missing, a file written and removed in each; free space logged."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    report = []
     for key, path in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
         directory = Path(path)
         try:
@@ -68,9 +70,11 @@ def check_writable_dirs(cfg: RLConfig) -> None:
                 f"e.g. {key}=outputs/run1"
             ) from None
         free = shutil.disk_usage(directory).free
-        if rank0:
-            level = logging.WARNING if free < LOW_FREE_SPACE_BYTES else logging.INFO
-            logger.log(level, "%s=%s: %.1f GiB free", key, path, free / (1 << 30))
+        report.append(f"{key}={path} ({free / (1 << 30):.1f} GiB free)")
+        if rank0 and free < LOW_FREE_SPACE_BYTES:
+            logger.warning("%s=%s: only %.1f GiB free: a checkpoint may not fit", key, path, free / (1 << 30))
+    if rank0:  # one console line at start: where the run writes and the room it has there
+        print(f"megatron_rl: run directories: {', '.join(report)}", file=sys.stderr, flush=True)
 
 
 def check_lengths(cfg: RLConfig, hf_config: dict) -> None:

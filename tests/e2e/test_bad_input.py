@@ -224,7 +224,9 @@ CASES = [
          culprit=["foreign/step_00000001", "another model", "model.path=", "hidden_size"], untouched=["ckpts/foreign"]),
     # -- the engine (one that cannot start runs as a process of its own below: a vLLM start that fails in a process
     # leaves vLLM's process-group state behind, which would break every later engine of this test process)
-    Case(name="nan_engine_logprobs", argv=_train(model="nan_weights"), code=1, culprit=["NaN"], absent=["ckpt/step_00000001"]),
+    # (a run that gets past the start-up checks: they said where it writes and the free space there)
+    Case(name="nan_engine_logprobs", argv=_train(model="nan_weights"), code=1, culprit=["NaN", "checkpoint.dir=", "GiB free"],
+         absent=["ckpt/step_00000001"]),
 ]
 
 
