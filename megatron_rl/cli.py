@@ -1,8 +1,9 @@
-"""The `megatron-rl` command: `train`, `plan` and `serve`.
+"""The `megatron-rl` command: `train`, `plan`, `serve` and `eval`.
 
     megatron-rl train --config configs/tiny-gspo.yaml train.steps=5
     megatron-rl plan  --config configs/qwen3-30b-a3b-gspo-4x8h100.yaml parallel.expert_parallel=8
     megatron-rl serve --config configs/tiny-gspo.yaml --port 8000   # a rollout server (rollout.engine=vllm_server)
+    megatron-rl eval  --config configs/tiny-gspo.yaml checkpoint.load=outputs/checkpoints/step_00000050
 
 Nothing heavy is imported at module level, so `--help` answers at once; each
 subcommand imports what it needs when it runs. Also `python -m megatron_rl.cli`
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rl", description="RL post-training of mixture-of-experts LLMs on megatron-core with vLLM rollouts."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,serve}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,serve,eval}")
     train = sub.add_parser("train", help="run the RL loop (under torchrun for several processes)")
     _add_config_args(train)
     planner = sub.add_parser("plan", help="check a preset against its cluster and estimate memory per device, no GPU needed")
@@ -59,7 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--dry-run", action="store_true", help="print the environment and the command, run nothing")
+    evaluate = sub.add_parser(
+        "eval",
+        help="score data.eval_sets (mean@k, pass@k, maj@k per source) with checkpoint.load=DIR (converted on the fly) "
+        "or model.path=HF_DIR, the preset's engine settings, no optimizer",
+    )
+    _add_config_args(evaluate)
+    evaluate.add_argument("--out", help="write the JSON here (default <logging.dir>/eval/step_<n>.json)")
     return parser
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from megatron_rl.evaluation.standalone import eval_errors, run_eval
+
+    try:
+        run_eval(args.config, list(args.overrides), args.out)
+    except eval_errors() as err:  # a bad key, file, row or checkpoint: say which, no traceback
+        print(f"megatron-rl eval: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -148,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "eval":
+        return _eval(args)
     return _plan(args)
 
 

@@ -133,6 +133,8 @@ def to_dict(obj: Any) -> Any:
     """A dataclass as plain nested dicts and lists (for YAML, logging, checkpoints)."""
     if dataclasses.is_dataclass(obj):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {key: to_dict(value) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
