@@ -76,10 +76,17 @@ def started_engines(model_dir: Path, cfg) -> Iterator:
     engine = None
     try:
         if placement.kind == "colocated_servers":  # here no trainer ranks host them: this process starts them all
-            log_dir = Path(cfg.logging.dir)
-            for i in range(placement.engines):
-                server = VLLMServer(model_dir, rollout, seed=cfg.train.seed, log_path=log_dir / f"vllm-eval-engine{i}.log")
-                servers.append(server.start())
+            import torch
+
+            from megatron_rl.rollout.colocated import engine_devices, visible_devices
+
+            size = rollout.tensor_parallel * rollout.pipeline_parallel
+            for i in range(placement.engines):  # engine i on GPUs i*size .. (i+1)*size-1 of this node
+                env = {"CUDA_VISIBLE_DEVICES": engine_devices(i * size, size, visible_devices())} if torch.cuda.is_available() else {}
+                log = Path(cfg.logging.dir) / "logs" / f"vllm-eval-engine{i}.log"
+                servers.append(VLLMServer(model_dir, rollout, seed=cfg.train.seed, log_path=log, env=env))
+            for server in servers:  # started one after the other: a failed start names its log
+                server.start()
             engine = VLLMServerEngine(servers, rollout, model_dir=model_dir)
         else:
             engine = make_engine(str(model_dir), rollout)
@@ -117,7 +124,8 @@ def run_eval(config_path: str, overrides: Sequence[str], out: str | None = None)
             f"checkpoint.load={cfg.checkpoint.load!r} with rollout.engine=vllm_server: remote servers serve their own model; "
             "score a checkpoint with rollout.engine=vllm (rollout.engines=N starts N servers on it)"
         )
-    with model_to_serve(cfg) as (model_dir, step), library_logs(cfg.logging.dir) as logs, contextlib.ExitStack() as stack:
+    # library warnings (the conversion's megatron-core build included) go to <logging.dir>/logs/warnings.log
+    with library_logs(cfg.logging.dir) as logs, model_to_serve(cfg) as (model_dir, step), contextlib.ExitStack() as stack:
         tokenizer = load_tokenizer(cfg.data.tokenizer or model_dir)
         evaluator = Evaluator.from_config(cfg, tokenizer)
         with logs.engine_start():  # vLLM's start-up output goes to <logging.dir>/logs/vllm.log
