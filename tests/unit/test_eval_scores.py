@@ -50,8 +50,8 @@ def test_majority_vote_ties_go_to_the_earliest_first_sample():
     assert majority_vote(["X", "y", "x"], lambda a, b: a.lower() == b.lower()) == 0  # the equivalence groups X and x
 
 
+@pytest.mark.extra("data", "math_verify")
 def test_math_answers_vote_by_math_verify_equivalence():
-    pytest.importorskip("math_verify", reason="needs the data extra (math-verify)")
     from megatron_rl.rollout.rewards import math_answer
 
     rule = answer_rule("math", math_answer)
@@ -146,11 +146,21 @@ def picky_reward(response, answer, *, prompt=""):
     return float(int(response) == int(answer))
 
 
+def _load(tmp_path, tokenizer, rows, reward="exact", **set_config):
+    path = _jsonl(tmp_path / "set.jsonl", rows)
+    cfg = load_config(RLConfig, None, [f"data.reward={reward}", "rollout.max_prompt_tokens=16"])
+    return load_eval_set("s", parse_eval_sets({"s": {"path": path, **set_config}})["s"], cfg, tokenizer)
+
+
+@pytest.mark.extra("data", "math_verify")
+def test_a_reference_math_verify_cannot_parse_is_named(tokenizer, tmp_path):
+    with pytest.raises(EvalSetError, match=r"row 1: the reward 'math' gives the reference answer '\\\\frac\{' itself 0.0"):
+        _load(tmp_path, tokenizer, [{"prompt": "a b", "answer": "\\frac{1}{2}"}, {"prompt": "c d", "answer": "\\frac{"}], reward="math")
+
+
 def test_bad_eval_sets_are_named_before_any_generation(tokenizer, tmp_path):
     def load(rows, reward="exact", **set_config):
-        path = _jsonl(tmp_path / "set.jsonl", rows)
-        cfg = load_config(RLConfig, None, [f"data.reward={reward}", "rollout.max_prompt_tokens=16"])
-        return load_eval_set("s", parse_eval_sets({"s": {"path": path, **set_config}})["s"], cfg, tokenizer)
+        return _load(tmp_path, tokenizer, rows, reward, **set_config)
 
     with pytest.raises(DatasetError, match=r"row 1: missing field 'answer'"):
         load([{"prompt": "a b", "answer": "a"}, {"prompt": "c d"}])
@@ -162,6 +172,3 @@ def test_bad_eval_sets_are_named_before_any_generation(tokenizer, tmp_path):
         load([{"prompt": "a b c d e f g h i j k l m n o p q r s t u v w x y z", "answer": "a"}])
     good = load([{"prompt": "a b", "answer": "a", "data_source": "x"}, {"prompt": "c d", "answer": "c"}], k=4)
     assert good.sources == ["x", ""] and good.spec.n == 4 and good.spec.temperature == 0.6 and good.reward_fn is exact_match
-    pytest.importorskip("math_verify", reason="needs the data extra (math-verify)")
-    with pytest.raises(EvalSetError, match=r"row 0: the reward 'math' gives the reference answer"):
-        load([{"prompt": "a b", "answer": "\\frac{"}], reward="math")

@@ -29,6 +29,14 @@ def test_tensorboard_and_wandb_files(tmp_path, monkeypatch):
     _log_three_steps(MetricsLogger(tmp_path, use_wandb=True, use_tensorboard=True, config={"a": 1}))
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path / "evaluated", use_tensorboard=True)
+    logger.log_eval(3, {"eval/aime/pass@1": 0.5})  # an evaluation's numbers at the step of the weights it scored
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "evaluated" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/aime/pass@1")] == [(3, 0.5)]
 
 
 def test_other_ranks_write_nothing(tmp_path):
@@ -56,14 +64,3 @@ def test_evaluation_rows_go_to_their_own_jsonl_and_the_step_of_their_weights(tmp
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "reward/mean": 0.5}]
     assert read_metrics(tmp_path / "eval" / "metrics.jsonl") == [{"step": 0, "eval/aime/mean@4": 0.25}, {"step": 1, "eval/aime/mean@4": 0.75}]
 
-
-@pytest.mark.extra("wandb", "tensorboard")
-def test_evaluation_numbers_reach_tensorboard_at_their_step(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    logger = MetricsLogger(tmp_path, use_tensorboard=True)
-    logger.log_eval(3, {"eval/aime/pass@1": 0.5})
-    logger.close()
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("eval/aime/pass@1")] == [(3, 0.5)]
