@@ -3,8 +3,9 @@
 - a run that evaluates before training and after every step trains exactly as
   the same run without evaluation (every training metric equal, bit for bit);
 - `megatron-rl eval` on the checkpoint that run saved at step 1 (converted on
-  the fly), and on the HF model directory it started from, give the numbers,
-  responses and per-prompt results the run logged for those weights;
+  the fly), and on the HF model directory it started from with two vLLM servers,
+  give the numbers, responses and per-prompt results the run logged for those
+  weights;
 - the per-source numbers equal those computed by hand from the per-prompt
   results of each source alone;
 - bad input stops `megatron-rl eval` with a one-line error before any engine starts.
@@ -88,8 +89,9 @@ def test_evaluation_leaves_training_unchanged_and_the_eval_command_reproduces_it
         assert mixed["metrics"][key] == pytest.approx(value), key
     assert 0 < mixed["metrics"][f"mean@{K}"] < 1  # the reward is not constant: the comparison below means something
 
-    # `megatron-rl eval` on the step-1 checkpoint, and on the model directory (weights 0)
-    for load, step in ((f"checkpoint.load={evaluated / 'ckpt' / 'step_00000001'}", 1), (f"model.path={model_dir}", 0)):
+    # `megatron-rl eval` on the step-1 checkpoint (in-process engine), and on the model directory (weights 0) with
+    # two vLLM servers sharing the prompts
+    for load, step in ((f"checkpoint.load={evaluated / 'ckpt' / 'step_00000001'}", 1), ("rollout.engines=2", 0)):
         out = tmp_path / f"cli{step}"
         command = [sys.executable, "-m", "megatron_rl.cli", "eval", "--config", str(REPO / "configs" / "tiny-gspo.yaml"),
                    f"model.path={model_dir}", load, f"logging.dir={out}", _eval_sets(tmp_path)]
