@@ -186,12 +186,11 @@ class EvalReport:
             },
         }
 
-    def write(self, directory: str | Path) -> Path:
-        """<directory>/step_<step>.json, written whole (a temporary file renamed)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"step_{self.step}.json"
-        partial = path.with_suffix(".json.partial")
+    def write(self, directory: str | Path, path: str | Path | None = None) -> Path:
+        """<directory>/step_<step>.json (or `path`), written whole (a temporary file renamed)."""
+        path = Path(path) if path is not None else Path(directory) / f"step_{self.step}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
         partial.write_text(json.dumps(self.to_json(), indent=1))
         partial.replace(path)
         return path

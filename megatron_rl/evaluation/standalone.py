@@ -131,10 +131,7 @@ def run_eval(config_path: str, overrides: Sequence[str], out: str | None = None)
         with logs.engine_start():  # vLLM's start-up output goes to <logging.dir>/logs/vllm.log
             engine = stack.enter_context(started_engines(model_dir, cfg))
         report = evaluator.evaluate(engine, step)
-    path = Path(out) if out else Path(cfg.logging.dir) / "eval" / f"step_{step}.json"
-    written = report.write(path.parent)
-    if written != path:
-        written.replace(path)
+    path = report.write(Path(cfg.logging.dir) / "eval", out)
     print(report.table(), flush=True)
     print(f"[eval] {path}", flush=True)
     return report
