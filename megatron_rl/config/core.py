@@ -180,6 +180,8 @@ def resolve_preset_paths(data: dict, base: Path) -> dict:
     """Copy of `data` with `./x` and `../x` values of PATH_KEYS made absolute against `base`."""
     out = {}
     for key, value in data.items():
+        if key == "eval_sets" and isinstance(value, dict):  # {name: ./file} is a path under a set's name
+            value = {name: {"path": v} if isinstance(v, str) else v for name, v in value.items()}
         if isinstance(value, dict):
             value = resolve_preset_paths(value, base)
         elif key in PATH_KEYS and isinstance(value, str) and value.startswith(("./", "../")):

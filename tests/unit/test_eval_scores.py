@@ -128,6 +128,15 @@ def test_eval_set_config():
     assert cfg.data.eval_sets["aime"].k == 4
 
 
+
+def test_eval_set_paths_in_a_preset_resolve_against_the_preset(tmp_path):
+    (tmp_path / "sub").mkdir()
+    preset = tmp_path / "sub" / "p.yaml"
+    preset.write_text("data:\n  eval_sets:\n    a: ./a.jsonl\n    b: {path: ../b.jsonl, k: 2}\n    c: synthetic:add:4\n")
+    sets = load_config(RLConfig, preset).data.eval_sets
+    assert (sets["a"].path, sets["b"].path, sets["c"].path) == (str(tmp_path / "sub" / "a.jsonl"), str(tmp_path / "b.jsonl"), "synthetic:add:4")
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from megatron_rl.data.tokenizer import load_tokenizer
