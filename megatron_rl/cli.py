@@ -1,9 +1,10 @@
-"""The `megatron-rl` command: `train`, `plan` and `serve`.
+"""The `megatron-rl` command: `train`, `plan`, `serve`, `eval` and `doctor`.
 
     megatron-rl train --config configs/tiny-gspo.yaml train.steps=5
     megatron-rl plan  --config configs/qwen3-30b-a3b-gspo-4x8h100.yaml parallel.expert_parallel=8
     megatron-rl serve --config configs/tiny-gspo.yaml --port 8000   # a rollout server (rollout.engine=vllm_server)
     megatron-rl doctor --config configs/tiny-gspo.yaml              # check this machine (or, under torchrun, every rank)
+    megatron-rl eval  --config configs/tiny-gspo.yaml checkpoint.load=outputs/checkpoints/step_00000050
 
 Nothing heavy is imported at module level, so `--help` answers at once; each
 subcommand imports what it needs when it runs. Also `python -m megatron_rl.cli`
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rl", description="RL post-training of mixture-of-experts LLMs on megatron-core with vLLM rollouts."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,serve,doctor}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,serve,eval,doctor}")
     train = sub.add_parser("train", help="run the RL loop (under torchrun for several processes)")
     _add_config_args(train)
     train.add_argument(
@@ -67,7 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check this machine (under torchrun/srun: every rank) for a preset; see megatron_rl.doctor")
     doctor.add_argument("--config", help="YAML preset whose needs are checked (optional)")
     doctor.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides parsed as YAML")
+    evaluate = sub.add_parser(
+        "eval",
+        help="score data.eval_sets (mean@k, pass@k, maj@k per source) with checkpoint.load=DIR (converted on the fly) "
+        "or model.path=HF_DIR, the preset's engine settings, no optimizer",
+    )
+    _add_config_args(evaluate)
+    evaluate.add_argument("--out", help="write the JSON here (default <logging.dir>/eval/step_<n>.json)")
     return parser
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from megatron_rl.evaluation.standalone import eval_errors, run_eval
+
+    try:
+        run_eval(args.config, list(args.overrides), args.out)
+    except eval_errors() as err:  # a bad key, file, row or checkpoint: say which, no traceback
+        print(f"megatron-rl eval: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -173,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rl import doctor
 
         return doctor.run(args.config, args.overrides)
+    if args.command == "eval":
+        return _eval(args)
     return _plan(args)
 
 

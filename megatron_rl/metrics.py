@@ -123,6 +123,26 @@ class MetricsLogger:
                 self._print(summary_line(step, self._window))
                 self._window = []
 
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """An evaluation's numbers for the weights of version `step`: a row of <run_dir>/eval/metrics.jsonl (metrics.jsonl
+        keeps one row per training step), and wandb / tensorboard at `step` (the progress bar and summary line skip it)."""
+        if not self.enabled:
+            return
+        path = self.run_dir / "eval" / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics), step=step)
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+
+    def print(self, text: str) -> None:
+        """Print on the console (above the progress bar), rank 0 only."""
+        if self.enabled:
+            self._print(text)
+
     def _print(self, line: str) -> None:
         if self._bar is not None:
             self._bar.write(line)  # above the bar, which stays at the bottom

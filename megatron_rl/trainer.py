@@ -123,7 +123,12 @@ class Trainer:
             )
 
         self.dataset = prompts(cfg.data.path, cfg.data.shuffle)
-        self.eval_dataset = prompts(cfg.data.eval_path, False) if cfg.data.eval_path else None
+        self.evaluator = None  # data.eval_sets, read and checked on every rank before the engine starts
+        if cfg.data.eval_sets:
+            from megatron_rl.evaluation import Evaluator
+
+            self.evaluator = Evaluator.from_config(cfg, self.tokenizer)
+        self._evaluated_at = -1
         self._recent_rewards: deque[float] = deque(maxlen=10)  # train.stop_at_reward looks at the last 10 steps
         self.reward_fn = get_reward_fn(cfg.data.reward)
         self.actor = Actor.from_config(cfg, ctx)
@@ -164,17 +169,19 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
+        if cfg.train.eval_before_train and self.step == 0:
+            self.evaluate()
         while self.step < cfg.train.steps:
             start = time.perf_counter()
             metrics = self.train_one_step(self.step)
             self.step += 1
             metrics["time/step_s"] = time.perf_counter() - start
-            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                metrics.update(self.evaluate())
             self.logger.log(self.step - 1, metrics)
             done = self.step == cfg.train.steps or self._reached_target(metrics)
             if (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0) or done:
                 self.save()
+            if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
+                self.evaluate()
             if done:
                 break
         return metrics
@@ -343,23 +350,20 @@ class Trainer:
         return engine
 
     def evaluate(self) -> dict[str, float]:
-        """Mean task reward of data.eval_samples samples on the next train.prompts_per_step prompts of data.eval_path."""
-        from megatron_rl.actor.distribute import broadcast_object
-        from megatron_rl.experience import score_rollouts, step_seed
-        from megatron_rl.rollout.sampling import SamplingSpec
-
-        if self.eval_dataset is None:
+        """data.eval_sets scored with the weights of version self.step (rank 0; megatron_rl.evaluation): a table on the
+        console, eval/<set>/... numbers logged at this step (eval/metrics.jsonl, wandb, tensorboard), eval/step_<n>.json. Evaluation has its own prompts and
+        seeds: the training data position and sampling are untouched."""
+        if self.evaluator is None or self._evaluated_at == self.step:
             return {}
-        result = None
-        if self.ctx.rank == 0:
-            prompts = self.eval_dataset.next_batch(self.cfg.train.prompts_per_step)
-            seed = step_seed(self.cfg.train.seed, 10**6 + self.step, 0)  # apart from every training batch's seed
-            spec = SamplingSpec.from_config(self.cfg.rollout, n=self.cfg.data.eval_samples, seed=seed, return_routed_experts=False)
-            with self._engine_held():
-                rollouts = self.engine.generate([p.token_ids for p in prompts], spec)
-            rewards, *_ = score_rollouts(rollouts, prompts, self.tokenizer, self.reward_fn, self.cfg.rollout.max_new_tokens, self.cfg.algorithm)
-            result = {"eval/reward_mean": float(rewards.mean())}
-        return broadcast_object(result, self.ctx)
+        self._evaluated_at = self.step
+        if self.ctx.rank != 0:
+            return {}
+        with self._engine_held():
+            report = self.evaluator.evaluate(self.engine, self.step)
+        report.write(Path(self.cfg.logging.dir) / "eval")
+        self.logger.print(report.table())
+        self.logger.log_eval(self.step, report.metrics)
+        return report.metrics
 
     # -- checkpoints ---------------------------------------------------------------------------------
 

@@ -133,6 +133,8 @@ def to_dict(obj: Any) -> Any:
     """A dataclass as plain nested dicts and lists (for YAML, logging, checkpoints)."""
     if dataclasses.is_dataclass(obj):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {key: to_dict(value) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
@@ -178,6 +180,8 @@ def resolve_preset_paths(data: dict, base: Path) -> dict:
     """Copy of `data` with `./x` and `../x` values of PATH_KEYS made absolute against `base`."""
     out = {}
     for key, value in data.items():
+        if key == "eval_sets" and isinstance(value, dict):  # {name: ./file} is a path under a set's name
+            value = {name: {"path": v} if isinstance(v, str) else v for name, v in value.items()}
         if isinstance(value, dict):
             value = resolve_preset_paths(value, base)
         elif key in PATH_KEYS and isinstance(value, str) and value.startswith(("./", "../")):

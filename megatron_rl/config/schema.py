@@ -9,7 +9,7 @@ parallel layout is checked against the world size and the model's shape by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.core import ConfigError
@@ -218,7 +218,9 @@ class TrainConfig:
     partial_rollout_tokens: int = 0
     """Replaced by partial_rollouts (generation is no longer chunked); only 0 is accepted."""
     eval_every: int = 0
-    """Evaluate every this many steps (0 disables evaluation)."""
+    """Evaluate data.eval_sets every this many steps (0 = only at eval_before_train and after the last step)."""
+    eval_before_train: bool = True
+    """Evaluate data.eval_sets before the first step (the step-0 score the run is judged against)."""
     stop_at_reward: float = 0.0
     """Stop early once the mean reward of the last 10 steps reaches this (0 = run all train.steps)."""
 
@@ -238,6 +240,8 @@ class TrainConfig:
             raise ConfigError(f"train.max_tokens_per_microbatch={self.max_tokens_per_microbatch}: must be >= 0 (0 = by count)")
         if self.max_staleness < 0:
             raise ConfigError(f"train.max_staleness={self.max_staleness}: must be >= 0")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0 (0 = evaluate only before and after training)")
         if self.partial_rollout_tokens:
             raise ConfigError(
                 f"train.partial_rollout_tokens={self.partial_rollout_tokens}: chunked partial rollouts were replaced by "
@@ -399,10 +403,24 @@ class DataConfig:
     """Reward function: a registered name or 'module:function'."""
     shuffle: bool = True
     """Shuffle prompts every epoch (seeded by train.seed)."""
+    eval_sets: dict[str, Any] = field(default_factory=dict)
+    """Held-out sets evaluated whole (at train.eval_before_train, every train.eval_every steps, after the last step,
+    and by `megatron-rl eval`): {name: path} or {name: {path, k, temperature, top_p, max_new_tokens, reward, ...}}
+    (megatron_rl.config.evaluation.EvalSetConfig)."""
     eval_path: str = ""
-    """Held-out prompts evaluated every train.eval_every steps (same formats as path); empty = no evaluation."""
-    eval_samples: int = 1
-    """Samples per evaluation prompt."""
+    """Replaced by eval_sets; only empty is accepted."""
+    eval_samples: int = 0
+    """Replaced by eval_sets.<name>.k; only 0 is accepted."""
+
+    def validate(self) -> None:
+        if self.eval_path or self.eval_samples:
+            raise ConfigError(
+                f"data.eval_path={self.eval_path!r}, data.eval_samples={self.eval_samples}: replaced by data.eval_sets, which "
+                "evaluates whole sets; write data.eval_sets={eval: {path: <file>, k: <samples per prompt>}}"
+            )
+        from megatron_rl.config.evaluation import parse_eval_sets
+
+        self.eval_sets = parse_eval_sets(self.eval_sets)
 
 
 @dataclass(kw_only=True)
@@ -417,6 +435,9 @@ class CheckpointConfig:
     """Checkpoints kept; older ones are deleted after a successful save."""
     resume: str = "none"
     """'auto' = continue from `latest` if present; 'none'; or a checkpoint path."""
+    load: str = ""
+    """`megatron-rl eval`: the megatron checkpoint to score (a step_XXXXXXXX directory, a run's checkpoint root, or a
+    converted checkpoint), converted to HF on the fly; empty = score model.path."""
 
 
 @dataclass(kw_only=True)

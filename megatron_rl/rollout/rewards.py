@@ -43,10 +43,14 @@ def math_answer(response: str, answer: Any, *, prompt: str = "") -> float:
     math_verify = import_extra("math_verify", extra="data", feature="the `math` reward")
     parse, verify = math_verify.parse, math_verify.verify
 
-    boxed = re.findall(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}", response)
-    candidate = f"${boxed[-1]}$" if boxed else response
     gold = parse(f"${answer}$" if not str(answer).startswith("$") else str(answer))
-    return float(bool(verify(gold, parse(candidate))))
+    return float(bool(verify(gold, parse(math_candidate(response)))))
+
+
+def math_candidate(response: str) -> str:
+    """What the `math` reward parses of a response: its last \\boxed{...} as $...$, else the whole response."""
+    boxed = re.findall(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}", response)
+    return f"${boxed[-1]}$" if boxed else response
 
 
 REWARDS: dict[str, RewardFn] = {"exact": exact_match, "math": math_answer}

@@ -34,11 +34,15 @@ def demo_config(model_dir: Path, out: Path, *overrides: str):
     ])
 
 
-def learn(engine, model_dir: Path, out: Path, staleness: int) -> float:
+EVAL_SET = "data.eval_sets={held: {path: 'synthetic:first_letter8:16:7', k: 4}}"
+"""Evaluated before, every 25 steps and after the run at staleness 1: evaluation holds the engine as pushes do."""
+
+
+def learn(engine, model_dir: Path, out: Path, staleness: int, *overrides: str) -> float:
     from megatron_rl.trainer import run
 
     cfg = demo_config(model_dir, out, f"train.max_staleness={staleness}", "train.partial_rollouts=true",
-                      "algorithm.tis_mode=token", f"train.steps={LEARN_STEPS}", f"train.stop_at_reward={TARGET}")
+                      "algorithm.tis_mode=token", f"train.steps={LEARN_STEPS}", f"train.stop_at_reward={TARGET}", *overrides)
     start = time.perf_counter()
     run(cfg, engine=engine)
     return time.perf_counter() - start
@@ -103,7 +107,8 @@ def main(out: Path) -> None:
     warm_up_format(model_dir, "synthetic:first_letter8:2048")
     engine = make_engine(model_dir, demo_config(model_dir, out).rollout)
     try:
-        wall = {f"staleness_{s}": learn(engine, model_dir, out / f"staleness_{s}", s) for s in (1, 2)}
+        evaluated = {1: (EVAL_SET, "train.eval_every=25"), 2: ()}
+        wall = {f"staleness_{s}": learn(engine, model_dir, out / f"staleness_{s}", s, *evaluated[s]) for s in (1, 2)}
         (out / "stale.json").write_text(json.dumps(drop_stale(engine, model_dir, out / "stale")))
     finally:
         engine.shutdown()

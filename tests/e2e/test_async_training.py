@@ -55,6 +55,11 @@ def test_async_gspo_learns_the_demo_task_within_its_staleness_bound(runs, stalen
         assert r["async/stale_tokens_masked/sum"] == 0 and "is/weight" in r
     # generation ran ahead of training: from the third step on, samples come from older weights
     assert max(r["async/staleness_max"] for r in rows[2:]) == staleness
+    if staleness == 1:  # evaluated with the producer paused: before training, every 25 steps and after the last step
+        evals = read_metrics(runs / "staleness_1" / "eval" / "metrics.jsonl")
+        assert [r["step"] for r in evals] == [*range(0, len(rows), 25), len(rows)]
+        first, last = evals[0]["eval/held/mean@4"], evals[-1]["eval/held/mean@4"]
+        assert first < 0.3 and last > first + 0.3, evals  # the held-out letters were learned too
 
 
 def test_groups_beyond_the_bound_are_dropped_counted_and_never_trained(runs):

@@ -85,13 +85,15 @@ def odd_length_reward(response: str, answer, *, prompt: str = "") -> float:
 @pytest.mark.parametrize("preset", ["tiny-gspo.yaml", "tiny-dapo.yaml", "tiny-dr_grpo.yaml", "tiny-grpo.yaml"])
 def test_preset_runs_one_process(preset, model_dir, tmp_path):
     extra = ["data.reward=tests.e2e.test_train_loop:odd_length_reward"] if preset == "tiny-dapo.yaml" else []
-    if preset == "tiny-gspo.yaml":  # held-out evaluation every step: one sample for each of 4 prompts
-        extra = ["train.eval_every=1", "data.eval_path=synthetic:first_letter8:8:5"]
+    if preset == "tiny-gspo.yaml":  # a held-out set of 4 prompts, one sample each, scored at steps 0, 1 and 2
+        extra = ["train.eval_every=1", "data.eval_sets={held: synthetic:first_letter8:4:5}"]
     result = _run(_command(preset, model_dir, tmp_path, "train.steps=2", *extra), VLLM_LOGGING_LEVEL="INFO")
     rows = read_metrics(tmp_path / "metrics.jsonl")
     _check_rows(rows, 2)
     if preset == "tiny-gspo.yaml":
-        assert all(r["eval/reward_mean"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in rows), rows
+        evals = read_metrics(tmp_path / "eval" / "metrics.jsonl")
+        assert [r["step"] for r in evals] == [0, 1, 2]
+        assert all(r["eval/held/mean@1"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in evals), evals
     # vLLM's log (INFO lines on start-up and on every weight reload) is in the run directory, not on the console
     vllm_log = (tmp_path / "logs" / "vllm.log").read_text()
     for line in ("INFO", "Reloading weights inplace", "NUMA binding"):

@@ -29,6 +29,14 @@ def test_tensorboard_and_wandb_files(tmp_path, monkeypatch):
     _log_three_steps(MetricsLogger(tmp_path, use_wandb=True, use_tensorboard=True, config={"a": 1}))
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path / "evaluated", use_tensorboard=True)
+    logger.log_eval(3, {"eval/aime/pass@1": 0.5})  # an evaluation's numbers at the step of the weights it scored
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "evaluated" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/aime/pass@1")] == [(3, 0.5)]
 
 
 def test_other_ranks_write_nothing(tmp_path):
@@ -44,3 +52,15 @@ def test_resume_keeps_last_row_per_step(tmp_path):
     assert [r["x"] for r in read_metrics(path)] == [1, 3]
     with pytest.raises(ValueError, match="none of the summary metrics"):
         plot_summary(path, tmp_path / "p.png")
+
+
+def test_evaluation_rows_go_to_their_own_jsonl_and_the_step_of_their_weights(tmp_path):
+    logger = MetricsLogger(tmp_path, progress_total=2, summary_every=1)
+    logger.log_eval(0, {"eval/aime/mean@4": 0.25})  # before the first step
+    logger.log(0, {"reward/mean": 0.5})
+    logger.log_eval(1, {"eval/aime/mean@4": 0.75})  # the weights after step 0
+    assert logger._bar.n == 1  # evaluations do not advance the progress bar
+    logger.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "reward/mean": 0.5}]
+    assert read_metrics(tmp_path / "eval" / "metrics.jsonl") == [{"step": 0, "eval/aime/mean@4": 0.25}, {"step": 1, "eval/aime/mean@4": 0.75}]
+
