@@ -312,8 +312,11 @@ def _is_file_path(path: str) -> bool:
 
 
 def path_views(cfg) -> dict[str, str]:
-    """{config key: this rank's fingerprint} for model.path, data.path, data.eval_path (built-in tasks left out)."""
-    keys = {"model.path": cfg.model.path, "data.path": cfg.data.path, "data.eval_path": cfg.data.eval_path}
+    """{config key: this rank's fingerprint} for model.path, data.path and each data.eval_sets file (built-in tasks left out)."""
+    from megatron_rl.config.evaluation import parse_eval_sets
+
+    keys = {"model.path": cfg.model.path, "data.path": cfg.data.path}
+    keys |= {f"data.eval_sets.{name}": spec.path for name, spec in parse_eval_sets(cfg.data.eval_sets or {}).items()}
     return {key: f"{value} -> {_fingerprint(value)}" for key, value in keys.items() if _is_file_path(value)}
 
 
