@@ -438,10 +438,15 @@ class ClusterConfig:
     cpu_threads: int = 0
     """Torch threads of each trainer process on a CPU-only run (an in-process engine shares them);
     0 = the cores the process may run on divided by cpu_processes."""
+    push_link_gb_per_s: float = 50.0
+    """GB/s of the link between one trainer rank and one engine worker, for the planner's weight-push time
+    (megatron_rl.plan.push_time; 50 = 400 Gb/s InfiniBand per GPU)."""
 
     def validate(self) -> None:
         if self.cpu_threads < 0:
             raise ConfigError(f"cluster.cpu_threads={self.cpu_threads}: must be >= 0 (0 = the cores divided by cluster.cpu_processes)")
+        if self.push_link_gb_per_s <= 0:
+            raise ConfigError(f"cluster.push_link_gb_per_s={self.push_link_gb_per_s}: must be > 0 (GB/s of one rank's link)")
 
     @property
     def trainer_world_size(self) -> int:
