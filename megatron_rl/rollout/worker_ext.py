@@ -67,7 +67,8 @@ import torch
 
 from megatron_rl.rollout.routing import RequestCapture, encode_captures
 from megatron_rl.weight_sync.broadcast import (
-    BroadcastError, backend_device, broadcast_from_root, check_not_same_gpu, close_group, open_group, unpack_bucket,
+    BroadcastError, backend_device, broadcast_from_root, check_not_same_gpu, close_group, open_group, start_broadcast,
+    unpack_bucket, wait_work,
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
 from megatron_rl.weight_sync.ipc import IpcReceiver
@@ -308,6 +309,55 @@ class RolloutWorkerExtension:
         bucket = unpack_bucket(layout, flat)
         del flat  # the views keep it alive exactly as long as the loading holds them
         return self.mrl_stage_weights(bucket)
+
+    # ---- buckets from every owner rank (weight_sync.parallel) --------------------------------------------
+    def mrl_owner_join(self, info: str | dict) -> int:
+        """Join every sender's group (weight_sync.parallel.OwnerSenders) as rank rank_offset + this worker's rank,
+        in the order given (every worker opens them in the same order); returns that rank."""
+        info = json.loads(info) if isinstance(info, str) else info
+        self.mrl_owner_leave()
+        rank = int(info["rank_offset"]) + int(self.rank)  # type: ignore[attr-defined]
+        timeout_s, groups = float(info["timeout_s"]), {}
+        try:
+            for entry in info["groups"]:
+                groups[int(entry["sender"])] = open_group(entry["host"], entry["port"], rank, info["world_size"],
+                                                          info["backend"], timeout_s)
+        except BaseException:
+            for group in groups.values():
+                close_group(group, timeout_s)
+            raise
+        self.__dict__["_mrl_owners"] = {"groups": groups, "device": backend_device(info["backend"]), "timeout_s": timeout_s}
+        return rank
+
+    def mrl_owner_leave(self) -> None:
+        state = self.__dict__.pop("_mrl_owners", None)
+        if state is not None:
+            for group in state["groups"].values():
+                close_group(group, state["timeout_s"])
+
+    def mrl_owner_receive(self, message: str | dict) -> int:
+        """Take one bucket from each sender of a round at once ({'parts': [{'sender', 'layout'}]}), then stage each
+        (see mrl_stage_weights); returns the tensors staged."""
+        state = self.__dict__.get("_mrl_owners")
+        if state is None:
+            raise BroadcastError("mrl_owner_receive before mrl_owner_join: this worker is in no sender's group")
+        parts = (json.loads(message) if isinstance(message, str) else message)["parts"]
+        flats, deadline = [], time.monotonic() + state["timeout_s"]
+        try:
+            works = []
+            for part in parts:
+                flats.append(torch.empty(int(part["layout"]["nbytes"]), dtype=torch.uint8, device=state["device"]))
+                works.append(start_broadcast(state["groups"][int(part["sender"])], flats[-1]))
+            for part, work in zip(parts, works):
+                wait_work(work, f"the bucket of trainer rank {part['sender']}", timeout_s=state["timeout_s"], deadline=deadline)
+        except BaseException:
+            self.mrl_owner_leave()
+            self.mrl_abort_push()
+            raise
+        staged = 0
+        for part in parts:
+            staged += self.mrl_stage_weights(unpack_bucket(part["layout"], flats.pop(0)))
+        return staged
 
     # ---- buckets by memory handle (weight_sync.ipc) ----------------------------------------------------
     def mrl_ipc_receive(self, message: str | dict) -> dict:
