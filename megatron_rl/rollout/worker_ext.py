@@ -71,6 +71,7 @@ from megatron_rl.weight_sync.broadcast import (
     unpack_bucket, wait_work,
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
+from megatron_rl.weight_sync.delta import DeltaHolder
 from megatron_rl.weight_sync.ipc import IpcReceiver
 from megatron_rl.rollout.streaming_load import StreamingLoad
 from megatron_rl.weight_sync.manifest import WeightPushError, manifest_from_checkpoint
@@ -221,6 +222,8 @@ class RolloutWorkerExtension:
         """End an open push. If its loading had begun, go back to a complete version: the model directory's weights
         (version 0). Returns {'version': the version now served, 'restored': whether the weights were reloaded}."""
         push = self.__dict__.pop("_mrl_push", None)
+        if push is not None and "_mrl_delta" in self.__dict__:
+            self.__dict__["_mrl_delta"].reset()  # a broken push: the next one goes in full
         if push is None or not push.abort():
             return {"version": self.mrl_weight_version(), "restored": False}
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -267,6 +270,8 @@ class RolloutWorkerExtension:
         start = time.perf_counter()
         repacked = repack_cpu_moe_experts(runner.get_model()) if repack_moe else 0
         self.__dict__["_mrl_version"] = push.version
+        if "_mrl_delta" in self.__dict__:
+            self.__dict__["_mrl_delta"].commit(push.version)
         return {
             "version": push.version,
             "tensors": len(push.validator.seen),
@@ -329,6 +334,11 @@ class RolloutWorkerExtension:
         self.__dict__["_mrl_owners"] = {"groups": groups, "device": backend_device(info["backend"]), "timeout_s": timeout_s}
         return rank
 
+    def mrl_owner_senders(self) -> list[int]:
+        """The trainer ranks whose groups this worker is in (weight_sync.parallel), in order."""
+        state = self.__dict__.get("_mrl_owners")
+        return [] if state is None else sorted(state["groups"])
+
     def mrl_owner_leave(self) -> None:
         state = self.__dict__.pop("_mrl_owners", None)
         if state is not None:
@@ -356,8 +366,21 @@ class RolloutWorkerExtension:
             raise
         staged = 0
         for part in parts:
-            staged += self.mrl_stage_weights(unpack_bucket(part["layout"], flats.pop(0)))
+            bucket = unpack_bucket(part["layout"], flats.pop(0))
+            if "meta" in part:  # rollout.weight_delta: kept as the next base, a delta applied to the last one
+                holder = self.__dict__.setdefault("_mrl_delta", DeltaHolder())
+                try:
+                    bucket = holder.decode(bucket, part["meta"], part.get("base"))
+                except BaseException:
+                    self.mrl_abort_push()
+                    raise
+            staged += self.mrl_stage_weights(bucket)
         return staged
+
+    def mrl_delta_base(self) -> int | None:
+        """The version this worker holds a copy of for weight deltas (None: none, the next push must be full)."""
+        holder = self.__dict__.get("_mrl_delta")
+        return None if holder is None else holder.base
 
     # ---- buckets by memory handle (weight_sync.ipc) ----------------------------------------------------
     def mrl_ipc_receive(self, message: str | dict) -> dict:

@@ -34,6 +34,7 @@ formed again at the next push.
 from __future__ import annotations
 
 import json
+import logging
 from functools import partial
 from typing import Any
 
@@ -44,9 +45,12 @@ from megatron_rl.weight_sync.broadcast import (
     BroadcastError, backend_device, broadcast_from_root, call_in_threads, close_group, describe_bucket, listening_socket,
     open_group, pack_bucket, resolve_backend, wait_for_engines,
 )
+from megatron_rl.weight_sync.delta import DeltaEncoder
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
 from megatron_rl.weight_sync.push import _any_rank
 from megatron_rl.weight_sync.stream import AnnouncedPush, PushBrokenError, check_announced
+
+logger = logging.getLogger(__name__)
 
 RECEIVE_METHOD = "mrl_owner_receive"
 JOIN_METHOD = "mrl_owner_join"
@@ -114,14 +118,15 @@ class OwnerSenders:
             raise error if error is not None else BroadcastError("forming the weight groups failed on another trainer rank")
         self.senders = list(senders)
 
-    def send(self, bucket: list) -> None:
-        """Broadcast one bucket from this rank into every worker (the workers were told its layout by RPC)."""
+    def send(self, bucket: list, abort_if=None) -> None:
+        """Broadcast one bucket from this rank into every worker (the workers were told its layout by RPC);
+        abort_if: polled meanwhile, an exception it returns is raised (weight_sync.broadcast.broadcast_from_root)."""
         layout = describe_bucket(bucket)
         if self._buffer is None or self._buffer.numel() < layout["nbytes"]:
             self._buffer = None
             self._buffer = torch.empty(int(layout["nbytes"]), dtype=torch.uint8, device=self.device)
         flat = pack_bucket(bucket, layout, self.device, out=self._buffer)
-        broadcast_from_root(self.group, flat, timeout_s=self.timeout_s)
+        broadcast_from_root(self.group, flat, abort_if=abort_if, timeout_s=self.timeout_s)
         self.sent_bytes += int(layout["nbytes"])
 
     def close(self) -> None:
@@ -136,9 +141,12 @@ class OwnerSenders:
 
 def owner_parallel_push(targets: list | None, export, version: int, *, senders: OwnerSenders, rank: int,
                         trainer_group: Any, manifest: WeightManifest | None = None,
-                        workers_per_engine: list[int] | None = None, repack_moe: bool = True) -> dict | None:
+                        workers_per_engine: list[int] | None = None, repack_moe: bool = True,
+                        delta: DeltaEncoder | None = None) -> dict | None:
     """One push (see the module docstring) on every trainer rank; targets, manifest and workers_per_engine on
-    rank 0 only (rollout.push.PushTarget). Returns rank 0's {'commits', 'tensors', 'bytes'}; None elsewhere.
+    rank 0 only (rollout.push.PushTarget). Returns {'delta': whether it went as a sparse delta, 'wire_bytes': the
+    bytes this rank broadcast} and on rank 0 also {'commits', 'tensors', 'bytes'}.
+    delta: this rank's DeltaEncoder (rollout.weight_delta; weight_sync.delta), kept across pushes.
     Raises WeightPushError (refused, nothing moved; on rank 0) or PushBrokenError (on every rank)."""
     refused = None
     if targets is not None:
@@ -152,10 +160,15 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
         if refused is not None:
             raise refused
         return None
-    if _any_rank(senders.senders != export.senders or (senders.group is None and rank in export.senders), trainer_group):
+    stale = senders.senders != export.senders or (senders.group is None and rank in export.senders)
+    if targets is not None and not stale:  # an engine restarted since: its workers are in no group
+        stale = any(joined != export.senders for target in targets for joined in _each(target, "mrl_owner_senders"))
+    if _any_rank(stale, trainer_group):
         senders.connect(export.senders, rank, trainer_group, targets, workers_per_engine)
     announced = AnnouncedPush(export.entries) if targets is not None else None
+    use_delta = _delta_decision(targets, delta, version, trainer_group)
     failure: BaseException | None = None
+    sent_before = senders.sent_bytes
     try:
         if targets is not None:
             for target in targets:
@@ -164,21 +177,24 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
         failure = error
     buckets = iter(export)
     for parts in export.rounds:
-        bucket = None
+        bucket, meta = None, None
         if failure is None:
             try:
                 bucket = next(buckets)
+                if delta is not None and any(owner == rank for owner, _ in parts):
+                    bucket, meta = delta.encode(bucket, use_delta)
             except BaseException as error:  # noqa: BLE001 - agreed below
                 failure = error
         if _any_rank(failure is not None, trainer_group):
             break
         try:
-            _round(targets, parts, bucket, rank, senders, announced)
+            wire = _wire_parts(bucket, meta, trainer_group) if delta is not None else None
+            _round(targets, parts, bucket, rank, senders, announced, wire, delta.base if use_delta else None)
         except BaseException as error:  # noqa: BLE001 - agreed at the next round
             failure = error
             senders.close()
-    broken = _any_rank(failure is not None, trainer_group)
     result = None
+    broken = _any_rank(failure is not None, trainer_group)  # every rank takes part: no short circuit
     if targets is not None and not broken:
         try:
             announced.check_complete()
@@ -186,11 +202,15 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
             for target in targets:
                 target.reset_prefix_cache()
             result = {"commits": commits, "tensors": len(announced.seen), "bytes": announced.num_bytes}
-        except BaseException as error:  # noqa: BLE001 - the push breaks on rank 0 only: it alone talks to engines
-            failure, broken = error, True
-    if not broken:
-        return result
+        except BaseException as error:  # noqa: BLE001 - rank 0 alone talks to the engines; agreed below
+            failure = error
+    if not _any_rank(failure is not None, trainer_group):
+        if delta is not None:
+            delta.commit(version, use_delta)
+        return {**(result or {}), "delta": use_delta, "wire_bytes": senders.sent_bytes - sent_before}
     senders.close()  # every rank: the groups are formed again at the next push
+    if delta is not None:
+        delta.reset()
     if failure is not None and isinstance(failure, (KeyboardInterrupt, SystemExit)):
         raise failure
     versions = _restore(targets) if targets is not None else []
@@ -199,12 +219,46 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
                           f"{versions} (None: not answering, to be restarted)", versions) from failure
 
 
+def _delta_decision(targets: list | None, delta: DeltaEncoder | None, version: int, trainer_group: Any) -> bool:
+    """Whether this push goes as a delta: rank 0 decides (the encoder wants one and every engine worker holds its
+    base; otherwise a full push, logged) and tells every rank."""
+    if delta is None:
+        return False
+    decision = [False]
+    if targets is not None and delta.wants_delta():
+        bases = [base for target in targets for base in _each(target, "mrl_delta_base")]
+        if all(base == delta.base for base in bases):
+            decision = [True]
+        else:
+            logger.warning("weight delta v%d against v%d refused: the engine workers hold %s (an engine restarted or a "
+                           "push broke since); pushing in full", version, delta.base, bases)
+    dist.broadcast_object_list(decision, src=dist.get_global_rank(trainer_group, 0), group=trainer_group)
+    return bool(decision[0])
+
+
+def _each(target, method: str, *args) -> list:
+    return target.call_each(method, *args) if target.call_each is not None else [target.call(method, *args)]
+
+
+def _wire_parts(bucket: list | None, meta: dict | None, trainer_group: Any) -> list:
+    """Every rank's (layout, meta) of its encoded bucket this round (a delta's layout depends on the data)."""
+    mine = None if meta is None else (describe_bucket(bucket), meta)
+    gathered: list = [None] * dist.get_world_size(trainer_group)
+    dist.all_gather_object(gathered, mine, group=trainer_group)
+    return gathered
+
+
 def _round(targets: list | None, parts: list, bucket: list | None, rank: int, senders: OwnerSenders,
-           announced: AnnouncedPush | None) -> None:
-    """One round: rank 0 tells every engine the round's layouts while every sender broadcasts its bucket."""
+           announced: AnnouncedPush | None, wire: list | None = None, base: int | None = None) -> None:
+    """One round: rank 0 tells every engine the round's layouts while every sender broadcasts its bucket
+    (with a DeltaEncoder, `wire` holds each sender's encoded layout and meta, `base` the delta's base version)."""
     futures, names = [], []
     if targets is not None:
-        message = json.dumps({"parts": [{"sender": s, "layout": _meta_layout(entries)} for s, entries in parts]})
+        if wire is None:
+            message = {"parts": [{"sender": s, "layout": _meta_layout(entries)} for s, entries in parts]}
+        else:
+            message = {"parts": [{"sender": s, "layout": wire[s][0], "meta": wire[s][1], "base": base} for s, _ in parts]}
+        message = json.dumps(message)
         for _, entries in parts:
             announced.check_bucket([(n, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
                                     for n, shape, dtype in entries])
@@ -212,7 +266,7 @@ def _round(targets: list | None, parts: list, bucket: list | None, rank: int, se
                                   [message] * len(targets), "owner-receive")
         names = [t.name for t in targets]
     if any(owner == rank for owner, _ in parts):
-        senders.send(bucket)
+        senders.send(bucket, abort_if=lambda: next((f.exception() for f in futures if f.done() and f.exception()), None))
     if futures:
         wait_for_engines(futures, names, senders.timeout_s, what=f"a round of {len(parts)} senders' buckets")
 

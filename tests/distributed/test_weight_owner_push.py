@@ -36,6 +36,7 @@ LAYOUTS = {"pp2_ep2": {"pipeline_parallel": 2, "expert_parallel": 2},
            "tp2_ep2": {"tensor_parallel": 2, "expert_parallel": 2}}
 AUTH = b"owner-push-test"
 BROKEN_RANK, BROKEN_ROUND = 2, 1
+DELTA_FULL_EVERY = 4
 
 
 def _serve(ready, model_dir: str, rank: int) -> None:
@@ -118,6 +119,51 @@ def _push(chunks, ctx, targets, senders, manifest, rank: int, record: dict, vers
                              "peer_in": export.stats.peer_in, "peer_out": export.stats.peer_out})
 
 
+def _small_step(chunks, step: int) -> None:
+    """A training-like update the same on every replica: about 10% of each parameter's values move by 1e-3."""
+    import zlib
+
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                generator = torch.Generator().manual_seed(zlib.crc32(f"{name}:{step}".encode()))
+                mask = torch.rand(param.shape, generator=generator) < 0.1
+                param.add_(mask.to(param.dtype) * 1e-3)
+
+
+def _delta_pushes(chunks, ctx, targets, engines, states, manifest, rank: int) -> dict:
+    """Delta pushes after small steps (a full one every DELTA_FULL_EVERY), an engine restarted, one more each."""
+    import logging
+
+    from megatron_rl.models.export import export_hf_state_dict
+    from megatron_rl.models.export_owners import export_owned_weights
+    from megatron_rl.weight_sync.delta import DeltaEncoder
+    from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
+
+    logs: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())
+    logging.getLogger("megatron_rl.weight_sync.parallel").addHandler(handler)
+    encoder, senders, out = DeltaEncoder(DELTA_FULL_EVERY), OwnerSenders("gloo", "127.0.0.1", timeout_s=60.0), {"pushes": []}
+    try:
+        for version in range(10, 17):
+            if version == 15 and rank == 0:
+                engines[1].call_each("restart")
+            _small_step(chunks, version)
+            reference = export_hf_state_dict(chunks, ctx)
+            export = export_owned_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES)
+            result = owner_parallel_push(targets, export, version, senders=senders, rank=rank, manifest=manifest,
+                                         trainer_group=ctx.world_group, workers_per_engine=WORKERS, repack_moe=False,
+                                         delta=encoder)
+            out["pushes"].append({"delta": result["delta"], "wire_bytes": result["wire_bytes"]})
+            if rank == 0 and version in (13, 16):
+                out[f"reference_{version}"], out[f"after_{version}"] = reference, states()
+    finally:
+        senders.shutdown()
+    out["logs"] = logs
+    return out
+
+
 def _ranks(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
     from megatron_rl.config import ModelConfig, ParallelConfig
     from megatron_rl.models import build_model, load_hf_config, model_shape
@@ -158,6 +204,8 @@ def _ranks(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
             push(3)
             if rank == 0:
                 record["reference_3"], record["after_3"] = reference, states()
+            if case == "pp2_ep2":
+                record["delta"] = _delta_pushes(chunks, ctx, targets, engines, states, manifest, rank)
         finally:
             senders.shutdown()
             destroy_parallel(ctx, keep_world=True)
@@ -165,9 +213,20 @@ def _ranks(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
     return out
 
 
+_RESULTS: dict = {}
+
+
+def _launch(setup) -> list:
+    """One launch of the four ranks for both tests of this module."""
+    if "ranks" not in _RESULTS:
+        model_dir, addresses = setup
+        _RESULTS["ranks"] = run_distributed(_ranks, 4, str(model_dir), addresses, timeout=300)
+    return _RESULTS["ranks"]
+
+
 def test_every_owner_sends_its_share_engines_load_bit_exact_and_a_broken_push_recovers(setup):
-    model_dir, addresses = setup
-    results = run_distributed(_ranks, 4, str(model_dir), addresses, timeout=400)
+    model_dir, _ = setup
+    results = _launch(setup)
     original = load_state(model_dir)
     for case in LAYOUTS:
         records = [r[case] for r in results]
@@ -201,3 +260,23 @@ def test_every_owner_sends_its_share_engines_load_bit_exact_and_a_broken_push_re
             for version, state in engine:
                 assert version == 0 and all(torch.equal(state[n], t) for n, t in original.items()), case
         assert all(r["pushes"][2]["error"] is None for r in records)
+
+
+def test_delta_pushes_equal_full_ones_bit_for_bit_and_a_restarted_engine_gets_a_full_push(setup):
+    """Runs in the launch of the test above (module-scoped results): the PP2 x EP2 case's delta pushes."""
+    records = [r["pp2_ep2"]["delta"] for r in _launch(setup)]
+    rank0 = records[0]
+    # versions 10..16: full (no base), 3 deltas, full (every 4th), full (engine 1 restarted: refused, logged), delta
+    assert [p["delta"] for p in rank0["pushes"]] == [False, True, True, True, False, False, True]
+    assert any("v15 against v14 refused" in line and "None" in line for line in rank0["logs"]), rank0["logs"]
+    for version in (13, 16):
+        reference = rank0[f"reference_{version}"]
+        for engine in rank0[f"after_{version}"]:
+            for got, state in engine:
+                assert got == version
+                assert all(state[n].dtype == t.dtype and torch.equal(state[n], t) for n, t in reference.items()), version
+    # about 10% of values changed: a delta moves 4-byte positions + 4-byte values of those, less than the tensors
+    full = sum(r["pushes"][0]["wire_bytes"] for r in records)
+    for index in (1, 2, 3, 6):
+        delta = sum(r["pushes"][index]["wire_bytes"] for r in records)
+        assert delta < 0.5 * full, (index, delta, full)
