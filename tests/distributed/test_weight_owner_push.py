@@ -164,6 +164,28 @@ def _delta_pushes(chunks, ctx, targets, engines, states, manifest, rank: int) ->
     return out
 
 
+def _vllm_source(chunks, ctx) -> dict:
+    """Our shards through vLLM's WeightSource contract: metadata, held names, groups and what iteration yields."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    from megatron_rl.weight_sync.vllm_source import make_megatron_source
+
+    source = make_megatron_source(chunks, ctx)
+    meta = source.metadata()
+    names = [m.name for m in meta]
+    held = source.held_names()
+    yielded, nones = {}, []
+    for group, tensors in source.iter_groups():
+        for name, tensor in zip(group, tensors):
+            if tensor is None:
+                nones.append(name)
+            else:
+                yielded[name] = tensor
+    return {"meta": [(m.name, tuple(m.shape), str(m.dtype)) for m in meta], "held": sorted(held),
+            "groups_ok": source.groups() == [g for g in layerwise_groups(names) if set(g) & held],
+            "order_ok": names == [n for g in layerwise_groups(names) for n in g], "yielded": yielded, "nones": nones}
+
+
 def _ranks(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
     from megatron_rl.config import ModelConfig, ParallelConfig
     from megatron_rl.models import build_model, load_hf_config, model_shape
@@ -204,6 +226,7 @@ def _ranks(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
             push(3)
             if rank == 0:
                 record["reference_3"], record["after_3"] = reference, states()
+            record["source"] = _vllm_source(chunks, ctx)
             if case == "pp2_ep2":
                 record["delta"] = _delta_pushes(chunks, ctx, targets, engines, states, manifest, rank)
         finally:
@@ -280,3 +303,26 @@ def test_delta_pushes_equal_full_ones_bit_for_bit_and_a_restarted_engine_gets_a_
     for index in (1, 2, 3, 6):
         delta = sum(r["pushes"][index]["wire_bytes"] for r in records)
         assert delta < 0.5 * full, (index, delta, full)
+
+
+def test_vllm_weight_source_serves_our_shards_by_its_own_contract(setup):
+    """vLLM's WeightSource (vllm.distributed.weight_transfer.base) over the PP2 x EP2 and TP2 x EP2 models: every rank
+    describes the whole model in vLLM's layerwise order, ranks hold disjoint names covering it, groups are vLLM's
+    layerwise_groups restricted to held names, and the tensors yielded equal the funnel export bit for bit."""
+    for case in LAYOUTS:
+        records = [r[case] for r in _launch(setup)]
+        reference = records[0]["reference_3"]
+        metas = [r["source"]["meta"] for r in records]
+        assert all(m == metas[0] for m in metas)
+        assert {n for n, _, _ in metas[0]} == set(reference)
+        for name, shape, dtype in metas[0]:
+            assert shape == tuple(reference[name].shape) and dtype == str(reference[name].dtype), (case, name)
+        held = [set(r["source"]["held"]) for r in records]
+        assert sum(len(h) for h in held) == len(reference) and set().union(*held) == set(reference), case
+        assert sum(1 for h in held if h) >= 2, case  # no single sender
+        for rank, record in enumerate(records):
+            source = record["source"]
+            assert source["order_ok"] and source["groups_ok"], (case, rank)
+            assert set(source["yielded"]) == held[rank] and not set(source["nones"]) & held[rank], (case, rank)
+            for name, tensor in source["yielded"].items():
+                assert tensor.dtype == reference[name].dtype and torch.equal(tensor, reference[name]), (case, name)
