@@ -205,7 +205,7 @@ def measure_delta(lr: float, out_dir: Path) -> dict:
     from megatron_rl.config import RLConfig, load_config
     from megatron_rl.models.tiny import make_tiny_model_dir
     from megatron_rl.weight_sync.buckets import tensor_bytes
-    from megatron_rl.weight_sync.delta import DeltaEncoder
+    from megatron_rl.weight_sync.delta import DeltaEncoder, _bits
 
     model_dir = out_dir / "model"
     cfg = load_config(RLConfig, demo.PRESET, [f"model.path={model_dir}", f"logging.dir={out_dir}", f"train.steps={STEPS}",
@@ -221,8 +221,8 @@ def measure_delta(lr: float, out_dir: Path) -> dict:
         bucket = [(n, t.to(torch.bfloat16)) for b in self.actor.export_hf_weights(64 << 20) for n, t in b]
         full = sum(tensor_bytes(t) for _, t in bucket)
         had_base = encoder.base is not None
+        changed = sum(int((_bits(encoder.held[n]) != _bits(t)).sum()) for n, t in bucket if n in encoder.held)
         wire, meta = encoder.encode(bucket, delta=True)
-        changed = sum(tensor_bytes(t) // 4 for n, t in wire if n.endswith("#idx"))  # int32 positions
         sparse = sum(1 for m in meta.values() if m["kind"] == "sparse")
         encoder.commit(version, delta=had_base)
         if had_base:
