@@ -309,6 +309,16 @@ class RolloutConfig:
     workers on its GPU); auto: rpc for an engine inside the trainer's process, ipc for an engine process or
     colocated servers when CUDA is available (they share the trainer's GPUs), else broadcast; broadcast for remote
     servers."""
+    weight_senders: Literal["rank0", "owners"] = "rank0"
+    """Who sends a broadcast push (weight_transport=broadcast). rank0: every bucket through trainer rank 0, one group
+    with the engine workers; owners: every rank that owns parameters (one per PP stage and EP rank at least, replicas
+    share the load) broadcasts its own buckets in a group of its own with every worker, rank 0 sends only its share
+    and drives the engines (weight_sync.parallel; the bytes through a rank are about model / senders)."""
+    weight_delta: bool = False
+    """With weight_senders=owners: send only the values that changed since the last push (positions + values per
+    tensor, dense when not smaller), checked by a checksum per tensor on the engine (weight_sync.delta)."""
+    weight_delta_full_every: int = 10
+    """With weight_delta: a full push every this many versions (also after a broken push or an engine restart)."""
     weight_broadcast_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Backend of the weight broadcast. auto: nccl for servers when CUDA is available (their GPUs differ from the
     trainer's), gloo for an engine process next to the trainer (it shares the trainer's GPU, which NCCL refuses) or
@@ -352,6 +362,11 @@ class RolloutConfig:
                 f"{self.request_timeout_s}: the start-up timeout must be >= 0 (0 = scaled with the model's size), "
                 "the request timeout > 0"
             )
+        if self.weight_delta and self.weight_senders != "owners":
+            raise ConfigError("rollout.weight_delta=true needs rollout.weight_senders=owners (each owner keeps what the "
+                              "engines hold of its tensors): set both, or weight_delta=false")
+        if self.weight_delta_full_every < 1:
+            raise ConfigError(f"rollout.weight_delta_full_every={self.weight_delta_full_every}: must be >= 1")
         from megatron_rl.config.placement import check_rollout_section  # every placement rule lives there
 
         check_rollout_section(self)
