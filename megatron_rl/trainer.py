@@ -208,6 +208,9 @@ class Trainer:
         start = time.perf_counter()
         self._sync_weights(step + 1)
         metrics["time/weight_sync_s"] = time.perf_counter() - start
+        if getattr(self, "_owner_last", None) is not None:  # rollout.weight_senders=owners: what this rank sent
+            metrics["weight_sync/sent_bytes"] = float(self._owner_last["wire_bytes"])
+            metrics["weight_sync/delta"] = float(self._owner_last["delta"])
         start = time.perf_counter()
         offloaded += self._offload.to_host()  # the parameters (train.offload=all): the device is the engine's
         offload_s += time.perf_counter() - start
@@ -333,11 +336,12 @@ class Trainer:
             export = export_owned_weights(self.actor.model, ctx, bucket_bytes=bucket_bytes)
             try:
                 if self.engine is not None:
-                    self.engine.owner_push(export, version, senders=self._owner_senders, delta=self._owner_delta,
-                                           group=ctx.world_group, rank=ctx.rank)
+                    self._owner_last = self.engine.owner_push(export, version, senders=self._owner_senders,
+                                                              delta=self._owner_delta, group=ctx.world_group, rank=ctx.rank)
                 else:
-                    owner_parallel_push(None, export, version, senders=self._owner_senders, rank=ctx.rank,
-                                        trainer_group=ctx.world_group, delta=self._owner_delta)
+                    self._owner_last = owner_parallel_push(None, export, version, senders=self._owner_senders,
+                                                           rank=ctx.rank, trainer_group=ctx.world_group,
+                                                           delta=self._owner_delta)
                 return
             except PushBrokenError:
                 if attempt == attempts:

@@ -210,7 +210,12 @@ def test_tp2_ep2_owners_push_their_own_shards_as_sparse_deltas(model_dir, tmp_pa
     layout = ("parallel.tensor_parallel=2", "parallel.expert_parallel=2", "cluster.cpu_processes=4")
     owners = ("rollout.weight_senders=owners", "rollout.weight_delta=true", "rollout.weight_bucket_mb=0.05")
     result = _run(_command("tiny-gspo.yaml", model_dir, tmp_path, "train.steps=3", *layout, *owners, nproc=4), timeout=600)
-    _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 3)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    _check_rows(rows, 3)
+    # the push before step 0 goes in full (no base); those after steps 0, 1, 2 as deltas (each tensor's checksum
+    # checked on the engine's worker: a wrong bit breaks the push)
+    # (a step whose rewards are all equal leaves the weights as they were: its delta carries nothing)
+    assert [r["weight_sync/delta"] for r in rows] == [1.0, 1.0, 1.0], rows
     assert "Traceback" not in result.stderr
 
 
