@@ -224,6 +224,9 @@ class Trainer:
         start = time.perf_counter()
         self._sync_weights(step + 1)
         metrics["time/weight_sync_s"] = time.perf_counter() - start
+        if getattr(self, "_owner_last", None) is not None:  # rollout.weight_senders=owners: what this rank sent
+            metrics["weight_sync/sent_bytes"] = float(self._owner_last["wire_bytes"])
+            metrics["weight_sync/delta"] = float(self._owner_last["delta"])
         start = time.perf_counter()
         offloaded += self._offload.to_host()  # the parameters (train.offload=all): the device is the engine's
         offload_s += time.perf_counter() - start
@@ -303,6 +306,11 @@ class Trainer:
             buckets = self.actor.export_hf_weights(bucket_bytes)
             return relay.wrap(buckets) if relay is not None else buckets
 
+        if self.cfg.rollout.weight_senders == "owners":
+            with self._offload.on_device(["params"]), self._engine_held():
+                self._owner_push(version, bucket_bytes)
+            self.weight_version = version
+            return
         with self._offload.on_device(["params"]), self._engine_held():
             try:
                 push_weights(self.engine, export, version, group=self.ctx.world_group,
@@ -311,6 +319,50 @@ class Trainer:
                 if relay is not None:
                     relay.close()
         self.weight_version = version
+
+    def _owner_push(self, version: int, bucket_bytes: int) -> None:
+        """Every owner rank broadcasts its own buckets (rollout.weight_senders=owners; weight_sync.parallel), made
+        again from a fresh export when a push breaks midway (every rank learns of it)."""
+        from megatron_rl.models.export_owners import export_owned_weights
+        from megatron_rl.weight_sync.broadcast import default_host
+        from megatron_rl.weight_sync.delta import DeltaEncoder
+        from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
+        from megatron_rl.weight_sync.stream import PushBrokenError
+
+        rollout, ctx = self.cfg.rollout, self.ctx
+        if getattr(self, "_owner_senders", None) is None:
+            from urllib.parse import urlparse
+
+            from megatron_rl.config.core import ConfigError
+            from megatron_rl.rollout import resolve_placement
+
+            placement = resolve_placement(rollout, world_size=ctx.world_size, cluster=self.cfg.cluster)
+            if placement.transport != "broadcast":  # decided on every rank alike: no rank waits in the push
+                raise ConfigError(f"rollout.weight_senders=owners sends by broadcast, but this placement ({placement.kind}) "
+                                  f"takes weights by {placement.transport}: set rollout.weight_transport=broadcast "
+                                  "(an engine process or servers) or rollout.weight_senders=rank0")
+            backend = placement.broadcast_backend
+            if backend == "auto":  # servers on GPUs of their own: NCCL; an engine sharing a trainer GPU or CPU: gloo
+                backend = "nccl" if placement.kind == "remote_servers" and ctx.device.type == "cuda" else "gloo"
+            host = rollout.weight_broadcast_host or default_host([urlparse(u).hostname or "" for u in rollout.server_urls])
+            self._owner_senders = OwnerSenders(backend, host, rollout.request_timeout_s)
+            self._owner_delta = DeltaEncoder(rollout.weight_delta_full_every) if rollout.weight_delta else None
+        attempts = rollout.max_restarts + 1
+        for attempt in range(1, attempts + 1):
+            export = export_owned_weights(self.actor.model, ctx, bucket_bytes=bucket_bytes)
+            try:
+                if self.engine is not None:
+                    self._owner_last = self.engine.owner_push(export, version, senders=self._owner_senders,
+                                                              delta=self._owner_delta, group=ctx.world_group, rank=ctx.rank)
+                else:
+                    self._owner_last = owner_parallel_push(None, export, version, senders=self._owner_senders,
+                                                           rank=ctx.rank, trainer_group=ctx.world_group,
+                                                           delta=self._owner_delta)
+                return
+            except PushBrokenError:
+                if attempt == attempts:
+                    raise
+                logger.warning("weight push v%d broke midway; exporting again (attempt %d of %d)", version, attempt + 1, attempts)
 
     def _engine_held(self):
         """The engine to itself for a push or an evaluation: asynchronous generation pauses between engine calls."""

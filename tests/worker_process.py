@@ -67,7 +67,9 @@ def _serve(conn, model_dir: str, device: str, rank: int = 0) -> None:
         if method == "stop":
             return
         try:
-            if method == "state":  # the module's parameters, copied to the host
+            if method == "restart":  # what an engine restart leaves: a new worker on its model directory
+                worker, value = Worker(), None
+            elif method == "state":  # the module's parameters, copied to the host
                 value = {name: getattr(worker.model_runner.model, key).detach().cpu().clone()
                          for name, key in worker.model_runner.names.items()}
             else:

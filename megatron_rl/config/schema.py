@@ -335,6 +335,16 @@ class RolloutConfig:
     workers on its GPU); auto: rpc for an engine inside the trainer's process, ipc for an engine process or
     colocated servers when CUDA is available (they share the trainer's GPUs), else broadcast; broadcast for remote
     servers."""
+    weight_senders: Literal["rank0", "owners"] = "rank0"
+    """Who sends a broadcast push (weight_transport=broadcast). rank0: every bucket through trainer rank 0, one group
+    with the engine workers; owners: every rank that owns parameters (one per PP stage and EP rank at least, replicas
+    share the load) broadcasts its own buckets in a group of its own with every worker, rank 0 sends only its share
+    and drives the engines (weight_sync.parallel; the bytes through a rank are about model / senders)."""
+    weight_delta: bool = False
+    """With weight_senders=owners: send only the values that changed since the last push (positions + values per
+    tensor, dense when not smaller), checked by a checksum per tensor on the engine (weight_sync.delta)."""
+    weight_delta_full_every: int = 10
+    """With weight_delta: a full push every this many versions (also after a broken push or an engine restart)."""
     weight_broadcast_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Backend of the weight broadcast. auto: nccl for servers when CUDA is available (their GPUs differ from the
     trainer's), gloo for an engine process next to the trainer (it shares the trainer's GPU, which NCCL refuses) or
@@ -378,6 +388,11 @@ class RolloutConfig:
                 f"{self.request_timeout_s}: the start-up timeout must be >= 0 (0 = scaled with the model's size), "
                 "the request timeout > 0"
             )
+        if self.weight_delta and self.weight_senders != "owners":
+            raise ConfigError("rollout.weight_delta=true needs rollout.weight_senders=owners (each owner keeps what the "
+                              "engines hold of its tensors): set both, or weight_delta=false")
+        if self.weight_delta_full_every < 1:
+            raise ConfigError(f"rollout.weight_delta_full_every={self.weight_delta_full_every}: must be >= 1")
         from megatron_rl.config.placement import check_rollout_section  # every placement rule lives there
 
         check_rollout_section(self)
@@ -481,10 +496,15 @@ class ClusterConfig:
     cpu_threads: int = 0
     """Torch threads of each trainer process on a CPU-only run (an in-process engine shares them);
     0 = the cores the process may run on divided by cpu_processes."""
+    push_link_gb_per_s: float = 50.0
+    """GB/s of the link between one trainer rank and one engine worker, for the planner's weight-push time
+    (megatron_rl.plan.push_time; 50 = 400 Gb/s InfiniBand per GPU)."""
 
     def validate(self) -> None:
         if self.cpu_threads < 0:
             raise ConfigError(f"cluster.cpu_threads={self.cpu_threads}: must be >= 0 (0 = the cores divided by cluster.cpu_processes)")
+        if self.push_link_gb_per_s <= 0:
+            raise ConfigError(f"cluster.push_link_gb_per_s={self.push_link_gb_per_s}: must be > 0 (GB/s of one rank's link)")
 
     @property
     def trainer_world_size(self) -> int:

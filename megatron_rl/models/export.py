@@ -72,8 +72,12 @@ def _order_key(name: str) -> tuple:
     return (2 if name.startswith("decoder.") else 3, 0, 0, name)
 
 
-def _holder_shards(model_chunks: list, ctx, arch, padded_vocab: int) -> dict[tuple[str, int], tuple[torch.Tensor, int]]:
-    """(global name, shard index) -> (parameter, shard count) for the shards this rank sends."""
+def _replica_shards(model_chunks: list, ctx, arch, padded_vocab: int) -> dict[tuple[str, int], tuple[torch.Tensor, int, int, bool]]:
+    """(global name, shard index) -> (parameter, shard count, replica id, first replica?) for every shard this rank holds.
+
+    A replica id names one complete copy: the ranks holding shards 0..count-1 of a name with the same id
+    together hold the whole parameter (DP x CP replicas of dense shards, expert-DP replicas of expert shards;
+    a tensor not split by TP is a copy of its own on every rank, its id the rank)."""
     num_local_experts = arch.num_experts // ctx.ep_size if arch.num_experts else 0
     held = {}
     for chunk in model_chunks:
@@ -85,16 +89,21 @@ def _holder_shards(model_chunks: list, ctx, arch, padded_vocab: int) -> dict[tup
             if isinstance(mapping, VocabPadded) and mapping.export_name is None:
                 continue  # the last stage's copy of a tied embedding
             if is_expert_param(name):
-                first_replica = ctx.expert_dp_rank == 0
+                first_replica, replica = ctx.expert_dp_rank == 0, ctx.expert_dp_rank
                 index, count = ctx.expert_tp_rank, ctx.expert_tp_size
             else:
-                first_replica = ctx.dp_rank == 0 and ctx.cp_rank == 0
+                first_replica, replica = ctx.dp_rank == 0 and ctx.cp_rank == 0, ctx.dp_rank * ctx.cp_size + ctx.cp_rank
                 index, count = ctx.tp_rank, ctx.tp_size
             if mapping.tp_dim is None:
-                first_replica, index, count = first_replica and index == 0, 0, 1
-            if first_replica:
-                held[(name, index)] = (param, count)
+                first_replica, replica, index, count = first_replica and index == 0, ctx.rank, 0, 1
+            held[(name, index)] = (param, count, replica, first_replica)
     return held
+
+
+def _holder_shards(model_chunks: list, ctx, arch, padded_vocab: int) -> dict[tuple[str, int], tuple[torch.Tensor, int]]:
+    """(global name, shard index) -> (parameter, shard count) for the shards this rank sends (first replicas)."""
+    shards = _replica_shards(model_chunks, ctx, arch, padded_vocab)
+    return {key: (param, count) for key, (param, count, _, first) in shards.items() if first}
 
 
 def _plan(held: dict, ctx) -> list[_Unit]:

@@ -17,7 +17,8 @@
    weight push: what train.offload and rollout.sleep_level free,
    plan.memory.phase_memory); the largest phase against what the device has
    after the runtime; CP needs packed sequences, and a packed token budget
-   must hold one full-length sequence padded to the SP/CP multiple.
+   must hold one full-length sequence padded to the SP/CP multiple;
+7. the weight push's time per step for each transport (plan.push_time).
 Layout errors raise ConfigError; a layout that does not fit in memory returns
 a Plan whose `fits` is False and whose `verdict()` names the numbers.
 """
@@ -32,6 +33,7 @@ from megatron_rl.config.layout import check_layout
 from megatron_rl.config.schema import RLConfig
 from megatron_rl.config.placement import colocated_engines
 from megatron_rl.plan.launch import LaunchShape, launch_shape
+from megatron_rl.plan.push_time import PushTime, preset_push_times
 from megatron_rl.plan.memory import (
     GIB,
     EngineMemory,
@@ -71,6 +73,8 @@ class Plan:
     """What the worst device holds in each phase of a step (generation, training, push)."""
     budget: float
     """Bytes one device offers the trainer and a colocated engine, after the runtime."""
+    push: list[PushTime] = field(default_factory=list)
+    """Weight-push time per step, per transport (plan.push_time)."""
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -293,5 +297,6 @@ def plan(cfg: RLConfig, spec: ModelSpec) -> Plan:
         engine=engine,
         phases=phase_memory(stage, engine, cfg, spec.total_params() * precision_for(cfg).param),
         budget=device_budget(cfg),
+        push=preset_push_times(cfg, spec.total_params(), precision_for(cfg).param),
         warnings=warnings,
     )

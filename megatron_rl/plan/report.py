@@ -79,6 +79,19 @@ def _phase_table(p: Plan):
     return table
 
 
+def _push_table(p: Plan):
+    """Weight-push time per step for each transport (plan.push_time)."""
+    from rich.table import Table
+
+    cluster = p.cfg.cluster
+    table = Table(title=f"Weight push per step at {cluster.push_link_gb_per_s:g} GB/s per link (cluster.push_link_gb_per_s)")
+    for column in ("transport", "GB out of the busiest trainer rank", "GB into each engine worker", "seconds"):
+        table.add_column(column, justify="left" if column == "transport" else "right")
+    for row in p.push:
+        table.add_row(row.transport, f"{row.out_bytes / 1e9:.2f}", f"{row.in_bytes / 1e9:.2f}", f"{row.seconds:.3g}")
+    return table
+
+
 def render(p: Plan, console=None) -> None:
     """Print the plan as rich tables followed by warnings and the verdict."""
     from rich.console import Console
@@ -141,6 +154,7 @@ def render(p: Plan, console=None) -> None:
     memory.add_row("trainer total", _gib(s.total), "while training")
     console.print(memory)
     console.print(_phase_table(p))
+    console.print(_push_table(p))
     if p.engine is not None and cluster.rollout_gpus:
         console.print(
             f"rollout GPUs: engine weights {_gib(p.engine.weights)} GiB of {_gib(p.engine.reserved)} GiB reserved per GPU"

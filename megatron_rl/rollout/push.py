@@ -224,6 +224,28 @@ class WeightSyncedEngine:
         self.weights_lost = False
         return result
 
+    def owner_push(self, export, version: int, *, senders, delta, group, rank: int) -> dict:
+        """Rank 0's part of a push without a funnel (rollout.weight_senders=owners; weight_sync.parallel): every
+        rank calls weight_sync.parallel.owner_parallel_push at once, the others with no engine."""
+        from megatron_rl.weight_sync.parallel import owner_parallel_push
+
+        if self.weight_transport != "broadcast":
+            raise WeightPushError(f"rollout.weight_senders=owners sends by broadcast, but {self.name} takes weights by "
+                                  f"{self.weight_transport}: set rollout.weight_transport=broadcast or weight_senders=rank0")
+        with self._lock:
+            self._prepare_push()
+            try:
+                result = owner_parallel_push(self._targets(), export, int(version), senders=senders, rank=rank,
+                                             trainer_group=group, manifest=self.manifest,
+                                             workers_per_engine=self._broadcast_members()[1], delta=delta)
+            except PushBrokenError as error:
+                self.weights_lost = True
+                self._push_broke(error)
+                raise
+            self.weights_lost = False
+            self.weight_version = int(version)
+        return result
+
     def _broadcaster(self) -> BroadcastSender:
         """The weight-broadcast group with every engine's workers, formed on first use and after a restart."""
         if self._broadcast is None:

@@ -67,9 +67,11 @@ import torch
 
 from megatron_rl.rollout.routing import RequestCapture, encode_captures
 from megatron_rl.weight_sync.broadcast import (
-    BroadcastError, backend_device, broadcast_from_root, check_not_same_gpu, close_group, open_group, unpack_bucket,
+    BroadcastError, backend_device, broadcast_from_root, check_not_same_gpu, close_group, open_group, start_broadcast,
+    unpack_bucket, wait_work,
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
+from megatron_rl.weight_sync.delta import DeltaHolder
 from megatron_rl.weight_sync.ipc import IpcReceiver
 from megatron_rl.rollout.streaming_load import StreamingLoad
 from megatron_rl.weight_sync.manifest import WeightPushError, manifest_from_checkpoint
@@ -220,6 +222,8 @@ class RolloutWorkerExtension:
         """End an open push. If its loading had begun, go back to a complete version: the model directory's weights
         (version 0). Returns {'version': the version now served, 'restored': whether the weights were reloaded}."""
         push = self.__dict__.pop("_mrl_push", None)
+        if push is not None and "_mrl_delta" in self.__dict__:
+            self.__dict__["_mrl_delta"].reset()  # a broken push: the next one goes in full
         if push is None or not push.abort():
             return {"version": self.mrl_weight_version(), "restored": False}
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -266,6 +270,8 @@ class RolloutWorkerExtension:
         start = time.perf_counter()
         repacked = repack_cpu_moe_experts(runner.get_model()) if repack_moe else 0
         self.__dict__["_mrl_version"] = push.version
+        if "_mrl_delta" in self.__dict__:
+            self.__dict__["_mrl_delta"].commit(push.version)
         return {
             "version": push.version,
             "tensors": len(push.validator.seen),
@@ -308,6 +314,73 @@ class RolloutWorkerExtension:
         bucket = unpack_bucket(layout, flat)
         del flat  # the views keep it alive exactly as long as the loading holds them
         return self.mrl_stage_weights(bucket)
+
+    # ---- buckets from every owner rank (weight_sync.parallel) --------------------------------------------
+    def mrl_owner_join(self, info: str | dict) -> int:
+        """Join every sender's group (weight_sync.parallel.OwnerSenders) as rank rank_offset + this worker's rank,
+        in the order given (every worker opens them in the same order); returns that rank."""
+        info = json.loads(info) if isinstance(info, str) else info
+        self.mrl_owner_leave()
+        rank = int(info["rank_offset"]) + int(self.rank)  # type: ignore[attr-defined]
+        timeout_s, groups = float(info["timeout_s"]), {}
+        try:
+            for entry in info["groups"]:
+                groups[int(entry["sender"])] = open_group(entry["host"], entry["port"], rank, info["world_size"],
+                                                          info["backend"], timeout_s)
+        except BaseException:
+            for group in groups.values():
+                close_group(group, timeout_s)
+            raise
+        self.__dict__["_mrl_owners"] = {"groups": groups, "device": backend_device(info["backend"]), "timeout_s": timeout_s}
+        return rank
+
+    def mrl_owner_senders(self) -> list[int]:
+        """The trainer ranks whose groups this worker is in (weight_sync.parallel), in order."""
+        state = self.__dict__.get("_mrl_owners")
+        return [] if state is None else sorted(state["groups"])
+
+    def mrl_owner_leave(self) -> None:
+        state = self.__dict__.pop("_mrl_owners", None)
+        if state is not None:
+            for group in state["groups"].values():
+                close_group(group, state["timeout_s"])
+
+    def mrl_owner_receive(self, message: str | dict) -> int:
+        """Take one bucket from each sender of a round at once ({'parts': [{'sender', 'layout'}]}), then stage each
+        (see mrl_stage_weights); returns the tensors staged."""
+        state = self.__dict__.get("_mrl_owners")
+        if state is None:
+            raise BroadcastError("mrl_owner_receive before mrl_owner_join: this worker is in no sender's group")
+        parts = (json.loads(message) if isinstance(message, str) else message)["parts"]
+        flats, deadline = [], time.monotonic() + state["timeout_s"]
+        try:
+            works = []
+            for part in parts:
+                flats.append(torch.empty(int(part["layout"]["nbytes"]), dtype=torch.uint8, device=state["device"]))
+                works.append(start_broadcast(state["groups"][int(part["sender"])], flats[-1]))
+            for part, work in zip(parts, works):
+                wait_work(work, f"the bucket of trainer rank {part['sender']}", timeout_s=state["timeout_s"], deadline=deadline)
+        except BaseException:
+            self.mrl_owner_leave()
+            self.mrl_abort_push()
+            raise
+        staged = 0
+        for part in parts:
+            bucket = unpack_bucket(part["layout"], flats.pop(0))
+            if "meta" in part:  # rollout.weight_delta: kept as the next base, a delta applied to the last one
+                holder = self.__dict__.setdefault("_mrl_delta", DeltaHolder())
+                try:
+                    bucket = holder.decode(bucket, part["meta"], part.get("base"))
+                except BaseException:
+                    self.mrl_abort_push()
+                    raise
+            staged += self.mrl_stage_weights(bucket)
+        return staged
+
+    def mrl_delta_base(self) -> int | None:
+        """The version this worker holds a copy of for weight deltas (None: none, the next push must be full)."""
+        holder = self.__dict__.get("_mrl_delta")
+        return None if holder is None else holder.base
 
     # ---- buckets by memory handle (weight_sync.ipc) ----------------------------------------------------
     def mrl_ipc_receive(self, message: str | dict) -> dict:

@@ -7,7 +7,10 @@ manifest.py: what the engine accepts; stream.py: a push announced up front
 (names, shapes, dtypes) and checked before any byte moves; push.py:
 push_weights on every trainer rank;
 broadcast.py: buckets broadcast from the pushing rank into every engine worker
-over a group of their own (NCCL on GPU, gloo on CPU).
+over a group of their own (NCCL on GPU, gloo on CPU); parallel.py: no funnel,
+every owner rank broadcasts its own buckets (models.export_owners);
+delta.py: sparse deltas against what the engines hold, checked by checksum;
+vllm_source.py: our shards as vLLM's WeightSource (its trainer-side engines).
 The engine side of loading lives in megatron_rl.rollout.worker_ext.
 """
 

@@ -168,18 +168,31 @@ def broadcast_from_root(group: Any, tensor: torch.Tensor, *, abort_if: Callable[
     instead of waiting for peers that will never arrive.
     waiting_for: on a timeout, the names of the peers still missing (for the error).
     """
+    wait_work(start_broadcast(group, tensor), f"weight broadcast of {tensor.numel()} bytes", abort_if=abort_if,
+              timeout_s=timeout_s, waiting_for=waiting_for)
+
+
+def start_broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    """Start broadcasting `tensor` from group rank 0 (in place on every rank); the work to wait on (wait_work)."""
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0
     options.rootTensor = 0
-    work = group.broadcast([tensor], options)
-    deadline = time.monotonic() + timeout_s
+    return group.broadcast([tensor], options)
+
+
+def wait_work(work: Any, what: str, *, abort_if: Callable[[], BaseException | None] | None = None,
+              timeout_s: float = 600.0, waiting_for: Callable[[], list[str]] | None = None,
+              deadline: float | None = None) -> None:
+    """Wait for a collective's work, polling abort_if; BroadcastError after timeout_s (or at `deadline`,
+    time.monotonic()) naming `what` and the peers still missing."""
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
     while not work.is_completed():
         failure = abort_if() if abort_if is not None else None
         if failure is not None:
             raise BroadcastError(f"weight broadcast abandoned: {failure}") from failure
         if time.monotonic() > deadline:
             missing = f"; still waiting for {', '.join(waiting_for())}" if waiting_for is not None else ""
-            raise BroadcastError(f"weight broadcast of {tensor.numel()} bytes did not finish in {timeout_s:.0f} s{missing}")
+            raise BroadcastError(f"{what} did not finish in {timeout_s:.0f} s{missing}")
         time.sleep(0.0005)
     work.wait()
 

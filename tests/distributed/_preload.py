@@ -26,3 +26,11 @@ with warnings.catch_warnings():
         apply_cpu_compat()  # the sites whose conditions hold (the harness hides CUDA from its ranks); idempotent
     except ImportError:  # a test without megatron still runs, just slower to start
         pass
+
+    try:  # the weight groups' rendezvous (weight_sync.broadcast.open_group) and the engine-worker stand-in
+        import vllm.distributed.utils  # noqa: F401
+
+        import megatron_rl.rollout.worker_ext  # noqa: F401
+        import tests.worker_process  # noqa: F401
+    except ImportError:
+        pass

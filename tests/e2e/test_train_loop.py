@@ -208,6 +208,21 @@ def test_tp2_ep2_trainer_pushes_exact_weights(model_dir, tmp_path):
     _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
 
 
+def test_tp2_ep2_owners_push_their_own_shards_as_sparse_deltas(model_dir, tmp_path):
+    # the same with rollout.weight_senders=owners (every owner rank broadcasts its own buckets into the engine
+    # process's worker) and sparse deltas after the first push: the engine's logprobs still equal the actor's
+    layout = ("parallel.tensor_parallel=2", "parallel.expert_parallel=2", "cluster.cpu_processes=4")
+    owners = ("rollout.weight_senders=owners", "rollout.weight_delta=true", "rollout.weight_bucket_mb=0.05")
+    result = _run(_command("tiny-gspo.yaml", model_dir, tmp_path, "train.steps=3", *layout, *owners, nproc=4), timeout=600)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    _check_rows(rows, 3)
+    # the push before step 0 goes in full (no base); those after steps 0, 1, 2 as deltas (each tensor's checksum
+    # checked on the engine's worker: a wrong bit breaks the push)
+    # (a step whose rewards are all equal leaves the weights as they were: its delta carries nothing)
+    assert [r["weight_sync/delta"] for r in rows] == [1.0, 1.0, 1.0], rows
+    assert "Traceback" not in result.stderr
+
+
 def test_r3_engine_routes_equal_the_trainer_router(model_dir, tmp_path):
     # The engine captures each token's top-k experts; the trainer's router, fed the same tokens
     # and weights, picks the same sets (engine_vs_trainer = 0) and replays them (drift = 0).

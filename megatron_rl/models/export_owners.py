@@ -1,0 +1,201 @@
+"""The export without a funnel: every owner rank yields HF buckets of its own shards (weight_sync.parallel).
+
+    export = export_owned_weights(chunks, ctx, bucket_bytes=...)
+    for bucket in export:            # one per round on every rank; [] where this rank sends nothing
+        ...                          # export.rounds[r]: every sender's bucket of round r, as metadata
+
+export_hf_weights (models.export) brings every shard to one pushing rank. Here
+each parameter gets an owner among the ranks holding it, and the owner sends it:
+  1. every rank tells all others (all_gather_object, names and shapes only)
+     which shards it holds and of which replica (export._replica_shards): DP /
+     CP / expert-DP replicas are interchangeable, so any complete replica's
+     ranks may send a parameter;
+  2. every rank computes the same assignment (greedy, largest parameter first,
+     to the candidate whose bytes through it stay smallest): a parameter split
+     by TP goes to one rank of one replica, whose TP peers send it their
+     shards (the only trainer-to-trainer traffic); others to one holder;
+  3. each owner cuts its parameters, in model order, into buckets of at most
+     bucket_bytes; round r is every owner's r-th bucket. The HF names, shapes
+     and dtypes of every owner's bucket of every round are known to every rank
+     from the metadata (the mapping run on meta tensors), so the rank that
+     drives the engines announces them without touching a byte.
+Bytes through a rank: what it owns (about model / senders after the greedy
+balance) plus its TP peers' shards; never the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.build import model_info
+from megatron_rl.models.export import _buckets, _order_key, _replica_shards
+from megatron_rl.models.mapping import mapping_for
+
+Entry = tuple[str, tuple[int, ...], str]
+
+
+@dataclass
+class _Param:
+    """One megatron parameter (global name) and its complete replicas: replica id -> {shard index: rank}."""
+
+    name: str
+    count: int
+    shape: tuple[int, ...]
+    dtype: str
+    rows: dict[int, dict[int, int]] = field(default_factory=dict)
+    owner: int = -1
+    sources: dict[int, int] = field(default_factory=dict)
+    """shard index -> the rank that gives it to the owner (the owner's own replica)."""
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.count * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass
+class SendStats:
+    """Bytes this rank moved in one export (allocation-free counting)."""
+
+    owned: int = 0
+    """Bytes of the HF tensors this rank yielded (what it sends to the engines)."""
+    peer_out: int = 0
+    """Bytes of its TP shards it sent to other owners."""
+    peer_in: int = 0
+    """Bytes of TP shards it received from its peers."""
+
+
+class OwnedExport:
+    """Buckets of this rank's own parameters, one per round (see the module docstring).
+
+    rounds: [[(owner rank, entries of its bucket)]] per round, the same on every rank;
+    entries: every HF tensor of the push (all owners), in round order;
+    senders: the ranks that own something; stats: bytes moved here (SendStats), filled while iterating.
+    """
+
+    def __init__(self, rounds: list[list[tuple[int, list[Entry]]]], buckets: Iterator[list], stats: SendStats):
+        self.rounds = rounds
+        self.entries = [entry for parts in rounds for _, entries in parts for entry in entries]
+        self.senders = sorted({owner for parts in rounds for owner, _ in parts})
+        self.stats = stats
+        self._buckets = buckets
+
+    def __iter__(self) -> Iterator[list]:
+        return self._buckets
+
+
+def _gather_params(held: dict, ctx) -> list[_Param]:
+    mine = [(name, index, count, tuple(p.shape), str(p.dtype).removeprefix("torch."), replica)
+            for (name, index), (p, count, replica, _) in held.items()]
+    tables: list = [None] * ctx.world_size
+    dist.all_gather_object(tables, mine, group=ctx.world_group)
+    params: dict[str, _Param] = {}
+    for rank, table in enumerate(tables):
+        for name, index, count, shape, dtype, replica in table:
+            param = params.setdefault(name, _Param(name, count, shape, dtype))
+            param.rows.setdefault(replica, {})[index] = rank
+    for param in params.values():
+        complete = {r: row for r, row in param.rows.items() if sorted(row) == list(range(param.count))}
+        if not complete:
+            raise RuntimeError(f"export: no replica of {param.name} holds all {param.count} shards: {param.rows}")
+        param.rows = complete
+    return sorted(params.values(), key=lambda p: _order_key(p.name))
+
+
+def assign_owners(params: list[_Param], world_size: int) -> list[int]:
+    """Give each parameter an owner (see the module docstring, step 2); returns the bytes through each rank."""
+    load = [0] * world_size
+    for param in sorted(params, key=lambda p: (-p.nbytes, _order_key(p.name))):
+        size, share = param.nbytes, param.nbytes // param.count
+        best = None
+        for replica in sorted(param.rows):
+            row = param.rows[replica]
+            for owner in sorted(set(row.values())):
+                received = sum(share for rank in row.values() if rank != owner)
+                key = (load[owner] + size + received, owner)
+                if best is None or key < best[0]:
+                    best = (key, owner, row, received)
+        (_, owner, row, received) = best
+        param.owner, param.sources = owner, dict(row)
+        load[owner] += size + received
+        for rank in row.values():
+            if rank != owner:
+                load[rank] += share
+    return load
+
+
+def _entries(params: list[_Param], arch, padded: int) -> list[Entry]:
+    """HF names, shapes and dtypes of `params` exported, from the mapping on meta tensors (no data)."""
+    entries = []
+    for param in params:
+        shards = [torch.empty(param.shape, dtype=getattr(torch, param.dtype), device="meta")] * param.count
+        for name, tensor in mapping_for(arch, param.name, padded).export(shards):
+            entries.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+    return entries
+
+
+def export_owned_weights(model_chunks: list, ctx, *, bucket_bytes: int,
+                         fault: Callable[[int, int], None] | None = None) -> OwnedExport:
+    """This rank's buckets of HF tensors, one per round ([] where it owns nothing that round); every rank
+    iterates to the end (TP peers send owners their shards in the round that needs them).
+
+    fault(rank, round): called on every rank after each round's bucket is made (tests break a push there).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    info = model_info(model_chunks)
+    arch, padded = info.arch, info.padded_vocab_size
+    held = _replica_shards(model_chunks, ctx, arch, padded)
+    params = _gather_params(held, ctx)
+    assign_owners(params, ctx.world_size)
+    per_owner: dict[int, list[list[_Param]]] = {}
+    for owner in sorted({p.owner for p in params}):
+        per_owner[owner] = _buckets([p for p in params if p.owner == owner], bucket_bytes)
+    count = max(len(b) for b in per_owner.values())
+    plan = [[(owner, buckets[r]) for owner, buckets in per_owner.items() if r < len(buckets)] for r in range(count)]
+    rounds = [[(owner, _entries(bucket, arch, padded)) for owner, bucket in parts] for parts in plan]
+    stats = SendStats()
+    return OwnedExport(rounds, _owned_buckets(plan, held, ctx, arch, padded, stats, fault), stats)
+
+
+@torch.no_grad()
+def _owned_buckets(plan: list, held: dict, ctx, arch, padded: int, stats: SendStats,
+                   fault: Callable[[int, int], None] | None) -> Iterator[list]:
+    rank = ctx.rank
+    for round_index, parts in enumerate(plan):
+        shards: dict[tuple[str, int], torch.Tensor] = {}
+        requests, keep_alive, mine = [], [], []
+        for owner, bucket in parts:
+            for param in bucket:
+                for index, src in sorted(param.sources.items()):
+                    if src == owner:
+                        if rank == owner:
+                            shards[(param.name, index)] = held[(param.name, index)][0].detach().clone()
+                    elif rank == src:
+                        tensor = held[(param.name, index)][0].detach().contiguous()
+                        keep_alive.append(tensor)
+                        requests.append(dist.isend(tensor, owner))
+                        stats.peer_out += tensor.numel() * tensor.element_size()
+                    elif rank == owner:
+                        buffer = torch.empty(param.shape, dtype=getattr(torch, param.dtype), device=ctx.device)
+                        shards[(param.name, index)] = buffer
+                        requests.append(dist.irecv(buffer, src))
+                        stats.peer_in += buffer.numel() * buffer.element_size()
+            if owner == rank:
+                mine = bucket
+        for request in requests:
+            request.wait()
+        del keep_alive
+        out: list = []
+        for param in mine:
+            out += mapping_for(arch, param.name, padded).export([shards.pop((param.name, i)) for i in range(param.count)])
+        stats.owned += sum(t.numel() * t.element_size() for _, t in out)
+        if fault is not None:
+            fault(rank, round_index)
+        yield out

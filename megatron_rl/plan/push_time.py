@@ -1,0 +1,74 @@
+"""How long one weight push takes per RL step, per transport, before launch.
+
+A push moves the model's wire bytes B (parameters x bytes per value: 2 in
+bf16 on GPUs, 4 in fp32 on CPU) from the trainer ranks to every engine
+worker. Each transport is limited by its busiest link, on the sending or the
+receiving side; at link bandwidth `bw` (cluster.push_link_gb_per_s):
+
+    t = max(bytes out of the busiest trainer rank, bytes into the busiest engine worker) / bw
+
+    funnel          every bucket through trainer rank 0, broadcast to every worker:
+                    out = B, in = B                          -> t = B / bw
+    owner-parallel  every owner rank sends its own shards (S senders, one bucket of slack),
+                    each bucket still broadcast whole to every worker (weight_sync.parallel):
+                    out = B / S + bucket, in = B             -> t = max(B / S + bucket, B) / bw
+    vllm nccl_m2n   each worker receives only its own shard (vLLM's weight_transfer, GPUs):
+                    out = B / S + bucket, in = B / (engine TP x PP)
+
+S = the trainer ranks that hold a shard (every rank: replicated shards are spread
+over their replicas). Owner-parallel frees trainer rank 0 (its link and memory
+carry a share, not the model) but a broadcast of whole buckets still brings B
+into every worker; only a transport that sends each worker its own shard cuts
+the time below B / bw.
+
+Sanity check against the numbers published for DeepSeek-V3 (671 B parameters,
+bf16: B = 1.34 TB) at 50 GB/s (400 Gb/s InfiniBand):
+funnel 1.34e12 / 50e9 = 27 s per step (as the weight-push issue states);
+m2n into engines of TP 8 x PP 4: 1.34e12 / 32 / 50e9 = 0.84 s, the order of
+NeMo RL's published 2.4-2.8 s reshard (which also converts and loads) and below
+checkpoint-engine's 14-16 s for Kimi-K2 (1 T parameters in fp8, 16-256 GPUs).
+The estimate counts bytes on links only: no loading, conversion, latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.config.schema import RLConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class PushTime:
+    """One transport's estimate (see the module docstring)."""
+
+    transport: str
+    """funnel, owner-parallel or vllm-nccl_m2n."""
+    out_bytes: float
+    """Bytes out of the busiest trainer rank."""
+    in_bytes: float
+    """Bytes into the busiest engine worker."""
+    seconds: float
+    """max(out_bytes, in_bytes) / link bandwidth."""
+
+
+def push_times(*, model_bytes: float, senders: int, bucket_bytes: float, engine_workers: int,
+               link_bytes_per_s: float) -> list[PushTime]:
+    """The three rows of the module docstring's formula."""
+    if senders < 1 or engine_workers < 1 or link_bytes_per_s <= 0:
+        raise ValueError(f"senders={senders}, engine_workers={engine_workers} must be >= 1 and the link bandwidth > 0")
+    share = model_bytes / senders + min(bucket_bytes, model_bytes)
+    rows = [("funnel", model_bytes, model_bytes), ("owner-parallel", share, model_bytes),
+            ("vllm-nccl_m2n", share, model_bytes / engine_workers)]
+    return [PushTime(transport=name, out_bytes=out, in_bytes=into, seconds=max(out, into) / link_bytes_per_s)
+            for name, out, into in rows]
+
+
+def preset_push_times(cfg: RLConfig, total_params: float, param_bytes: int) -> list[PushTime]:
+    """The estimate for a preset: its model's wire bytes over its trainer world and engines."""
+    return push_times(
+        model_bytes=float(total_params) * param_bytes,
+        senders=cfg.cluster.trainer_world_size,
+        bucket_bytes=cfg.rollout.weight_bucket_mb * (1 << 20),
+        engine_workers=cfg.rollout.tensor_parallel * cfg.rollout.pipeline_parallel,
+        link_bytes_per_s=cfg.cluster.push_link_gb_per_s * 1e9,
+    )
