@@ -188,7 +188,7 @@ class EpisodeRunner:
                 episode = pending.pop(future)
                 if self._after_step(episode, future, budget):
                     ready.append(episode)
-        self.stats.wall_s += time.perf_counter() - start
+        self.stats.count("wall_s", time.perf_counter() - start)
         return self._finish(episodes, spec)
 
     def _start(self, episode: Episode) -> bool:
@@ -220,7 +220,7 @@ class EpisodeRunner:
                 chunk, version = _engine_segment(engine, [requests[k] for k in rows], spec, push_waiting)
             outputs += chunk
             versions += [version] * len(rows)
-        self.stats.engine_requests += len(requests)
+        self.stats.count("engine_requests", len(requests))
         again = []
         for episode, output, version in zip(asking, outputs, versions):
             episode.add_model_tokens(output, version)
@@ -264,17 +264,17 @@ class EpisodeRunner:
             self._end(episode, "budget")
             return False
         episode.add_observation(ids)
-        self.stats.observation_tokens += len(ids)
+        self.stats.count("observation_tokens", len(ids))
         return True
 
     def _end(self, episode: Episode, cut: str) -> None:
         episode.done, episode.cut = True, cut
         if cut:
-            self.stats.cuts[cut] = self.stats.cuts.get(cut, 0) + 1
+            self.stats.count(f"cut_{cut}")
 
     def _fail(self, episode: Episode, where: str, error: BaseException) -> None:
         episode.done, episode.failed = True, f"{where}: {type(error).__name__}: {error}"
-        self.stats.failed_episodes += 1
+        self.stats.count("failed_episodes")
         if self.stats.failed_logged < 3:
             self.stats.failed_logged += 1
             logger.warning(

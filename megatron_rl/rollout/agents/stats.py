@@ -54,9 +54,18 @@ class EpisodeStats:
                 self.tool_seconds[name] = self.tool_seconds.get(name, 0.0) + seconds
                 self.tool_seconds_max = max(self.tool_seconds_max, seconds)
 
+    def count(self, what: str, n: int = 1) -> None:
+        """Add n to a counter: observation_tokens, engine_requests, failed_episodes, or cut_<reason>."""
+        with self._lock:
+            if what.startswith("cut_"):
+                self.cuts[what[4:]] = self.cuts.get(what[4:], 0) + n
+            else:
+                setattr(self, what, getattr(self, what) + n)
+
     def add_episodes(self, episodes: list) -> None:
-        self.turns += [e.turns for e in episodes]
-        self.model_tokens += sum(e.model_tokens for e in episodes)
+        with self._lock:
+            self.turns += [e.turns for e in episodes]
+            self.model_tokens += sum(e.model_tokens for e in episodes)
 
     def maybe_keep_trace(self, episodes: list, tokenizer: Any, rewards) -> None:
         """Keep the first `trace_episodes` episodes of this batch for the next trace (when traces are on)."""
