@@ -153,6 +153,8 @@ class EpisodeRunner:
     def __init__(self, agent_cls: type[Environment], tokenizer: Any, reward_fn: Callable, rollout_config: Any):
         self.agent_cls, self.tokenizer, self.reward_fn, self.config = agent_cls, tokenizer, reward_fn, rollout_config
         self.stats = EpisodeStats()
+        if rollout_config.agent_trace_every:  # step 0 is traced; then every agent_trace_every steps (experience.agent_metrics)
+            self.stats.trace_episodes = int(rollout_config.agent_trace_episodes)
         self.context = AgentContext(tokenizer=tokenizer, config=rollout_config, stats=self.stats)
         self.renderer = ObservationRenderer(tokenizer, getattr(agent_cls, "observation_role", "user"))
         self._pool = ThreadPoolExecutor(max_workers=int(rollout_config.agent_workers), thread_name_prefix="agent-env")
