@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()  # saving and loading the tiny model: instant, no bars
     print(f"[demo] building a tiny random Qwen3-MoE model in {model_dir}", flush=True)
     make_tiny_model_dir(model_dir, "qwen3_moe", seed=0)
-    loss = warm_up_format(model_dir, cfg.data.path, agent=args.agent, steps=300 if args.agent else 150)
+    if args.agent:
+        from megatron_rl.rollout.agents.lookup import install_chat_template
+
+        install_chat_template(model_dir)  # observations are rendered with it
+    loss = warm_up_format(model_dir, cfg.data.path, agent=args.agent, steps=200 if args.agent else 150)
     print(f"[demo] format warm-up done (answer-format loss {loss:.2f}); GSPO from here on", flush=True)
 
     (out / "metrics.jsonl").unlink(missing_ok=True)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LEARN_STEPS, TARGET = 120, 0.8
+LEARN_STEPS, TARGET, WARM_UP_STEPS = 120, 0.8, 150
 
 
 def agent_config(model_dir: Path, out: Path, *overrides: str):
@@ -37,8 +37,11 @@ def main(out: Path) -> None:
     from megatron_rl.rollout import make_engine
     from megatron_rl.trainer import run
 
+    from megatron_rl.rollout.agents.lookup import install_chat_template
+
     model_dir = make_tiny_model_dir(out / "model", "qwen3_moe", seed=0)
-    warm_up_format(model_dir, "synthetic:lookup8:2048", agent=True, steps=300)
+    install_chat_template(model_dir)
+    warm_up_format(model_dir, "synthetic:lookup8:2048", agent=True, steps=WARM_UP_STEPS)
     engine = make_engine(model_dir, agent_config(model_dir, out).rollout)
     wall = {}
     try:

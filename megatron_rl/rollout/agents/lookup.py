@@ -2,8 +2,12 @@
 
     prompt:  "value of c is"
     model:   [lookup(key='c')]</s>            (a pythonic tool call, parsed by vLLM's `pythonic` parser)
-    tool:    " tool: f assistant:"             (observation tokens: out of the loss)
+    tool:    " f"                              (observation tokens, rendered by DEMO_CHAT_TEMPLATE: out of the loss)
     model:   "f</s>"                            (the final answer; the `exact` reward checks it)
+
+The demo's tokenizer gets DEMO_CHAT_TEMPLATE (install_chat_template): a tool
+message renders as its content after a space, so the observation is only the
+value (the tiny model learns to copy it within the test suite's time).
 
 Each row's value is a random letter independent of its key, so the model can
 only answer right by calling the tool and copying what it returned. The demo's
@@ -20,6 +24,22 @@ LOOKUP_SCHEMA = {
     "description": "The value stored under a key.",
     "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
 }
+
+
+DEMO_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{{ ' ' + m['content'] }}{% else %}{{ m['content'] }}{% endif %}"
+    "{% endfor %}"
+)
+"""The demo model's chat template: every message is its content; a tool message's after a space."""
+
+
+def install_chat_template(model_dir) -> None:
+    """Give the tokenizer in `model_dir` the demo's chat template (saved in its tokenizer_config.json)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.chat_template = DEMO_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(model_dir))
 
 
 def tool_call_text(key: str) -> str:
