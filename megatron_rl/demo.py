@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "configs" / "tiny-gspo.yaml"
-AGENT_PRESET = REPO / "configs" / "tiny-agent.yaml"
+AGENT_PRESET = REPO / "configs" / "tiny-gspo-agent.yaml"
 
 
 def warm_up_format(model_dir: Path, task: str, *, steps: int = 150, seed: int = 0, agent: bool = False) -> float:
@@ -80,7 +80,7 @@ def warm_up_format(model_dir: Path, task: str, *, steps: int = 150, seed: int = 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="", help="run directory (default outputs/demo, outputs/demo-agent with --agent)")
-    parser.add_argument("--agent", action="store_true", help="the tool-calling demo (configs/tiny-agent.yaml): the answer is only in a lookup tool")
+    parser.add_argument("--agent", action="store_true", help="the tool-calling demo (configs/tiny-gspo-agent.yaml): the answer is only in a lookup tool")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on top of configs/tiny-gspo.yaml")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

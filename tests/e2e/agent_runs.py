@@ -5,7 +5,7 @@
 The demo's model (tiny Qwen3-MoE) after the lookup episode's format warm-up
 (megatron_rl.demo.warm_up_format(agent=True): the tool call and an answer
 letter drawn independently of the tool's value), then GSPO with
-configs/tiny-agent.yaml until the last 10 steps average TARGET (at most
+configs/tiny-gspo-agent.yaml until the last 10 steps average TARGET (at most
 LEARN_STEPS): once synchronously (OUT/sync), once with max_staleness=1 and
 partial rollouts (OUT/staleness_1). Each run's episodes trace is in its
 directory (episodes.jsonl).
@@ -25,7 +25,7 @@ LEARN_STEPS, TARGET, WARM_UP_STEPS = 120, 0.8, 150
 def agent_config(model_dir: Path, out: Path, *overrides: str):
     from megatron_rl.config import RLConfig, load_config
 
-    return load_config(RLConfig, str(REPO / "configs" / "tiny-agent.yaml"), [
+    return load_config(RLConfig, str(REPO / "configs" / "tiny-gspo-agent.yaml"), [
         f"model.path={model_dir}", f"logging.dir={out}", f"checkpoint.dir={out / 'ckpt'}", "checkpoint.save_every=0",
         "logging.progress_bar=false", f"train.steps={LEARN_STEPS}", f"train.stop_at_reward={TARGET}", *overrides,
     ])
