@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LEARN_STEPS, TARGET, WARM_UP_STEPS = 120, 0.8, 150
+LEARN_STEPS, TARGET, WARM_UP_STEPS = 150, 0.8, 200
 
 
 def agent_config(model_dir: Path, out: Path, *overrides: str):
