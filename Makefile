@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast demo bench lint clean
+.PHONY: venv test test-fast demo demo-agent bench lint clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,9 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m megatron_rl.demo
+
+demo-agent: $(STAMP)
+	$(BIN)/python -m megatron_rl.demo --agent
 
 bench: $(STAMP)
 	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done
