@@ -6,8 +6,8 @@ The demo's model (tiny Qwen3-MoE) after the lookup episode's format warm-up
 (megatron_rl.demo.warm_up_format(agent=True): the tool call and an answer
 letter drawn independently of the tool's value), then GSPO with
 configs/tiny-gspo-agent.yaml until the last 10 steps average TARGET (at most
-LEARN_STEPS): once synchronously (OUT/sync), once with max_staleness=1 and
-partial rollouts (OUT/staleness_1). Each run's episodes trace is in its
+LEARN_STEPS): once synchronously (OUT/sync), once with max_staleness=1
+(OUT/staleness_1; pushes land between engine calls, so between two turns of an episode). Each run's episodes trace is in its
 directory (episodes.jsonl).
 """
 
@@ -45,7 +45,7 @@ def main(out: Path) -> None:
     engine = make_engine(model_dir, agent_config(model_dir, out).rollout)
     wall = {}
     try:
-        for name, extra in (("sync", ()), ("staleness_1", ("train.max_staleness=1", "train.partial_rollouts=true", "algorithm.tis_mode=token"))):
+        for name, extra in (("sync", ()), ("staleness_1", ("train.max_staleness=1", "algorithm.tis_mode=token"))):
             start = time.perf_counter()
             run(agent_config(model_dir, out / name, *extra), engine=engine)
             wall[name] = time.perf_counter() - start

@@ -6,7 +6,7 @@ independent of the loop:
   the lookup tool returns (chance is 1/8; the warm-up taught the format with
   answers drawn independently of the tool's value);
 - the trainer's logprobs of the model tokens against the engine's (two
-  implementations) within 1e-4 at every step, observation tokens out of it;
+  implementations) within 1e-4 at every synchronous step, observation tokens out of it;
 - every episode made its tool call: two turns, one lookup per episode;
 - the trace shows whole episodes with the observation marked out of the loss.
 """
@@ -45,8 +45,9 @@ def test_the_agent_demo_learns_to_use_its_tool(runs, name):
     assert rewards[0] < 0.2, rewards[:5]
     assert len(rows) < LEARN_STEPS and sum(rewards[-10:]) / 10 >= TARGET, rewards
     for r in rows:
-        assert r["mismatch/abs_logprob_diff/max"] < 1e-4, r
-        assert r["agent/failed_episodes"] == 0 and r.get("agent/tool_errors/lookup", 0) == 0
+        if name == "sync":  # the engine sampled with the trainer's weights (async: up to one version older)
+            assert r["mismatch/abs_logprob_diff/max"] < 1e-4, r
+        assert r["agent/failed_episodes"] == 0  # tool errors (a mistyped argument) are the model's, and allowed
         assert r["agent/observation_tokens"] > 0
     last = rows[-1]
     assert last["agent/turns_mean"] > 1.9 and last["agent/tool_calls/lookup"] >= 0.9 * last["agent/episodes"]
