@@ -3,17 +3,18 @@
     python bench/agent.py                 # in-process engine; writes bench/results/agent.json
     python bench/agent.py --server        # also one vLLM server (started here; about a minute more)
 
-Model: the tiny Qwen3-MoE of the tests (fp32). An episode is TURNS model turns
-of TURN_TOKENS tokens each (ignore_eos, so every turn has exactly that many)
-with an environment step between turns that sleeps TOOL_MS (0 or 50 ms, a tool's
-latency) and returns a short observation (OBS_TOKENS tokens, appended as
-tokens). For 1, 8 and 64 episodes in flight (one runner call holding that many
-episodes), the reference is the same model tokens generated as plain requests:
-engine.generate of the same number of sequences with TURNS x TURN_TOKENS new
-tokens each. Reported per case: episodes/s, engine tokens/s (model tokens / wall
-time of the call), and ratio = episode tokens/s / plain tokens/s (1 = no overhead;
-the episodes also prefill their observations and re-send their context each turn).
-Best of REPEATS after a warm-up (other processes on a shared machine only add time).
+Model: the tiny random Qwen3-MoE of the tests (fp32). An episode is TURNS model
+turns; a turn ends at one of STOP_IDS (16 of the 256 token ids, so turns average
+about 16 tokens on the random model) or at MAX_TURN_TOKENS; between turns an
+environment step sleeps TOOL_MS (0 or 50 ms, a tool's latency) and returns
+OBS_TOKENS observation tokens. For 1, 8 and 64 episodes in flight (one runner call
+holding that many episodes), the reference is the same number of model tokens as
+plain requests: engine.generate of as many sequences, ignore_eos, each with the
+episodes' mean model tokens. Reported per case: episodes/s, engine tokens/s (model
+tokens / wall time), and ratio = episode tokens/s / plain tokens/s (1 = no
+overhead; episodes also prefill observations, re-send their context each turn,
+and wait for their tools). Best of REPEATS after a warm-up (other processes on a
+shared machine only add time).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-TURNS, TURN_TOKENS, OBS_TOKENS, REPEATS = 3, 16, 6, 3
+TURNS, MAX_TURN_TOKENS, OBS_TOKENS, REPEATS = 3, 48, 6, 3
+STOP_IDS = list(range(4, 20))
 IN_FLIGHT, TOOL_MS = (1, 8, 64), (0, 50)
 
 
@@ -62,22 +64,31 @@ def measure(engine, tokenizer, label: str) -> list[dict]:
     rows = []
     for in_flight in IN_FLIGHT:
         batch_prompts = prompts[:in_flight]
-        plain_spec = SamplingSpec(n=1, max_new_tokens=TURNS * TURN_TOKENS, ignore_eos=True, seed=0)
-        engine.generate([p.token_ids for p in batch_prompts], plain_spec)  # warm-up
-        plain = min(_timed(engine.generate, [p.token_ids for p in batch_prompts], plain_spec) for _ in range(REPEATS))
         for tool_ms in TOOL_MS:
             runner = EpisodeRunner(_environment(tool_ms, observation), tokenizer, exact_match,
                                    RolloutConfig(agent="single_turn", agent_max_turns=TURNS, agent_reward="env"))
-            spec = SamplingSpec(n=1, max_new_tokens=TURN_TOKENS, ignore_eos=True, seed=0)
-            batch = runner.run(engine, batch_prompts, spec)  # warm-up
-            assert int(batch.model_tokens.sum()) == in_flight * TURNS * TURN_TOKENS
-            episodes = min(_timed(runner.run, engine, batch_prompts, spec) for _ in range(REPEATS))
+            spec = SamplingSpec(n=1, max_new_tokens=MAX_TURN_TOKENS, stop_token_ids=STOP_IDS, seed=0)
+            runner.run(engine, batch_prompts, spec)  # warm-up
+            times, tokens = [], 0
+            for _ in range(REPEATS):
+                start = time.perf_counter()
+                batch = runner.run(engine, batch_prompts, spec)
+                times.append(time.perf_counter() - start)
+                tokens = int(batch.model_tokens.sum())  # the same every repeat (same seeds)
+            stats = runner.stats.take()
             runner.close()
-            tokens = in_flight * TURNS * TURN_TOKENS
+            per_sequence = max(1, round(tokens / in_flight))
+            plain_spec = SamplingSpec(n=1, max_new_tokens=per_sequence, ignore_eos=True, seed=0)
+            engine.generate([p.token_ids for p in batch_prompts], plain_spec)  # warm-up
+            plain = min(_timed(engine.generate, [p.token_ids for p in batch_prompts], plain_spec) for _ in range(REPEATS))
+            episodes = min(times)
+            plain_tokens = per_sequence * in_flight
             rows.append({
                 "engine": label, "episodes_in_flight": in_flight, "tool_ms": tool_ms,
+                "model_tokens": tokens, "turns_mean": round(stats["agent/turns_mean"], 2),
                 "episodes_per_s": round(in_flight / episodes, 2), "engine_tokens_per_s": round(tokens / episodes, 1),
-                "plain_tokens_per_s": round(tokens / plain, 1), "ratio": round(plain / episodes, 3),
+                "plain_tokens_per_s": round(plain_tokens / plain, 1),
+                "ratio": round((tokens / episodes) / (plain_tokens / plain), 3),
             })
             print(rows[-1], flush=True)
     return rows
@@ -122,7 +133,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
         "load_average_1min_at_start_and_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         "model": "tiny qwen3_moe (2 layers, hidden 64, 8 experts top-2, vocab 256, fp32)",
-        "episode": {"turns": TURNS, "turn_tokens": TURN_TOKENS, "observation_tokens": OBS_TOKENS, "repeats": REPEATS},
+        "episode": {"turns": TURNS, "max_turn_tokens": MAX_TURN_TOKENS, "stop_ids": len(STOP_IDS), "observation_tokens": OBS_TOKENS,
+                    "repeats": REPEATS},
         "rows": rows,
     }
     out = ROOT / "bench" / "results" / "agent.json"

@@ -57,6 +57,10 @@ from megatron_rl.rollout.sampling import SamplingSpec, prompt_seed
 
 logger = logging.getLogger(__name__)
 
+_GATHER_S = 0.005
+"""With no episode waiting for the engine: after the first environment step finishes, how long the runner waits
+for others to finish too, so that their next turns share one engine call."""
+
 
 @dataclass
 class Episode:
@@ -185,7 +189,9 @@ class EpisodeRunner:
                 ready = self._generate_round(engine, ready, spec, budget, engine_turn, push_waiting, pending)
             done = [f for f in pending if f.done()]
             if not ready and not done and pending:
-                done = list(wait(list(pending), return_when=FIRST_COMPLETED).done)
+                wait(list(pending), return_when=FIRST_COMPLETED)
+                # steps that finish together (tools of similar latency) go to the engine as one batch
+                done = list(wait(list(pending), timeout=_GATHER_S).done)
             for future in done:
                 episode = pending.pop(future)
                 if self._after_step(episode, future, budget):
