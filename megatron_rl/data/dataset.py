@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ class Prompt:
     """Prompt text as read (messages joined for chat rows)."""
     answer: Any
     """Reference answer passed to the reward."""
+    row: dict = field(default_factory=dict)
+    """The source row as read (agents, megatron_rl.rollout.agents, may read fields beyond prompt and answer)."""
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
@@ -143,7 +145,7 @@ class PromptDataset:
                     )
                 self.num_dropped_long += 1
                 continue
-            self.prompts.append(Prompt(index=index, token_ids=list(ids), text=text, answer=row[answer_key]))
+            self.prompts.append(Prompt(index=index, token_ids=list(ids), text=text, answer=row[answer_key], row=row))
         if not self.prompts:
             raise DatasetError(
                 f"dataset {str(path)!r}: all {len(rows)} prompts are longer than rollout.max_prompt_tokens={max_prompt_tokens}"

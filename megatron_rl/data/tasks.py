@@ -35,13 +35,20 @@ def _add_digits(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{a} + {b} =", "answer": str(a + b)}
 
 
-TASKS = {"first_letter": _first_letter, "first_letter8": _first_letter8, "last_letter": _last_letter, "add": _add_digits}
+def _lookup8(rng: random.Random) -> dict[str, str]:
+    """A value held only by a lookup tool (rollout.agent=lookup): key and value are independent letters a-h."""
+    key = rng.choice("abcdefgh")
+    return {"prompt": f"value of {key} is", "answer": rng.choice("abcdefgh"), "key": key}
+
+
+TASKS = {"first_letter": _first_letter, "first_letter8": _first_letter8, "last_letter": _last_letter, "add": _add_digits, "lookup8": _lookup8}
 
 ANSWER_ALPHABETS = {
     "first_letter": string.ascii_lowercase,
     "first_letter8": "abcdefgh",
     "last_letter": string.ascii_lowercase,
     "add": string.digits,
+    "lookup8": "abcdefgh",
 }
 """The answers each task can have: the demo's format warm-up draws random answers from these."""
 

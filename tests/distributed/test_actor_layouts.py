@@ -29,7 +29,9 @@ logprobs (tokens whose ratio leaves [0.5, 5] drop out of the loss and the
 counts), DP2 x 3 microbatches and CP2 packed give the single rank's dapo and
 gspo update. With their routed experts built as megatron-core's
 GroupedMLP (moe_grouped_gemm), Qwen3-MoE and DeepSeek-V3 give their
-SequentialMLP single rank's gspo gradient on 1, EP2 and TP2xEP2.
+SequentialMLP single rank's gspo gradient on 1, EP2 and TP2xEP2. A batch of multi-turn
+episodes (observation tokens inside responses, out of the mask) gives the single
+rank's gspo update on TP2, DP2 x 3 microbatches (distributed) and CP2 packed.
 
 Every case gets the batch as the trainer gives it (trainer.py): only rank 0 holds
 the step and actor.distribute sends each rank its DP rank's rows, packed and
@@ -133,6 +135,27 @@ STALE_WORLD1 = {"single/stale-removed": ({}, {"micro_batch_size": B}, "alltoall"
 STALE_WORLD2 = {"DP2x3mb/stale/shares": ({}, {"micro_batch_size": 2, "max_staleness": 1}, "alltoall")}
 
 
+# A batch of multi-turn episodes (megatron_rl.rollout.agents): 5 observation tokens inside the responses of rows
+# 0, 2, 4 and 9 are context but out of the mask. TP2, DP2 x 3 microbatches (the batch distributed from rank 0)
+# and CP2 with packed microbatches must give the single rank's gspo update on that batch.
+EPISODE_ROWS, EPISODE_OBS = (0, 2, 4, 9), (5, 10)
+EPISODE_LOSSES = ("gspo",)
+EPISODE_WORLD1 = {"single/episode": ({}, {"micro_batch_size": B}, "alltoall")}
+EPISODE_WORLD2 = {
+    "TP2/episode": ({"tensor_parallel": 2, "expert_tensor_parallel": 2}, {"micro_batch_size": 3}, "alltoall"),
+    "DP2x3mb/episode/shares": ({}, {"micro_batch_size": 2}, "alltoall"),
+    "CP2/episode/packed": ({"context_parallel": 2}, PACKED, "alltoall"),
+}
+
+
+def observation_tokens(batch) -> torch.Tensor:
+    obs = torch.zeros_like(batch.response_mask)
+    for row in EPISODE_ROWS:
+        start = int(batch.prompt_lengths[row])
+        obs[row, start + EPISODE_OBS[0] : start + EPISODE_OBS[1]] = True
+    return obs
+
+
 def stale_tokens(batch) -> torch.Tensor:
     stale = torch.zeros_like(batch.response_mask)
     for row in STALE_ROWS:
@@ -144,6 +167,8 @@ def stale_tokens(batch) -> torch.Tensor:
 def batch_for(name: str):
     """make_batch(), with per-token versions for a /stale case, or without the stale tokens for its reference."""
     batch = make_batch()
+    if "/episode" in name:
+        return batch.replace(response_mask=batch.response_mask & ~observation_tokens(batch))
     if name.endswith("/stale-removed"):
         return batch.replace(response_mask=batch.response_mask & ~stale_tokens(batch))
     if "/stale" in name:
@@ -295,7 +320,7 @@ def glm_dir(tmp_path_factory):
 def world1_all(model_dir, mla_dir, glm_dir):
     runs = [(model_dir, WORLD1, None, LOSSES), (mla_dir, {**MLA_WORLD1, **MLA_GROUPED[1]}, None, MLA_LOSSES),
             (glm_dir, MLA_WORLD1, None, MLA_LOSSES), (model_dir, STALE_WORLD1, None, STALE_LOSSES),
-            (model_dir, TIS_WORLD1, None, TIS_LOSSES)]
+            (model_dir, TIS_WORLD1, None, TIS_LOSSES), (model_dir, EPISODE_WORLD1, None, EPISODE_LOSSES)]
     return run_distributed(_runs, 1, runs, timeout=300)[0]
 
 
@@ -510,8 +535,9 @@ def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, world1_all, s
     runs = [(model_dir, WORLD2, single["old_logprobs"], LOSSES),
             *_family_runs(MLA_WORLD2, mla_dir, mla_single, glm_dir, glm_single, MLA_GROUPED[2]),
             (model_dir, STALE_WORLD2, single["old_logprobs"], STALE_LOSSES),
-            (model_dir, TIS_WORLD2, single["old_logprobs"], TIS_LOSSES)]
-    results, mla_results, glm_results, stale_results, tis_results = run_distributed(_runs, 2, runs, timeout=400)[0]
+            (model_dir, TIS_WORLD2, single["old_logprobs"], TIS_LOSSES),
+            (model_dir, EPISODE_WORLD2, single["old_logprobs"], EPISODE_LOSSES)]
+    results, mla_results, glm_results, stale_results, tis_results, episode_results = run_distributed(_runs, 2, runs, timeout=600)[0]
     failures = _compare(results, single, _initial(model_dir))
     failures += _family_failures(mla_results, glm_results, mla_dir, mla_single, glm_dir, glm_single)
     # tokens beyond the staleness bound, masked on each DP rank's share: the update of the batch without them
@@ -530,6 +556,12 @@ def test_two_rank_layouts_give_the_single_rank_gradient(model_dir, world1_all, s
         metrics = stale_results["DP2x3mb/stale/shares"]["metrics"][loss]
         assert metrics["async/stale_tokens_masked/sum"] == len(STALE_ROWS) * STALE_PER_ROW, metrics
         assert metrics["async/token_staleness/max"] == 2 and metrics["tokens/sum"] == stale_reference["metrics"][loss]["tokens/sum"]
+    # episodes: observation tokens inside responses, out of the mask, on TP2, DP2 shares and CP2 packed
+    episode_reference = world1_all[5]["single/episode"]
+    failures += _compare(episode_results, episode_reference, _initial(model_dir), EPISODE_LOSSES)
+    tokens = int((make_batch().response_mask & ~observation_tokens(make_batch())).sum())
+    for name in EPISODE_WORLD2:
+        assert episode_results[name]["metrics"]["gspo"]["tokens/sum"] == tokens, (name, episode_results[name]["metrics"]["gspo"])
     assert not failures, "\n".join(failures)
 
 

@@ -1,0 +1,211 @@
+"""Episodes without an engine: a hand-worked two-turn episode through the batch and GSPO, tools' failure paths,
+and naming an agent that cannot be used.
+
+The engine-driven checks (token identity, single-turn parity, limits) are in tests/e2e/test_agents_engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_rl.algorithms import compute_loss_denominators, get_policy_loss
+from megatron_rl.config import AlgorithmConfig
+from megatron_rl.config.core import ConfigError
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.data.batch import Rollouts
+from megatron_rl.rollout.agents import AgentContext, AgentError, ModelTurn, Tool, ToolsAgent, load_agent
+from megatron_rl.rollout.agents.runner import Episode
+from megatron_rl.rollout.agents.stats import EpisodeStats, episode_trace
+from megatron_rl.rollout.partial import SegmentOutput
+
+PROMPT = [5, 6, 7]
+TURN1, LP1 = [10, 11, 2], [-1.0, -0.5, -0.25]
+OBS = [20, 21]
+TURN2, LP2 = [12, 2], [-0.75, -0.125]
+
+
+def two_turn_episode() -> Episode:
+    e = Episode(0, 0, SimpleNamespace(token_ids=PROMPT), seed=None, prompt_ids=list(PROMPT))
+    e.add_model_tokens(SegmentOutput(TURN1, LP1, "stop"), version=3)
+    e.add_observation(OBS)
+    e.add_model_tokens(SegmentOutput(TURN2, LP2, "stop"), version=4)
+    return e
+
+
+def test_two_turn_episode_batch_by_hand():
+    padded = Rollouts(samples=[two_turn_episode().to_sample(eos_id=2)], n_samples=1, weight_version=3).to_padded(0)
+    # positions: 0-2 prompt, 3-5 turn 1, 6-7 observation, 8-9 turn 2
+    assert padded.tokens[0].tolist() == PROMPT + TURN1 + OBS + TURN2
+    assert padded.response_mask[0].tolist() == [False] * 3 + [True] * 3 + [False] * 2 + [True] * 2
+    assert padded.rollout_logprobs[0].tolist() == [0.0] * 3 + LP1 + [0.0, 0.0] + LP2
+    assert padded.token_versions[0].tolist() == [-1] * 3 + [3, 3, 3, 3, 3, 4, 4]
+    assert int(padded.response_lengths[0]) == 7 and int(padded.prompt_lengths[0]) == 3
+    denom = compute_loss_denominators([padded.response_mask])
+    assert (denom.global_num_tokens, denom.global_num_sequences) == (5, 1)  # model tokens only
+
+
+def _gspo(lp, old, mask, adv):
+    cfg = AlgorithmConfig(loss="gspo")
+    denom = compute_loss_denominators([mask])
+    return get_policy_loss("gspo")(lp, old, adv, mask, cfg, denom)
+
+
+def test_gspo_on_an_episode_counts_model_tokens_only():
+    padded = Rollouts(samples=[two_turn_episode().to_sample(eos_id=2)], n_samples=1, weight_version=3).to_padded(0)
+    old = padded.rollout_logprobs.to(torch.float64)
+    delta = torch.tensor([[0, 0, 0, 1e-4, -2e-4, 3e-4, 0, 0, 2e-4, 1e-4]], dtype=torch.float64)
+    lp = (old + delta).clone()
+    lp[0, 6:8] = torch.tensor([-9.0, 4.0])  # observation positions: any value must change nothing
+    lp.requires_grad_(True)
+    adv = torch.tensor([1.5], dtype=torch.float64)
+    loss, metrics = _gspo(lp, old, padded.response_mask, adv)
+    loss.backward()
+    # GSPO Eq. 7 by hand: s = exp(mean of the 5 model tokens' log ratios), inside the clip range: loss = -A s
+    model = [3, 4, 5, 8, 9]
+    s = math.exp(sum(float(delta[0, t]) for t in model) / 5)
+    assert float(loss) == pytest.approx(-1.5 * s, rel=1e-12)
+    expected = torch.zeros_like(lp)
+    expected[0, model] = -1.5 * s / 5
+    torch.testing.assert_close(lp.grad, expected, rtol=1e-12, atol=1e-15)
+    # the same tokens with the observation positions left out of the mask by hand give the same loss and gradient
+    hand = torch.zeros_like(padded.response_mask)
+    hand[0, model] = True
+    lp2 = (old + delta).detach().requires_grad_(True)
+    loss2, _ = _gspo(lp2, old, hand, adv)
+    loss2.backward()
+    assert float(loss2) == float(loss)
+    torch.testing.assert_close(lp2.grad, lp.grad, rtol=0, atol=0)
+
+
+def test_failed_episode_leaves_the_loss():
+    e = two_turn_episode()
+    e.failed = "step: RuntimeError: x"
+    sample = e.to_sample(eos_id=2)
+    assert not bool(sample.response_loss_mask.any())
+    before = Episode(1, 0, SimpleNamespace(token_ids=PROMPT), seed=None, prompt_ids=list(PROMPT), failed="reset: boom")
+    placeholder = before.to_sample(eos_id=2)  # failed before any turn: one placeholder token, out of the loss
+    assert placeholder.response_token_ids.tolist() == [2] and placeholder.response_loss_mask.tolist() == [False]
+
+
+def test_trace_shows_the_mask():
+    tok = SimpleNamespace(decode=lambda ids: " ".join(map(str, ids)))
+    trace = episode_trace(two_turn_episode(), tok, 1.0)
+    assert [(s["kind"], s["text"]) for s in trace["segments"]] == [("model", "10 11 2"), ("obs", "20 21"), ("model", "12 2")]
+
+
+# -- tools ---------------------------------------------------------------------------------------------
+
+
+def _schema(name: str) -> dict:
+    return {"name": name, "parameters": {"type": "object", "properties": {}}}
+
+
+def ok(x: int = 1) -> str:
+    return f"ok {x}"
+
+
+def boom() -> str:
+    raise RuntimeError("kaput")
+
+
+def hang() -> str:
+    time.sleep(3)
+    return "late"
+
+
+def number() -> int:
+    return 7
+
+
+async def nap() -> str:
+    await asyncio.sleep(0.3)
+    return "rested"
+
+
+class Kit(ToolsAgent):
+    tool_parser = "hermes"
+
+    def get_tools(self):
+        return [Tool(f, _schema(f.__name__)) for f in (ok, boom, hang, number, nap)]
+
+
+def _agent(parser: str = "") -> tuple[Kit, EpisodeStats]:
+    stats = EpisodeStats()
+    cfg = RolloutConfig(agent_tool_timeout_s=0.5, agent_tool_parser=parser)
+    return Kit(AgentContext(tokenizer=SimpleNamespace(), config=cfg, stats=stats)), stats
+
+
+def _turn(text: str) -> ModelTurn:
+    return ModelTurn(index=0, token_ids=[1], text=text, finish_reason="stop")
+
+
+def _call(name: str, args: str = "{}") -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+
+
+def test_tool_results_and_failures_become_observations():
+    agent, stats = _agent()
+    agent.step(_turn("no call"))  # the first parse imports vLLM's parser: not part of what is timed
+    start = time.perf_counter()
+    result = agent.step(_turn(_call("ok", '{"x": 3}') + _call("boom") + _call("hang") + _call("number") + _call("missing")))
+    elapsed = time.perf_counter() - start
+    assert not result.done
+    contents = [m["content"] for m in result.observation]
+    assert contents == [
+        "ok 3",
+        "error: boom: RuntimeError: kaput",
+        "error: hang timed out after 0.5 s",
+        "error: number returned int, not text",
+        "error: no tool named 'missing' (tools: boom, hang, nap, number, ok)",
+    ]
+    assert all(m["role"] == "tool" for m in result.observation)
+    assert elapsed < 2.5  # the hung tool was abandoned at its timeout
+    assert stats.tool_calls == {"ok": 1, "boom": 1, "hang": 1, "number": 1, "missing": 1}
+    assert stats.tool_errors == {"boom": 1, "hang": 1, "number": 1, "missing": 1}
+    metrics = stats.take()
+    assert metrics["agent/tool_errors/boom"] == 1.0 and metrics["agent/tool_errors/ok"] == 0.0
+
+
+def test_calls_of_one_turn_run_concurrently_and_async_tools_work():
+    agent, _ = _agent()
+    agent.step(_turn("no call"))
+    start = time.perf_counter()
+    result = agent.step(_turn(_call("nap") + _call("nap") + _call("nap")))
+    assert [m["content"] for m in result.observation] == ["rested"] * 3
+    assert time.perf_counter() - start < 0.8  # three 0.3 s naps side by side
+
+
+def test_malformed_call_no_call_and_bad_arguments():
+    agent, stats = _agent()
+    malformed = agent.step(_turn('<tool_call>{"name": "ok", "argu'))
+    assert not malformed.done and malformed.observation.startswith("error: malformed tool call")
+    assert stats.malformed == 1
+    assert agent.step(_turn("the answer is b")).done  # no call: the final answer
+    bad = agent.step(_turn(_call("ok", '{"y": 1}')))
+    assert bad.observation[0]["content"].startswith("error: ok: TypeError")
+    pythonic, stats2 = _agent("pythonic")  # rollout.agent_tool_parser overrides the class's parser
+    assert pythonic.step(_turn("[ok(x=5)]")).observation[0]["content"] == "ok 5"
+    assert not pythonic.step(_turn("[ok(x=")).done and stats2.malformed == 1
+
+
+def test_unknown_parser_and_agents_that_cannot_be_used():
+    agent, _ = _agent("no_such_parser")
+    with pytest.raises(AgentError, match="tool parser 'no_such_parser'.*hermes"):
+        agent.step(_turn("x"))
+    with pytest.raises(AgentError, match="cannot import module 'no_such_pkg.mod'"):
+        load_agent("no_such_pkg.mod:Agent")
+    with pytest.raises(AgentError, match="not a subclass of megatron_rl.rollout.agents.Environment"):
+        load_agent("megatron_rl.rollout.agents.base:ModelTurn")
+    with pytest.raises(AgentError, match="single_turn"):
+        load_agent("nonsense")
+    with pytest.raises(ConfigError, match="rollout.agent='no_such_pkg:X'"):
+        RolloutConfig(agent="no_such_pkg:X").validate()
+    with pytest.raises(ConfigError, match="return_routed_experts"):
+        RolloutConfig(agent="single_turn", return_routed_experts=True).validate()
+    assert load_agent("lookup").__name__ == "LookupAgent"
