@@ -212,6 +212,9 @@ CASES = [
     Case(name="unknown_reward", argv=_train("data.reward=exactly"), code=2, culprit=["exactly", "exact"]),
     Case(name="unimportable_reward_module", argv=_train("data.reward=no_such_module:score"), code=2, culprit=["no_such_module", "PYTHONPATH"]),
     Case(name="reward_function_missing", argv=_train("data.reward=json:no_such_function"), code=2, culprit=["json", "no_such_function"]),
+    Case(name="unimportable_agent_class", argv=_train("rollout.agent=no_such_agents:Solver"), code=2,
+         culprit=["rollout.agent", "no_such_agents", "PYTHONPATH"]),
+    Case(name="agent_class_missing", argv=_train("rollout.agent=json:NoSuchAgent"), code=2, culprit=["rollout.agent", "NoSuchAgent"]),
     # -- checkpoints
     Case(name="resume_half_written", argv=_train("checkpoint.resume={root}/ckpts/half/step_00000002"), code=2,
          culprit=["step_00000002", "incomplete"], untouched=["ckpts/half"]),
