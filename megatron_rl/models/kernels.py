@@ -123,7 +123,13 @@ class KernelChoice:
     def describe(self) -> str:
         """The one start-up line: what is on and why anything is off."""
         on = sorted(k for k, v in self.fusions.items() if v)
-        off = "; ".join(f"{k} off: {why}" for k, why in sorted(self.fusions_off_why.items()))
+        by_reason: dict[str, list[str]] = {}
+        for name, why in self.fusions_off_why.items():
+            by_reason.setdefault(why, []).append(name)
+        off = "; ".join(
+            f"{'all fusions' if len(names) == len(self.fusions) else ', '.join(sorted(names))} off: {why}"
+            for why, names in sorted(by_reason.items())
+        )
         overlap = "on" if self.overlap_grad_reduce else f"off ({self.overlap_why})"
         return (f"kernels: experts {self.experts} ({self.experts_why}); attention {self.attention} ({self.attention_why}); "
                 f"fusions on: {', '.join(on) or 'none'}{'; ' + off if off else ''}; overlap_grad_reduce {overlap}")
@@ -193,6 +199,8 @@ def choose_fusions(kernels: Kernels, *, use_te: bool, enabled: bool = True) -> t
     }
     if not enabled:
         reasons = {name: (False, "model.fusions=false") for name in reasons}
+    elif not kernels.cuda:  # megatron-core on CPU: none of their kernels exists
+        reasons = {name: (False, "no CUDA") for name in reasons}
     fusions = {name: bool(on) for name, (on, _) in reasons.items()}
     off = {name: why for name, (on, why) in reasons.items() if not on}
     return fusions, off

@@ -63,9 +63,12 @@ def test_the_start_up_line_says_what_and_why():
     choice = choose_kernels(H200_NO_TE, ModelConfig(), use_te=False, dtype=BF16, data_parallel=8)
     line = choice.describe()
     assert choice.moe_grouped_gemm and choice.overlap_grad_reduce
-    assert "experts torch_grouped_mm" in line and "attention varlen" in line and "apply_rope_fusion off: needs Transformer Engine" in line
+    assert "experts torch_grouped_mm" in line and "attention varlen" in line
+    assert "fusions on: bias_activation_fusion, bias_dropout_fusion;" in line
+    assert "apply_rope_fusion off: needs Transformer Engine's fused RoPE" in line
     cpu = choose_kernels(CPU, ModelConfig(), use_te=False, dtype=FP32, data_parallel=2)
     assert not cpu.moe_grouped_gemm and not cpu.overlap_grad_reduce and "overlap_grad_reduce off (CPU)" in cpu.describe()
+    assert "fusions on: none; all fusions off: no CUDA" in cpu.describe()
 
 
 def test_the_cpu_build_uses_the_cpu_choices():
