@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {"init_std": 0.1}, "glm4_moe": {"init_std": 0.1}}
 SPEC_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("A100", 312.0))
-LOGPROB_TOL, PACKED_TOL = 1e-4, 1e-5
+LOGPROB_TOL, PACKED_TOL = 1e-5, 1e-5  # fp32 logprobs vs transformers on the same device: measured 1.4e-6 on an H200
 # The speed model: Qwen3-MoE's shape (30B-A3B's widths, 64 experts, 6 layers) at 2.55 B parameters.
 SPEED_MODEL = dict(hidden_size=2048, num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                    moe_intermediate_size=768, intermediate_size=6144, num_experts=64, num_experts_per_tok=8,

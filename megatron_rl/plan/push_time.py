@@ -23,7 +23,7 @@ the time below B / bw.
 
 Sanity check against the numbers published for DeepSeek-V3 (671 B parameters,
 bf16: B = 1.34 TB) at 50 GB/s (400 Gb/s InfiniBand):
-funnel 1.34e12 / 50e9 = 27 s per step (as the weight-push issue states);
+funnel 1.34e12 / 50e9 = 27 s per step;
 m2n into engines of TP 8 x PP 4: 1.34e12 / 32 / 50e9 = 0.84 s, the order of
 NeMo RL's published 2.4-2.8 s reshard (which also converts and loads) and below
 checkpoint-engine's 14-16 s for Kimi-K2 (1 T parameters in fp8, 16-256 GPUs).

@@ -290,7 +290,7 @@ SUBPROCESS_CASES = ["command_line_missing_model", "engine_cannot_start", "torchr
 
 
 def test_command_line_refuses_a_typed_model_path_and_creates_nothing(corpus, tmp_path):
-    """The issue's run: a tiny preset with a mistyped model.path trained a random model in silence."""
+    """A tiny preset with a mistyped model.path once trained a random model in silence."""
     typo = tmp_path / "nonexistent"
     code, text, seconds = _run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", PRESET, f"model.path={typo}",
                                 f"logging.dir={tmp_path / 'out'}", f"checkpoint.dir={tmp_path / 'ckpt'}"], timeout=120, cwd=tmp_path)

@@ -89,7 +89,7 @@ TORCH_GMM = {"grouped-gemm-fallback"}  # torch's grouped matmul wherever the pac
     ("avail", "expected"),
     [
         (_avail(cuda=False, te=False), ALL),  # a CPU build: everything
-        (_avail(cuda=True, te=False), TE_ABSENT | TORCH_ADAM | TORCH_NORM | TORCH_GMM),  # a GPU without TE (the node)
+        (_avail(cuda=True, te=False), TE_ABSENT | TORCH_ADAM | TORCH_NORM | TORCH_GMM),  # a GPU without TE (an air-gapped node, a failed TE build)
         (_avail(cuda=True, te=True), TORCH_NORM | TORCH_GMM),  # TE without apex: megatron's torch norm class is still patched
         (_avail(cuda=True, te=True, apex=True, gg=True), set()),  # a full GPU stack: nothing
         (_avail(cuda=False, te=True), ALL - TE_ABSENT - TORCH_ADAM),  # not a real platform; the function still answers

@@ -34,7 +34,7 @@ def test_tiny_run_passes_its_own_checks(tiny_run):
     names = set(result["checks"])
     for family in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
         assert {f"logprobs/{family}", f"packed/{family}", f"gspo_step/{family}"} <= names
-        assert result["logprobs"][family]["max_abs_err_vs_transformers"] <= 1e-4
+        assert result["logprobs"][family]["max_abs_err_vs_transformers"] <= 1e-5  # fp32, the same device: as the GPU run checks
     assert {"flop_params", "vocab_logprobs", "tests"} <= names and all(c["ok"] for c in result["checks"].values())
     tests = result["tests"]  # --tiny runs one quick test file through the same pytest section
     assert tests["returncode"] == 0 and tests["counts"].get("passed", 0) >= 1 and "failed" not in tests["counts"]

@@ -31,7 +31,7 @@ def test_push_times_hand_computed():
 def test_deepseek_v3_preset_matches_the_published_funnel_time_and_the_cli_prints_it():
     result = plan_preset(str(CONFIGS / "deepseek-v3-gspo-64x8h100.yaml"))
     rows = {r.transport: r for r in result.push}
-    # 671e9 parameters in bf16 = 1.34 TB at 50 GB/s: about 27 s through one rank (the figure)
+    # 671e9 parameters in bf16 = 1.34 TB at 50 GB/s: about 27 s through one rank
     assert rows["funnel"].seconds == pytest.approx(671e9 * 2 / 50e9, rel=0.03)
     # 256 trainer ranks send 1/256 each; engines of TP 8 x PP 4 take 1/32 each: 0.84 s
     assert rows["owner-parallel"].out_bytes == pytest.approx(671e9 * 2 / 256 + 512 * 2**20, rel=0.03)
