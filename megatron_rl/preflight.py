@@ -7,7 +7,8 @@
 3. lengths: rollout.max_prompt_tokens + rollout.max_new_tokens fit the model's positions
    (and rollout.max_model_len when set);
 4. the resume checkpoint: complete, and saved from a model of the same architecture
-   (trainer_state.json records it, `model_architecture` below; compared key by key).
+   (trainer_state.json records it, `model_architecture` below; compared key by key);
+5. rollout.agent: the class it names imports and is an Environment (before any directory is made).
 
 Each failure is a ConfigError or CheckpointError naming the key, the value and the fix
 (megatron_rl.errors turns it into one line and exit code 2).
@@ -39,9 +40,18 @@ def check_before_start(cfg: RLConfig) -> None:
 
     hf_config = load_hf_config(cfg.model.path)
     architecture = model_architecture(hf_config)
+    check_agent(cfg)
     check_writable_dirs(cfg)
     check_lengths(cfg, hf_config)
     check_resume_matches(cfg, architecture)
+
+
+def check_agent(cfg: RLConfig) -> None:
+    """rollout.agent names a class that imports (AgentError, a ConfigError, naming the key), on every rank."""
+    if cfg.rollout.agent:
+        from megatron_rl.rollout.agents.base import load_agent
+
+        load_agent(cfg.rollout.agent)
 
 
 def model_architecture(hf_config: dict) -> dict[str, Any]:

@@ -420,10 +420,6 @@ class RolloutConfig:
                 f"{self.agent_tool_timeout_s}, agent_workers={self.agent_workers}: turns and workers must be >= 1, the budget >= 0 "
                 "(0 = the engine's context), the timeout > 0"
             )
-        if self.agent:  # a class that cannot be imported is a config error, on every rank, before anything starts
-            from megatron_rl.rollout.agents.base import load_agent
-
-            load_agent(self.agent)
         if self.agent and self.return_routed_experts:
             raise ConfigError(
                 f"rollout.agent={self.agent!r} with rollout.return_routed_experts=true: routed-expert capture (R3) does not "

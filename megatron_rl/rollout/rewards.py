@@ -10,7 +10,6 @@ metric (`reward/errors`). A batch where every sample fails is an error.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import re
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megatron_rl.extras import import_extra
+from megatron_rl.rollout.import_path import import_path
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,7 @@ def get_reward_fn(name: str) -> RewardFn:
         return REWARDS[name]
     if ":" not in name:
         raise RewardError(f"unknown reward {name!r}: use one of {sorted(REWARDS)} or an import path 'package.module:function'")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise RewardError(f"data.reward={name!r}: cannot import module {module_name!r} ({err}); is it on PYTHONPATH?") from None
-    fn = getattr(module, attr, None)
+    module_name, attr, fn = import_path("data.reward", name, name, RewardError)
     if not callable(fn):
         raise RewardError(f"data.reward={name!r}: module {module_name!r} has no callable {attr!r}")
     return fn

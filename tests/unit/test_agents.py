@@ -196,7 +196,7 @@ def test_malformed_call_no_call_and_bad_arguments():
 
 def test_unknown_parser_and_agents_that_cannot_be_used():
     agent, _ = _agent("no_such_parser")
-    with pytest.raises(AgentError, match="tool parser 'no_such_parser'.*hermes"):
+    with pytest.raises(AgentError, match="tool parser 'no_such_parser' is not one of vLLM's: set rollout.agent_tool_parser"):
         agent.step(_turn("x"))
     with pytest.raises(AgentError, match="cannot import module 'no_such_pkg.mod'"):
         load_agent("no_such_pkg.mod:Agent")
@@ -204,8 +204,12 @@ def test_unknown_parser_and_agents_that_cannot_be_used():
         load_agent("megatron_rl.rollout.agents.base:ModelTurn")
     with pytest.raises(AgentError, match="single_turn"):
         load_agent("nonsense")
+    from megatron_rl.config import RLConfig, load_config
+    from megatron_rl.preflight import check_agent
+
+    cfg = load_config(RLConfig, None, ["rollout.agent=no_such_pkg:X"])  # the config layer imports no user code
     with pytest.raises(ConfigError, match="rollout.agent='no_such_pkg:X'"):
-        RolloutConfig(agent="no_such_pkg:X").validate()
+        check_agent(cfg)  # the start-up check, on every rank, before any work
     with pytest.raises(ConfigError, match="return_routed_experts"):
         RolloutConfig(agent="single_turn", return_routed_experts=True).validate()
     assert load_agent("lookup").__name__ == "LookupAgent"

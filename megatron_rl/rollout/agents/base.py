@@ -29,11 +29,11 @@ the batch with no token in the loss and reward 0, is counted
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 from megatron_rl.config.core import ConfigError
+from megatron_rl.rollout.import_path import import_path
 
 Observation = Union[str, list, None]
 """A text (one message of the environment's observation_role), chat messages [{'role', 'content'}, ...],
@@ -121,12 +121,7 @@ def load_agent(name: str) -> type[Environment]:
     path = BUILTIN_AGENTS.get(name, name)
     if ":" not in path:
         raise AgentError(f"rollout.agent={name!r}: use a built-in ({', '.join(sorted(BUILTIN_AGENTS))}) or an import path 'package.module:Class'")
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise AgentError(f"rollout.agent={name!r}: cannot import module {module_name!r} ({error}); is it on PYTHONPATH?") from None
-    cls = getattr(module, attr, None)
+    module_name, attr, cls = import_path("rollout.agent", name, path, AgentError)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         found = "nothing" if cls is None else type(cls).__name__ if not isinstance(cls, type) else f"class {cls.__name__}"
         raise AgentError(
