@@ -124,12 +124,14 @@ def hf_to_transformer_config(
     *,
     dtype: torch.dtype,
     kernels=None,
+    choice=None,
     **overrides: Any,
 ):
     """megatron-core TransformerConfig for an HF config, a ModelConfig and a parallel layout.
 
     kernels: a models.kernels.Kernels describing the machine (default: detected); its
     KernelChoice sets the experts, the fusions and (on the local spec) packed attention.
+    choice: that KernelChoice, when the caller has made it already (build_model).
 
     `overrides` replace TransformerConfig fields (e.g. calculate_per_token_loss=True,
     variable_seq_lengths=True); an unknown field is an error.
@@ -148,7 +150,8 @@ def hf_to_transformer_config(
             "needs sequence parallelism when TP > 1; set parallel.sequence_parallel=true (or leave it unset)"
         )
     use_te = use_transformer_engine(model_cfg)
-    choice = kernel_choice(model_cfg, parallel_cfg, arch, dtype=dtype, kernels=kernels)
+    if choice is None:
+        choice = kernel_choice(model_cfg, parallel_cfg, arch, dtype=dtype, kernels=kernels)
     moe: dict[str, Any] = {}
     if arch.num_experts:
         moe = dict(
@@ -250,9 +253,9 @@ def build_model(
         hf_config = load_hf_config(model_cfg.path)
     arch = parse_hf_config(hf_config, source=f"{model_cfg.path or '<hf_config>'}/config.json")
     dtype = resolve_dtype(model_cfg)
-    config = hf_to_transformer_config(hf_config, model_cfg, ctx.config, dtype=dtype, **(config_overrides or {}))
-    use_te = use_transformer_engine(model_cfg)
     choice = kernel_choice(model_cfg, ctx.config, arch, dtype=dtype, data_parallel=ctx.dp_size)
+    config = hf_to_transformer_config(hf_config, model_cfg, ctx.config, dtype=dtype, choice=choice, **(config_overrides or {}))
+    use_te = use_transformer_engine(model_cfg)
     announce(choice.describe())
     info = ModelInfo(arch=arch, hf_config=hf_config, padded_vocab_size=padded_vocab_size(arch.vocab_size, ctx.tp_size), use_te=use_te)
     family = get_family(arch.family)

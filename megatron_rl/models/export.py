@@ -51,10 +51,15 @@ class _Unit:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * self.count * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return shards_nbytes(self.shape, self.count, self.dtype)
+
+
+def shards_nbytes(shape: tuple[int, ...], count: int, dtype: str) -> int:
+    """Bytes of `count` shards of `shape` in torch dtype `dtype` (its name, e.g. "bfloat16")."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models.build import model_info
-from megatron_rl.models.export import _buckets, _order_key, _replica_shards
+from megatron_rl.models.export import _buckets, _order_key, _replica_shards, shards_nbytes
 from megatron_rl.models.mapping import mapping_for
 
 Entry = tuple[str, tuple[int, ...], str]
@@ -53,10 +53,7 @@ class _Param:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * self.count * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return shards_nbytes(self.shape, self.count, self.dtype)
 
 
 @dataclass
