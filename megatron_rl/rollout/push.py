@@ -34,9 +34,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
@@ -287,6 +288,24 @@ class WeightSyncedEngine:
                 generate_once, self._restart, max_restarts=self.config.max_restarts,
                 is_engine_failure=self._is_engine_failure, what=what,
             )
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Generation outside generate() (episodes' turns, rollout.agents.turns): under the lock, the engines
+        awake and on the trainer's weights; a push waits until it ends."""
+        with self._lock:
+            self.wake_up()
+            self._recover_weights()
+            yield
+
+    def restart_after(self, error: BaseException) -> bool:
+        """After `error` while serving(): restart the engines and give them the trainer's weights again (True)
+        when it is an engine failure; False (nothing done) for the caller's errors."""
+        if not self._is_engine_failure(error):
+            return False
+        with self._lock:
+            self._restart(error)
+        return True
 
     # ---- sleep mode (rollout.sleep_level) ---------------------------------------------------------
     def sleep(self) -> bool:

@@ -121,9 +121,9 @@ def to_completion_request(spec: SamplingSpec, prompt_index: int, prompt_ids: lis
     return body
 
 
-def to_streamed_segment_request(spec: SamplingSpec, max_new_tokens: int, seed: int | None, token_ids: list[int], model: str) -> dict[str, Any]:
-    """Body of a streamed POST /v1/completions for one sample's segment of a partial rollout (rollout.partial)."""
+def to_turn_request(spec: SamplingSpec, max_new_tokens: int, seed: int | None, token_ids: list[int], model: str) -> dict[str, Any]:
+    """Body of POST /v1/completions for one turn of an episode (rollout.agents): one sample, its own seed."""
     args = _common_args(replace(spec, n=1, max_new_tokens=max_new_tokens), seed)
-    body = {"model": model, "prompt": list(map(int, token_ids)), "return_token_ids": True, "stream": True}
+    body = {"model": model, "prompt": list(map(int, token_ids)), "return_token_ids": True}
     body.update({k: v for k, v in args.items() if v is not None})
     return body

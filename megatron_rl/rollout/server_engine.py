@@ -65,7 +65,8 @@ from megatron_rl.rollout.common import (
 )
 from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
-from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request
+from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
+from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
 from megatron_rl.config.placement import server_transport
 from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightSyncedEngine
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
@@ -450,6 +451,23 @@ class VLLMServerEngine(WeightSyncedEngine):
             return self._post(url, "/v1/completions", body, client)
         except ServerRequestError as error:
             raise PromptError(f"prompt {prompt_index}: {error}") from error
+
+    def complete_turn(self, server: int, request: SegmentRequest, spec: SamplingSpec, client: Any = None) -> SegmentOutput:
+        """One turn of an episode (rollout.agents.turns) on server `server`: one sample of `request`, seeded as it says."""
+        body = to_turn_request(spec, request.max_new_tokens, request.seed, request.token_ids, self.model_name)
+        body["max_tokens"] = min(int(body["max_tokens"]), self.max_model_len - len(request.token_ids))
+        try:
+            response = self._post(self.urls[server], "/v1/completions", body, client)
+        except ServerRequestError as error:
+            raise PromptError(f"a turn of {len(request.token_ids)} tokens: {error}") from error
+        choice = response["choices"][0]
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        return SegmentOutput(list(choice.get("token_ids") or []), [float(x) for x in logprobs],
+                             choice.get("finish_reason") or "stop", choice.get("stop_reason"))
+
+    def healthy(self, server: int) -> bool:
+        """Whether server `server` answers /health."""
+        return self._healthy(self.urls[server])
 
     def prompts_in_flight(self, n_samples: int) -> list[int]:
         """Prompts each server is given at once: max(1, its max_num_seqs // n) (rollout.client_limits)."""

@@ -58,7 +58,7 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample, sleep_mode_available
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
-from megatron_rl.rollout.interrupt import run_engine_steps
+from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest, check_partial_spec
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
@@ -390,6 +390,17 @@ class VLLMEngine(WeightSyncedEngine):
             raise RolloutError("the engine is not running (its process died or a restart failed)")
         with self._dead_engine_watchdog():
             return run_engine_steps(self._llm.llm_engine, requests, spec, push_waiting)
+
+
+    @contextmanager
+    def step_session(self, spec: SamplingSpec) -> Iterator[StepSession]:
+        """Episodes' turns (rollout.agents.turns): requests added between engine steps, while serving() holds
+        the engine (a push waits for the session to close)."""
+        with self.serving():
+            if self._llm is None or self._engine_core_dead():
+                raise RolloutError("the engine is not running (its process died or a restart failed)")
+            with self._dead_engine_watchdog():
+                yield StepSession(self._llm.llm_engine, spec)
 
 
 def _has_cuda() -> bool:

@@ -14,7 +14,9 @@ What is checked against something independent of the runner:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -206,3 +208,80 @@ def test_reset_may_replace_the_prompt(engine, tokenizer):
     batch = _runner(tokenizer, env=Chat).run(engine, prompts, SamplingSpec(n=1, max_new_tokens=3, seed=0))
     expected = tokenizer.apply_chat_template([{"role": "user", "content": prompts[0].text}])
     assert batch.rollouts.samples[0].prompt_token_ids.tolist() == expected != prompts[0].token_ids
+
+
+FEW_STOPS = list(range(4, 20))
+"""16 of 256 ids end a turn: the random model's turns vary in length (about 16 tokens on average)."""
+
+
+class Clocked(Environment):
+    """Answers at once and records when each turn of each episode ended; three turns."""
+
+    def reset(self, prompt):
+        self.key = (prompt.index, id(self))
+
+    def step(self, turn):
+        self.context.extra["ended"].append((self.key, turn.index, len(turn.token_ids), time.perf_counter()))
+        return StepResult(observation="ok", done=turn.index >= 2)
+
+
+def test_a_turn_does_not_wait_for_other_episodes_turns(engine, tokenizer):
+    """An episode whose first two turns are shorter than another's first turn ends its second turn first: turns of
+    different episodes share the engine's steps instead of going in rounds (a round would wait for the longest)."""
+    runner = _runner(tokenizer, env=Clocked)
+    runner.context.extra["ended"] = []
+    runner.run(engine, _prompts(tokenizer, 8), SamplingSpec(n=1, max_new_tokens=64, seed=3, stop_token_ids=FEW_STOPS))
+    turns: dict = {}
+    for key, index, length, at in runner.context.extra["ended"]:
+        turns.setdefault(key, {})[index] = (length, at)
+    pairs = 0
+    for a in turns.values():
+        for b in turns.values():
+            # a's two turns plus a few steps of slack (its tool's thread, the loop) are shorter than b's first turn
+            if 1 in a and 0 in b and a[0][0] + a[1][0] + 5 < b[0][0]:
+                pairs += 1
+                assert a[1][1] < b[0][1], (a, b)
+    assert pairs > 0  # the seed gives such pairs (turn lengths vary): the check above ran
+
+
+def test_a_push_may_land_inside_a_turn(engine, tokenizer, model_dir):
+    """A push that waits interrupts the turns in flight after the engine step in progress; they go on under the new
+    weights (the same values here, so the engine logprobs still equal an HF forward) and each token carries the
+    version that sampled it."""
+    from megatron_rl.weight_sync.buckets import bucketize
+    from tests.e2e.vllm_helpers import hf_state_dict
+
+    version = engine.weight_version + 1
+    state = {"polls": 0, "pushed": False}
+
+    def push_waiting() -> bool:
+        state["polls"] += 1
+        return state["polls"] == 4 and not state["pushed"]
+
+    @contextlib.contextmanager
+    def engine_turn():
+        yield
+        if state["polls"] >= 4 and not state["pushed"]:  # the push that waited runs between two engine turns
+            engine.update_weights(bucketize(hf_state_dict(model_dir).items(), 8 << 20), version)
+            state["pushed"] = True
+
+    runner = _runner(tokenizer, agent_reward="env")
+    batch = runner.run(engine, _prompts(tokenizer, 3), SamplingSpec(n=2, max_new_tokens=24, seed=4, stop_token_ids=FEW_STOPS),
+                       engine_turn=engine_turn, push_waiting=push_waiting)
+    assert state["pushed"] and engine.weight_version == version
+    model = hf_model(str(model_dir))
+    split_turns = 0
+    for episode, sample in zip(batch.episodes, batch.rollouts.samples):
+        versions, mask = sample.token_versions, sample.response_loss_mask
+        assert bool((versions[1:] >= versions[:-1]).all()) and set(versions.tolist()) <= {version - 1, version}
+        start = 0
+        for turn in episode.turn_token_ids:
+            split_turns += len(set(versions[start : start + len(turn)].tolist())) == 2
+            start += len(turn)
+            while start < len(mask) and not mask[start]:
+                start += 1
+        with torch.no_grad():
+            logits = model(sample.token_ids[None]).logits[0].float()
+        reference = torch.log_softmax(logits, dim=-1)[sample.prompt_length - 1 : -1].gather(1, sample.response_token_ids[:, None])[:, 0]
+        assert float((reference[mask] - sample.rollout_logprobs[mask]).abs().max()) < 1e-4
+    assert split_turns > 0  # some turn was sampled partly before and partly after the push

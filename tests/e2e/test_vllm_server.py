@@ -189,3 +189,51 @@ def test_servers_sleep_through_vllms_endpoints_and_vllm_cpu_says_it_frees_nothin
         assert max_logprob_error(models["moe1"], rollouts, 0.9) < TOL
     finally:
         client.shutdown()
+
+
+def test_episode_turns_stay_on_their_server_and_new_episodes_go_to_the_least_loaded(server_engine, models):
+    """Episodes on servers (rollout.agents.turns): every turn of an episode goes to the server of its first turn
+    (its prefix cache holds the conversation), first turns to the server with the fewest live episodes; the turns'
+    tokens and engine logprobs are the model's (an HF forward of each whole episode). One real server behind two
+    entries of the client's list: the client schedules two servers."""
+    from types import SimpleNamespace
+
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.rollout.agents import Environment, EpisodeRunner, StepResult
+    from megatron_rl.rollout.rewards import exact_match
+    from tests.e2e.vllm_helpers import hf_model
+
+    push_weights(server_engine, bucketize(hf_state_dict(models["moe0"]).items(), 1 << 20), version=server_engine.weight_version + 1)
+    calls: list[tuple[int, list[int]]] = []
+
+    class Recording(VLLMServerEngine):
+        def complete_turn(self, server, request, spec, client=None):
+            calls.append((server, list(request.token_ids)))
+            return super().complete_turn(server, request, spec, client)
+
+    class ThreeTurns(Environment):
+        def step(self, turn):
+            return StepResult(observation=[7, 8, 9], done=turn.index >= 2)
+
+    url = server_engine.urls[0]
+    engine = Recording([url, url], server_engine.config)
+    tokenizer = load_tokenizer(models["moe0"])
+    # distinct prompts: an episode's requests are known by its prompt
+    prompts = [SimpleNamespace(token_ids=[1, 40 + i, 50 + i, 60], text="", answer="", index=i, row={}) for i in range(6)]
+    try:
+        runner = EpisodeRunner(ThreeTurns, tokenizer, exact_match, RolloutConfig(agent="single_turn", agent_max_turns=3))
+        batch = runner.run(engine, prompts, SamplingSpec(n=1, max_new_tokens=8, seed=6, stop_token_ids=list(range(4, 40))))
+    finally:
+        engine.shutdown()  # the client only: the server is the fixture's
+    servers_of = [{s for s, ids in calls if ids[: sample.prompt_length] == sample.prompt_token_ids.tolist()}
+                  for sample in batch.rollouts.samples]
+    assert all(len(s) == 1 for s in servers_of), servers_of  # every turn of an episode on one server
+    assert sorted(next(iter(s)) for s in servers_of) == [0, 0, 0, 1, 1, 1]  # six episodes started together: three each
+    assert len(calls) == sum(e.turns for e in batch.episodes) > 6  # one request per turn, several turns each
+    model = hf_model(str(models["moe0"]))
+    for sample in batch.rollouts.samples:
+        with torch.no_grad():
+            logits = model(sample.token_ids[None]).logits[0].float()
+        reference = torch.log_softmax(logits, dim=-1)[sample.prompt_length - 1 : -1].gather(1, sample.response_token_ids[:, None])[:, 0]
+        mask = sample.response_loss_mask
+        assert float((reference[mask] - sample.rollout_logprobs[mask]).abs().max()) < TOL

