@@ -207,7 +207,19 @@ class EvalReport:
                 ])
         widths = [max(len(row[i]) for row in [head, *lines]) for i in range(len(head))]
         render = lambda row: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
-        return "\n".join([f"evaluation at step {self.step}", render(head), *map(render, lines)])
+        episodes = [_episodes_line(s.name, s.agent) for s in self.sets if s.agent]
+        return "\n".join([f"evaluation at step {self.step}", render(head), *map(render, lines), *episodes])
+
+
+def _episodes_line(name: str, agent: dict[str, float]) -> str:
+    """One console line of a set's episode statistics (rollout.agent set)."""
+    tools = sorted(key.rsplit("/", 1)[1] for key in agent if key.startswith("agent/tool_calls/"))
+    calls = ", ".join(f"{t} {int(agent[f'agent/tool_calls/{t}'])} ({int(agent[f'agent/tool_errors/{t}'])} errors)" for t in tools) or "none"
+    cuts = "/".join(f"{int(agent.get(f'agent/cut_{c}', 0))}" for c in ("max_turns", "budget", "length"))
+    return (
+        f"{name} episodes: {int(agent['agent/episodes'])}, turns mean {agent['agent/turns_mean']:.2f} max {int(agent['agent/turns_max'])}, "
+        f"tool calls: {calls}, cut max_turns/budget/length {cuts}, failed {int(agent['agent/failed_episodes'])}"
+    )
 
 
 def _cell(metrics: dict[str, float], key: str) -> str:

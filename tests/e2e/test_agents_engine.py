@@ -279,3 +279,5 @@ def test_evaluation_scores_episodes_of_the_agent(engine, tokenizer, model_dir):
     assert metrics["eval/lookup/agent/tool_errors/lookup"] == 0
     assert metrics["eval/lookup/agent/turns_mean"] == pytest.approx((cut_first + 2 * (n - cut_first)) / n)
     assert metrics["eval/lookup/agent/cut_length"] == sum(t for r in episodes.results for t in r.truncated)
+    table = reports[f"{__name__}:LookupOnce"].table().splitlines()
+    assert table[-1].startswith(f"lookup episodes: {n}, turns mean ") and f"tool calls: lookup {n - cut_first} (0 errors)" in table[-1]
