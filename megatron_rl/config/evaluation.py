@@ -9,6 +9,11 @@ The sampling defaults are those the reasoning-model papers and the RL frameworks
 report their scores with: temperature 0.6 and top-p 0.95 (DeepSeek-R1, 2025,
 section 5.1 "Evaluation Setup"; Qwen3's recommended thinking-mode settings),
 the response budget of training (rollout.max_new_tokens) unless set.
+
+With rollout.agent set, every sample is a whole episode of that agent (its
+tools, parser and rollout.agent_* limits; max_new_tokens is then per turn) and
+its score is the episode's reward (rollout.agent_reward; `answer` scores the final
+model turn with the set's reward).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 config/evaluation.py: the sets' settings (data.eval_sets); scores.py: the
 estimators, pure Python; answers.py: final answers compared the way the reward
 compares them, and which rows a reward can score; runner.py: load, generate
-(one call site, `generate_samples`), score, report; standalone.py:
+(one call site, `generate_samples`), score, report; samples.py: a set's samples,
+single-turn or, with rollout.agent set, whole episodes scored by their reward; standalone.py:
 `megatron-rl eval` on a checkpoint or an HF directory. The trainer evaluates
 at step 0, every train.eval_every steps and after the last step.
 """

@@ -10,14 +10,17 @@
    answer fields), prompts longer than rollout.max_prompt_tokens are an error
    (a dropped prompt would change the score), every row must be scorable by
    the set's reward (megatron_rl.evaluation.answers), k and pass@k checked.
-2. Generation (`generate_samples`, the one place evaluation samples come
-   from): one engine call per set, all prompts at once, k samples each, with the
+2. Generation (`generate_samples`, the one engine call of single-turn
+   evaluation): one engine call per set, all prompts at once, k samples each, with the
    set's sampling settings and a seed fixed by (train.seed, set name): the same
    at every step and in `megatron-rl eval`, and apart from the training seeds, so
-   training is the same with or without evaluation.
+   training is the same with or without evaluation. With rollout.agent set,
+   every sample is instead a whole episode of that agent, with the same
+   settings and seeds (megatron_rl.evaluation.samples).
 3. Scoring: the set's reward on every sample (failures counted, as in
-   training), final answers and the maj@k vote, then scores.aggregate over the
-   set and over each data source.
+   training; an episode's score is its reward, rollout.agent_reward), final
+   answers and the maj@k vote, then scores.aggregate over the set and over each
+   data source. Episodes add their agent statistics (eval/<set>/agent/...).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from megatron_rl.config.evaluation import EvalSetConfig
 from megatron_rl.data.dataset import DatasetError, Prompt, PromptDataset, read_rows
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.evaluation.answers import AnswerRule, EvalSetError, answer_rule, check_scorable
+from megatron_rl.evaluation.samples import SetSamples, episode_samples, reward_fails, single_turn_samples
 from megatron_rl.evaluation.scores import PromptResult, aggregate, by_source, majority_vote
 from megatron_rl.rollout.rewards import compute_rewards, get_reward_fn
 from megatron_rl.rollout.sampling import SamplingSpec
@@ -101,46 +105,37 @@ def generate_samples(engine, eval_set: EvalSet):
     return engine.generate([p.token_ids for p in eval_set.prompts], eval_set.spec)
 
 
-def score_set(eval_set: EvalSet, rollouts, tokenizer: Tokenizer) -> list[PromptResult]:
-    """Rewards, final answers and the maj@k vote of every prompt's samples."""
+def score_set(eval_set: EvalSet, samples: SetSamples) -> list[PromptResult]:
+    """Rewards, final answers and the maj@k vote of every prompt's samples (episodes come with their rewards)."""
     k, config = eval_set.config.k, eval_set.config
-    responses = [tokenizer.decode(s.response_token_ids.tolist()) for s in rollouts]
+    responses, texts = samples.responses, samples.answer_texts
     prompts = eval_set.prompts
-    answers = [prompts[s.prompt_index].answer for s in rollouts]
-    texts = [prompts[s.prompt_index].text for s in rollouts]
-    scored = compute_rewards(eval_set.reward_fn, responses, answers, texts)
-    failed = set()
-    if scored.num_errors:  # compute_rewards counts failures; which samples failed is needed per prompt
-        failed = {i for i, (r, a, t) in enumerate(zip(responses, answers, texts)) if _fails(eval_set.reward_fn, r, a, t)}
-    samples = list(rollouts)
+    rewards, failed = samples.rewards, set(samples.failed)
+    if rewards is None:
+        answers = [prompts[i // k].answer for i in range(len(texts))]
+        prompt_texts = [prompts[i // k].text for i in range(len(texts))]
+        scored = compute_rewards(eval_set.reward_fn, texts, answers, prompt_texts)
+        rewards = scored.rewards
+        if scored.num_errors:  # compute_rewards counts failures; which samples failed is needed per prompt
+            failed = {i for i, (r, a, t) in enumerate(zip(texts, answers, prompt_texts)) if reward_fails(eval_set.reward_fn, r, a, t)}
     results = []
     for p, prompt in enumerate(prompts):
         span = range(p * k, (p + 1) * k)
-        rewards = [scored.rewards[i] for i in span]
-        finals = [eval_set.rule.final(responses[i]) for i in span]
+        finals = [eval_set.rule.final(texts[i]) for i in span]
         results.append(PromptResult(
             index=prompt.index,
             data_source=eval_set.sources[p],
             answer=prompt.answer,
-            rewards=rewards,
-            correct=[r >= config.correct_at for r in rewards],
-            lengths=[samples[i].response_length for i in span],
-            truncated=[samples[i].finish_reason == "length" for i in span],
+            rewards=[rewards[i] for i in span],
+            correct=[rewards[i] >= config.correct_at for i in span],
+            lengths=[samples.lengths[i] for i in span],
+            truncated=[samples.truncated[i] for i in span],
             final_answers=finals,
             majority=majority_vote(finals, eval_set.rule.same),
             reward_errors=sum(i in failed for i in span),
             responses=[responses[i] for i in span] if config.save_responses else None,
         ))
     return results
-
-
-def _fails(fn: Callable, response: str, answer: Any, prompt: str) -> bool:
-    import math
-
-    try:
-        return not math.isfinite(float(fn(response, answer, prompt=prompt)))
-    except Exception:  # noqa: BLE001 - a user function may raise anything
-        return True
 
 
 @dataclass(kw_only=True)
@@ -154,6 +149,8 @@ class SetReport:
     results: list[PromptResult]
     generate_s: float
     """Seconds the engine took to generate the set's samples."""
+    agent: dict[str, float] = field(default_factory=dict)
+    """rollout.agent set: the set's episode statistics (agent/turns_mean, agent/tool_calls/<tool>, agent/cut_<reason>, ...)."""
 
 
 @dataclass(kw_only=True)
@@ -171,6 +168,7 @@ class EvalReport:
             flat.update({f"eval/{s.name}/{key}": value for key, value in s.metrics.items()})
             for source, metrics in s.sources.items():
                 flat.update({f"eval/{s.name}/{source}/{key}": value for key, value in metrics.items()})
+            flat.update({f"eval/{s.name}/{key}": value for key, value in s.agent.items()})
             flat[f"eval/{s.name}/generate_s"] = s.generate_s
         return flat
 
@@ -180,7 +178,7 @@ class EvalReport:
             "sets": {
                 s.name: {
                     "config": to_dict(s.config), "metrics": s.metrics, "sources": s.sources, "generate_s": s.generate_s,
-                    "prompts": [r.to_json() for r in s.results],
+                    **({"agent": s.agent} if s.agent else {}), "prompts": [r.to_json() for r in s.results],
                 }
                 for s in self.sets
             },
@@ -209,7 +207,19 @@ class EvalReport:
                 ])
         widths = [max(len(row[i]) for row in [head, *lines]) for i in range(len(head))]
         render = lambda row: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
-        return "\n".join([f"evaluation at step {self.step}", render(head), *map(render, lines)])
+        episodes = [_episodes_line(s.name, s.agent) for s in self.sets if s.agent]
+        return "\n".join([f"evaluation at step {self.step}", render(head), *map(render, lines), *episodes])
+
+
+def _episodes_line(name: str, agent: dict[str, float]) -> str:
+    """One console line of a set's episode statistics (rollout.agent set)."""
+    tools = sorted(key.rsplit("/", 1)[1] for key in agent if key.startswith("agent/tool_calls/"))
+    calls = ", ".join(f"{t} {int(agent[f'agent/tool_calls/{t}'])} ({int(agent[f'agent/tool_errors/{t}'])} errors)" for t in tools) or "none"
+    cuts = "/".join(f"{int(agent.get(f'agent/cut_{c}', 0))}" for c in ("max_turns", "budget", "length"))
+    return (
+        f"{name} episodes: {int(agent['agent/episodes'])}, turns mean {agent['agent/turns_mean']:.2f} max {int(agent['agent/turns_max'])}, "
+        f"tool calls: {calls}, cut max_turns/budget/length {cuts}, failed {int(agent['agent/failed_episodes'])}"
+    )
 
 
 def _cell(metrics: dict[str, float], key: str) -> str:
@@ -217,27 +227,41 @@ def _cell(metrics: dict[str, float], key: str) -> str:
 
 
 class Evaluator:
-    """The sets of data.eval_sets, loaded and checked once; evaluate() scores them with an engine's current weights."""
+    """The sets of data.eval_sets, loaded and checked once; evaluate() scores them with an engine's current weights.
 
-    def __init__(self, sets: list[EvalSet], tokenizer: Tokenizer):
+    With rollout.agent set (`agent_cls`), every sample is an episode of that agent (evaluation.samples)."""
+
+    def __init__(self, sets: list[EvalSet], tokenizer: Tokenizer, agent_cls: type | None = None, rollout_config: Any = None):
         self.sets, self.tokenizer = sets, tokenizer
+        self.agent_cls, self.rollout_config = agent_cls, rollout_config
 
     @classmethod
     def from_config(cls, cfg, tokenizer: Tokenizer) -> "Evaluator":
         sets = [load_eval_set(name, config, cfg, tokenizer) for name, config in cfg.data.eval_sets.items()]
-        return cls(sets, tokenizer)
+        agent_cls = None
+        if cfg.rollout.agent:
+            from megatron_rl.rollout.agents import load_agent
+
+            agent_cls = load_agent(cfg.rollout.agent)
+        return cls(sets, tokenizer, agent_cls, cfg.rollout)
+
+    def samples(self, engine, eval_set: EvalSet) -> SetSamples:
+        """The set's k samples per prompt: episodes when an agent is set, else single-turn completions."""
+        if self.agent_cls is not None:
+            return episode_samples(engine, eval_set, self.tokenizer, self.agent_cls, self.rollout_config)
+        return single_turn_samples(engine, eval_set, self.tokenizer)
 
     def evaluate(self, engine, step: int) -> EvalReport:
         report = EvalReport(step=step)
         for eval_set in self.sets:
             start = time.perf_counter()
-            rollouts = generate_samples(engine, eval_set)
+            samples = self.samples(engine, eval_set)
             generate_s = time.perf_counter() - start
-            results = score_set(eval_set, rollouts, self.tokenizer)
+            results = score_set(eval_set, samples)
             pass_ks = eval_set.config.pass_ks()
             report.sets.append(SetReport(
                 name=eval_set.name, config=eval_set.config, metrics=aggregate(results, pass_ks),
-                sources=by_source(results, pass_ks), results=results, generate_s=generate_s,
+                sources=by_source(results, pass_ks), results=results, generate_s=generate_s, agent=samples.agent_metrics,
             ))
         return report
 

@@ -9,12 +9,18 @@ What is checked against something independent of the runner:
 - the single_turn agent gives engine.generate's tokens and logprobs exactly,
   and the same step metrics through collect_experience;
 - max_turns, the token budget, max_new_tokens and user code that raises
-  (reset, step, async step) each end only their own episode, named and counted.
+  (reset, step, async step) each end only their own episode, named and counted;
+- evaluation with rollout.agent set scores whole episodes of the lookup agent:
+  each sample's score is the episode's reward, known by construction, the
+  tool's observation holds the row's value, the first turn is the single-turn
+  evaluation's completion, and pass@j is the unbiased formula over the known
+  outcomes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import replace
@@ -28,6 +34,7 @@ from megatron_rl.data.dataset import PromptDataset
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.models.tiny import make_tiny_model_dir
 from megatron_rl.rollout.agents import Environment, EpisodeRunner, SingleTurn, StepResult
+from megatron_rl.rollout.agents.lookup import LookupAgent, tool_call_text
 from megatron_rl.rollout.rewards import exact_match
 from megatron_rl.rollout.sampling import SamplingSpec
 from tests.e2e.vllm_helpers import hf_model
@@ -208,6 +215,74 @@ def test_reset_may_replace_the_prompt(engine, tokenizer):
     batch = _runner(tokenizer, env=Chat).run(engine, prompts, SamplingSpec(n=1, max_new_tokens=3, seed=0))
     expected = tokenizer.apply_chat_template([{"role": "user", "content": prompts[0].text}])
     assert batch.rollouts.samples[0].prompt_token_ids.tolist() == expected != prompts[0].token_ids
+
+
+class LookupOnce(LookupAgent):
+    """The lookup agent (its tool and vLLM's pythonic parser) with the first turn read as the call the demo's warm-up
+    teaches, whatever the random model wrote; the second turn ends the episode with reward 1 when the episode's model
+    tokens are odd in number (a score known by construction from the episode)."""
+
+    def reset(self, prompt):
+        self.model_tokens = 0
+        return super().reset(prompt)
+
+    def step(self, turn):
+        self.model_tokens += len(turn.token_ids)
+        if turn.index == 0:
+            return super().step(replace(turn, text=tool_call_text(self.prompt.row["key"])))
+        return StepResult(done=True, reward=float(self.model_tokens % 2))
+
+
+def test_evaluation_scores_episodes_of_the_agent(engine, tokenizer, model_dir):
+    from megatron_rl.config import RLConfig, load_config
+    from megatron_rl.data.tasks import synthetic_rows
+    from megatron_rl.evaluation import Evaluator
+    from megatron_rl.rollout.agents.render import ObservationRenderer
+
+    repo, k, data = Path(__file__).resolve().parents[2], 4, "synthetic:lookup8:5:3"
+    overrides = [
+        f"model.path={model_dir}", "rollout.agent_reward=env", "rollout.agent_max_turns=3",
+        f"data.eval_sets={{lookup: {{path: '{data}', k: {k}, max_new_tokens: 5, temperature: 1.0, top_p: 1.0}}}}",
+    ]
+    cfg = load_config(RLConfig, repo / "configs" / "tiny-gspo.yaml", overrides)
+    cfg = replace(cfg, rollout=replace(cfg.rollout, stop_token_ids=STOPS))
+    reports = {}
+    for agent in ("", f"{__name__}:LookupOnce"):  # the same set, single-turn and as episodes
+        c = replace(cfg, rollout=replace(cfg.rollout, agent=agent))
+        reports[agent] = Evaluator.from_config(c, tokenizer).evaluate(engine, step=0)
+    single, episodes = reports[""].sets[0], reports[f"{__name__}:LookupOnce"].sets[0]
+    assert not single.agent and not any("/agent/" in key for key in reports[""].metrics)
+
+    rows = synthetic_rows(data)
+    renderer = ObservationRenderer(tokenizer, "tool")
+    outcomes, cut_first = [], 0
+    for one, ep in zip(single.results, episodes.results):
+        for j in range(k):
+            # turn 0 is the single-turn completion (same seed); a turn ended by EOS is followed by the lookup and turn 1
+            if one.truncated[j]:
+                assert ep.lengths[j] == one.lengths[j] and ep.truncated[j]
+                cut_first += 1
+            else:
+                value = tokenizer.decode(renderer.render([{"role": "tool", "content": rows[ep.index]["answer"]}]))
+                assert ep.lengths[j] > one.lengths[j] and value in ep.responses[j], (value, ep.responses[j])
+            outcomes.append(0.0 if ep.truncated[j] else float(ep.lengths[j] % 2))  # cut episodes get no reward
+            assert ep.rewards[j] == outcomes[-1]
+    n = len(outcomes)
+    assert 0 < sum(outcomes) < n  # both outcomes occur: the estimates below are not trivial
+    per_prompt = [sum(outcomes[p * k : (p + 1) * k]) for p in range(n // k)]
+    metrics = reports[f"{__name__}:LookupOnce"].metrics
+    assert metrics[f"eval/lookup/mean@{k}"] == pytest.approx(sum(outcomes) / n)
+    for j in (1, 2, k):  # Chen et al. 2021, eq. 1
+        expected = sum(1 - math.comb(k - int(c), j) / math.comb(k, j) for c in per_prompt) / len(per_prompt)
+        assert metrics[f"eval/lookup/pass@{j}"] == pytest.approx(expected), j
+    # the episodes' agent statistics, under the eval prefix
+    assert metrics["eval/lookup/agent/episodes"] == n
+    assert metrics["eval/lookup/agent/tool_calls/lookup"] == n - cut_first
+    assert metrics["eval/lookup/agent/tool_errors/lookup"] == 0
+    assert metrics["eval/lookup/agent/turns_mean"] == pytest.approx((cut_first + 2 * (n - cut_first)) / n)
+    assert metrics["eval/lookup/agent/cut_length"] == sum(t for r in episodes.results for t in r.truncated)
+    table = reports[f"{__name__}:LookupOnce"].table().splitlines()
+    assert table[-1].startswith(f"lookup episodes: {n}, turns mean ") and f"tool calls: lookup {n - cut_first} (0 errors)" in table[-1]
 
 
 FEW_STOPS = list(range(4, 20))

@@ -105,6 +105,7 @@ BAD_INPUT = [
     ("data.eval_sets={s: {path: synthetic:first_letter8:3, k: 2, pass_at: [4]}}", "pass@4 needs at least 4 samples"),
     ("data.eval_sets={s: {path: missing.jsonl}}", "dataset file 'missing.jsonl' does not exist"),
     ("data.answer_key=solution", "row 0: missing field 'solution'"),
+    ("rollout.agent=no_such_agents:Solver", "rollout.agent='no_such_agents:Solver': cannot import module 'no_such_agents'"),
 ]
 
 
