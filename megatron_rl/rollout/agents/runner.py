@@ -28,6 +28,13 @@ engine's (0 on observations); `token_versions` the weight version of each model
 token (observations take their turn's). The response always ends with a model
 token (no observation follows the last turn).
 
+R3 (rollout.return_routed_experts): the engine records the routes of every
+request of the batch (start before the loop, collect after it), and each
+sample's routed_experts cover prompt + all turns: a position takes the route of
+the first request of its episode that computed it, so observation tokens get
+the routes the next turn's prefill computed (agents.routes, which also says
+which weights computed which routes when a push lands between two turns).
+
 Seeds: the first request of sample j of prompt i samples with
 prompt_seed(seed, i) + j, the seed engine.generate gives it, so single-turn
 episodes reproduce engine.generate's tokens exactly; a later request mixes
@@ -51,6 +58,7 @@ import torch
 from megatron_rl.data.batch import RolloutSample, Rollouts
 from megatron_rl.rollout.agents.base import AgentContext, Environment, ModelTurn, StepResult
 from megatron_rl.rollout.agents.render import ObservationRenderer
+from megatron_rl.rollout.agents.routes import EpisodeCapture, capture_routes
 from megatron_rl.rollout.agents.stats import EpisodeStats
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
 from megatron_rl.rollout.sampling import SamplingSpec, prompt_seed
@@ -89,6 +97,8 @@ class Episode:
     done: bool = False
     turn_token_ids: list[list[int]] = field(default_factory=list)
     """Every model turn's token ids as the engine returned them (for tests and traces)."""
+    requests: list[tuple[int, int]] = field(default_factory=list)
+    """Every engine request: (its input tokens, the tokens it sampled) (R3: agents.routes)."""
 
     def request(self, max_new_tokens: int, budget: int) -> SegmentRequest | None:
         """The next engine request, or None when the budget leaves no room for a token."""
@@ -101,6 +111,7 @@ class Episode:
         return SegmentRequest(tokens, min(max_new_tokens - turn_so_far, room), seed)
 
     def add_model_tokens(self, output: SegmentOutput, version: int) -> None:
+        self.requests.append((len(self.prompt_ids) + len(self.response), len(output.token_ids)))
         self.response += output.token_ids
         self.mask += [True] * len(output.token_ids)
         self.logprobs += list(output.logprobs)
@@ -184,20 +195,21 @@ class EpisodeRunner:
         ready = [e for e in episodes if self._start(e)]
         pending: dict[Future, Episode] = {}
         start = time.perf_counter()
-        while ready or pending:
-            if ready:
-                ready = self._generate_round(engine, ready, spec, budget, engine_turn, push_waiting, pending)
-            done = [f for f in pending if f.done()]
-            if not ready and not done and pending:
-                wait(list(pending), return_when=FIRST_COMPLETED)
-                # steps that finish together (tools of similar latency) go to the engine as one batch
-                done = list(wait(list(pending), timeout=_GATHER_S).done)
-            for future in done:
-                episode = pending.pop(future)
-                if self._after_step(episode, future, budget):
-                    ready.append(episode)
+        with capture_routes(engine, spec.return_routed_experts) as routes:  # R3: every request of the batch
+            while ready or pending:
+                if ready:
+                    ready = self._generate_round(engine, ready, spec, budget, engine_turn, push_waiting, pending)
+                done = [f for f in pending if f.done()]
+                if not ready and not done and pending:
+                    wait(list(pending), return_when=FIRST_COMPLETED)
+                    # steps that finish together (tools of similar latency) go to the engine as one batch
+                    done = list(wait(list(pending), timeout=_GATHER_S).done)
+                for future in done:
+                    episode = pending.pop(future)
+                    if self._after_step(episode, future, budget):
+                        ready.append(episode)
         self.stats.count("wall_s", time.perf_counter() - start)
-        return self._finish(episodes, spec)
+        return self._finish(episodes, spec, routes)
 
     def _start(self, episode: Episode) -> bool:
         episode.env = self.agent_cls(self.context)
@@ -293,7 +305,7 @@ class EpisodeRunner:
 
     # -- rewards and samples ---------------------------------------------------------------------------
 
-    def _finish(self, episodes: list[Episode], spec: SamplingSpec) -> EpisodeBatch:
+    def _finish(self, episodes: list[Episode], spec: SamplingSpec, routes: EpisodeCapture | None = None) -> EpisodeBatch:
         from megatron_rl.rollout.rewards import compute_rewards
 
         mode = self.config.agent_reward
@@ -310,6 +322,8 @@ class EpisodeRunner:
         failed = torch.tensor([bool(e.failed) for e in episodes])
         rewards = torch.where(failed, torch.zeros_like(rewards), rewards)
         samples = [e.to_sample(self.tokenizer.eos_id) for e in episodes]
+        if routes is not None:  # R3: prompt + every turn, each position routed by the first request that computed it
+            routes.attach(episodes, samples, bool(self.config.routed_experts_include_prompt))
         rollouts = Rollouts(samples=samples, n_samples=spec.n, weight_version=min(s.weight_version for s in samples))
         self.stats.add_episodes(episodes)
         self.stats.maybe_keep_trace(episodes, self.tokenizer, rewards)
