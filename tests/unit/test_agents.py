@@ -1,5 +1,5 @@
-"""Episodes without an engine: a hand-worked two-turn episode through the batch and GSPO, tools' failure paths,
-and naming an agent that cannot be used.
+"""Episodes without an engine: a hand-worked two-turn episode through the batch and GSPO and its R3 routes
+(hand-made captures), tools' failure paths, and naming an agent that cannot be used.
 
 The engine-driven checks (token identity, single-turn parity, limits) are in tests/e2e/test_agents_engine.py.
 """

@@ -29,12 +29,14 @@ Captures are matched to requests by token content (rollout.routing): request
 k's capture is the one whose key is the episode's first L_k + n_k - 1 tokens.
 A request whose capture is missing (e.g. an engine restarted during the batch)
 is skipped: the later requests' prefills cover its positions; a position no
-capture covers is an error naming the episode.
+capture covers is an error naming the episode. The engine records every request
+while the batch runs: with train.max_staleness, an evaluation that runs between
+two turns is recorded too (its captures match no episode; they only cost memory).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -146,5 +148,8 @@ def capture_routes(engine: Any, on: bool) -> Iterator[EpisodeCapture]:
     start()
     try:
         yield result
-    finally:
-        result.captures = engine.collect_route_capture()
+    except BaseException:
+        with suppress(Exception):  # stop recording; the block's own error is the one to report
+            engine.collect_route_capture()
+        raise
+    result.captures = engine.collect_route_capture()
