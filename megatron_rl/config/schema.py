@@ -305,7 +305,8 @@ class RolloutConfig:
     kv_cache_gib: float = 1.0
     """KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     return_routed_experts: bool = False
-    """Capture each token's top-k experts per MoE layer (needed for R3); the engine then runs without prefix caching."""
+    """Capture each token's top-k experts per MoE layer (needed for R3); the engine then runs without prefix caching
+    (with rollout.agent too: an episode's observation tokens get the routes of the next turn's prefill)."""
     routed_experts_include_prompt: bool = True
     """Routed experts cover prompt tokens too (rows [P + R, L, K]), not only the response ([R, L, K])."""
     multiprocessing: bool | None = None
@@ -419,11 +420,6 @@ class RolloutConfig:
                 f"rollout.agent_max_turns={self.agent_max_turns}, agent_max_tokens={self.agent_max_tokens}, agent_tool_timeout_s="
                 f"{self.agent_tool_timeout_s}, agent_workers={self.agent_workers}: turns and workers must be >= 1, the budget >= 0 "
                 "(0 = the engine's context), the timeout > 0"
-            )
-        if self.agent and self.return_routed_experts:
-            raise ConfigError(
-                f"rollout.agent={self.agent!r} with rollout.return_routed_experts=true: routed-expert capture (R3) does not "
-                "cover multi-turn episodes yet; turn one of them off"
             )
         from megatron_rl.config.placement import check_rollout_section  # every placement rule lives there
 

@@ -18,6 +18,14 @@ SLEEP_TAGS = ("weights", "kv_cache")
 """The memory vLLM's sleep mode releases (LLM.sleep, POST /sleep), woken by tag (LLM.wake_up(tags), POST /wake_up)."""
 
 
+def prefix_caching_off(config) -> bool:
+    """Whether an engine runs without vLLM's prefix cache: when it captures routed experts (R3) of prompt tokens,
+    or of multi-turn episodes (rollout.agent: every turn re-prefills the whole conversation, so observation tokens
+    and each turn's last token are routed by the next turn's prefill, rollout.agents.routes). Tokens served from the
+    cache are never computed, so they would have no route."""
+    return bool(config.return_routed_experts and (config.routed_experts_include_prompt or getattr(config, "agent", "")))
+
+
 def sleep_mode_available() -> bool:
     """Whether this vLLM build's platform has a sleep mode (CUDA, ROCm, XPU; not the CPU build)."""
     from vllm.platforms import current_platform

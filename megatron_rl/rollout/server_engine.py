@@ -24,7 +24,8 @@ gloo on CPU; only a JSON layout per bucket goes over HTTP), or, for servers
 colocated on the trainer's GPUs, as memory handles of each worker's own GPU's
 copy (ipc, weight_sync.ipc.IpcRelay: handles and the layout over HTTP, no
 bytes). Routed experts: capture is started
-and collected on every server around the batch; another client using the same
+and collected on every server around the batch (around a whole batch of
+episodes with rollout.agent: start_route_capture / collect_route_capture); another client using the same
 servers at the same time would mix its requests into the capture (matching by
 tokens keeps them apart, but they cost memory), so give the trainer its own
 servers.
@@ -58,6 +59,7 @@ from megatron_rl.rollout.client_limits import HEALTH_FAILURES_TO_DEAD, health_in
 from megatron_rl.rollout.common import (
     WORKER_EXTENSION,
     attach_routes,
+    prefix_caching_off,
     check_prompts,
     default_dtype,
     make_sample,
@@ -142,7 +144,7 @@ class VLLMServer:
             cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30)))]
         else:
             cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-        if cfg.return_routed_experts and cfg.routed_experts_include_prompt:
+        if prefix_caching_off(cfg):
             cmd.append("--no-enable-prefix-caching")
         if cfg.sleep_level and sleep_mode_available():  # vLLM refuses the flag where the platform has none (CPU)
             cmd.append("--enable-sleep-mode")
@@ -257,6 +259,7 @@ class VLLMServerEngine(WeightSyncedEngine):
         colocated_ipc = relay is not None and self.config.weight_transport == "ipc"
         self.weight_transport = "ipc" if colocated_ipc else server_transport(self.config)
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
+        self._route_capture = False  # between start_route_capture and collect_route_capture
         self._wait_for_servers()
         self._describe()
 
@@ -362,6 +365,8 @@ class VLLMServerEngine(WeightSyncedEngine):
                 self.urls[index] = server.url
             else:  # its supervisor may restart it
                 self._wait_healthy(url, f"vLLM server {url} is dead and was not started by this process")
+            if self._route_capture:  # episodes in flight go on recording (their later turns re-prefill)
+                self._rpc(self.urls[index], "mrl_capture_start")
         if any(int(self._rpc(url, "mrl_weight_version")) != self.weight_version for url in self.urls):
             self.weights_lost = True
         if repush:
@@ -552,6 +557,23 @@ class VLLMServerEngine(WeightSyncedEngine):
                 captures += decode_captures(self._rpc(url, "mrl_capture_collect", "b64"))
             attach_routes(samples, CaptureIndex(captures), self.config.routed_experts_include_prompt)
         return Rollouts(samples=samples, n_samples=sampling.n, weight_version=version)
+
+    # ---- routes over several requests (R3 of multi-turn episodes: rollout.agents.routes) ------------
+    def start_route_capture(self) -> None:
+        """Record the routed experts of every request on every server from now on, until collect_route_capture."""
+        with self._lock:
+            self._route_capture = True
+            for url in self.urls:
+                self._rpc(url, "mrl_capture_start")
+
+    def collect_route_capture(self) -> list:
+        """The routing.RequestCapture of every request the servers computed since start_route_capture."""
+        with self._lock:
+            self._route_capture = False
+            captures = []
+            for url in self.urls:
+                captures += decode_captures(self._rpc(url, "mrl_capture_collect", "b64"))
+        return captures
 
     def shutdown(self) -> None:
         """Close the HTTP client and stop the servers this process started."""

@@ -7,8 +7,8 @@
 Engine settings (from RolloutConfig): dtype float32 on CPU; KV cache bounded
 to kv_cache_gib (vLLM takes ~9 GiB by default on CPU); logprobs_mode
 "processed_logprobs" (the sampled token's logprob at the sampling temperature,
-see rollout.sampling); prefix caching off when routed experts (with prompt)
-are captured; the worker extension in rollout.worker_ext for pushes and
+see rollout.sampling); prefix caching off when routed experts (with prompt, or
+of episodes) are captured; the worker extension in rollout.worker_ext for pushes and
 capture.
 
 Threads: an in-process vLLM asks for one torch thread "for serving" and
@@ -56,7 +56,9 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
-from megatron_rl.rollout.common import WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample, sleep_mode_available
+from megatron_rl.rollout.common import (
+    WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample, prefix_caching_off, sleep_mode_available,
+)
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest, check_partial_spec
@@ -100,6 +102,7 @@ class VLLMEngine(WeightSyncedEngine):
         self.seed = seed
         self.engine_kwargs = dict(engine_kwargs or {})
         self._llm: Any = None
+        self._route_capture = False  # between start_route_capture and collect_route_capture
         self.weight_transport = self._resolve_transport()
         self._start()
 
@@ -110,7 +113,8 @@ class VLLMEngine(WeightSyncedEngine):
 
     @property
     def capture_prompt_routes(self) -> bool:
-        return bool(self.config.return_routed_experts and self.config.routed_experts_include_prompt)
+        """Prefix caching off (common.prefix_caching_off): every position of a request is computed and captured."""
+        return prefix_caching_off(self.config)
 
     def _resolve_transport(self) -> str:
         """rpc, broadcast or ipc, as config.placement decides for one engine (in this process or its own)."""
@@ -257,6 +261,8 @@ class VLLMEngine(WeightSyncedEngine):
             self._start()
         except EngineStartError as error:
             raise RolloutError(f"engine restart failed: {error}") from error
+        if self._route_capture:  # episodes in flight go on recording (their later turns re-prefill)
+            self._rpc("mrl_capture_start")
 
     def _restart(self, error: BaseException | None = None) -> None:
         """Fresh engine from the model directory, then the trainer's weights again (see _recover_weights)."""
@@ -366,6 +372,22 @@ class VLLMEngine(WeightSyncedEngine):
             attach_routes(samples, CaptureIndex(captures), self.config.routed_experts_include_prompt)
         return Rollouts(samples=samples, n_samples=sampling.n, weight_version=version)
 
+
+    # ---- routes over several requests (R3 of multi-turn episodes: rollout.agents.routes) ------------
+    def start_route_capture(self) -> None:
+        """Record the routed experts of every request from now on, until collect_route_capture."""
+        with self._lock:
+            self._route_capture = True
+            self._rpc("mrl_capture_start")
+
+    def collect_route_capture(self) -> list:
+        """The routing.RequestCapture of every request computed since start_route_capture; recording stops."""
+        with self._lock:
+            self._route_capture = False
+            if self._llm is None or self._engine_core_dead():
+                return []
+            raw = self._rpc("mrl_capture_collect", "bytes" if self.multiprocessing else "raw")
+        return decode_captures(raw) if isinstance(raw, (bytes, str)) else raw
 
     def generate_segment(
         self, requests: list[SegmentRequest], spec: SamplingSpec, push_waiting: Callable[[], bool]

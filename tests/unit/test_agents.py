@@ -1,5 +1,5 @@
-"""Episodes without an engine: a hand-worked two-turn episode through the batch and GSPO, tools' failure paths,
-and naming an agent that cannot be used.
+"""Episodes without an engine: a hand-worked two-turn episode through the batch and GSPO and its R3 routes
+(hand-made captures), tools' failure paths, and naming an agent that cannot be used.
 
 The engine-driven checks (token identity, single-turn parity, limits) are in tests/e2e/test_agents_engine.py.
 """
@@ -11,6 +11,7 @@ import math
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,9 +21,11 @@ from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.agents import AgentContext, AgentError, ModelTurn, Tool, ToolsAgent, load_agent
+from megatron_rl.rollout.agents.routes import EpisodeCapture, episode_routes
 from megatron_rl.rollout.agents.runner import Episode
 from megatron_rl.rollout.agents.stats import EpisodeStats, episode_trace
 from megatron_rl.rollout.partial import SegmentOutput
+from megatron_rl.rollout.routing import CaptureIndex, RequestCapture, RoutedExpertsError
 
 PROMPT = [5, 6, 7]
 TURN1, LP1 = [10, 11, 2], [-1.0, -0.5, -0.25]
@@ -205,11 +208,58 @@ def test_unknown_parser_and_agents_that_cannot_be_used():
     with pytest.raises(AgentError, match="single_turn"):
         load_agent("nonsense")
     from megatron_rl.config import RLConfig, load_config
+    from megatron_rl.config.core import from_dict
     from megatron_rl.preflight import check_agent
 
     cfg = load_config(RLConfig, None, ["rollout.agent=no_such_pkg:X"])  # the config layer imports no user code
     with pytest.raises(ConfigError, match="rollout.agent='no_such_pkg:X'"):
         check_agent(cfg)  # the start-up check, on every rank, before any work
-    with pytest.raises(ConfigError, match="return_routed_experts"):
-        RolloutConfig(agent="single_turn", return_routed_experts=True).validate()
+    RolloutConfig(agent="single_turn", return_routed_experts=True).validate()  # R3 covers episodes
+    with pytest.raises(ConfigError, match="routes would not be those its tokens were sampled with"):
+        from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollouts": True},
+                             "rollout": {"agent": "single_turn", "return_routed_experts": True}})
     assert load_agent("lookup").__name__ == "LookupAgent"
+
+
+# -- R3 over episodes (agents.routes) ----------------------------------------------------------------
+
+
+def _capture(prompt: list[int], tokens: list[int], positions: list[int], tag: int) -> RequestCapture:
+    """A request's capture as the worker records it: 1 MoE layer, top-2, route of position p = (p, tag)."""
+    routes = np.array([[[p, tag]] for p in positions], dtype=np.int16)
+    return RequestCapture(prompt_token_ids=prompt, positions=np.array(positions), token_ids=np.array(tokens), routes=routes)
+
+
+def test_episode_routes_take_each_position_from_its_first_request():
+    # PROMPT (positions 0-2) | TURN1 (3-5) | OBS (6-7) | TURN2 (8-9). Request 0 has the 3 prompt tokens as input and
+    # samples TURN1: it computes 0-4 (prefill 0-2, decode inputs 10, 11; the EOS at 5 is never its input).
+    # Request 1 has the 8 tokens so far as input and samples TURN2: it computes 0-8 (prefill 0-7, decode input 12).
+    episode = two_turn_episode()
+    assert episode.requests == [(3, 3), (8, 2)]
+    tokens = PROMPT + TURN1 + OBS + TURN2
+    request0 = _capture(PROMPT, tokens[:5], [0, 1, 2, 3, 4], tag=10)
+    request1 = _capture(tokens[:8], tokens[:9], list(range(9)), tag=20)  # other routes for 0-4: a push between turns
+    other = _capture(PROMPT, PROMPT + [10, 99], [0, 1, 2, 3, 4], tag=30)  # another episode: same prompt, other tokens
+    index = CaptureIndex([other, request1, request0])
+    rows = episode_routes(tokens, episode.requests, index, layers=1, top_k=2, where="e")
+    # 0-4 from request 0; 5 (turn 1's last token), 6-7 (observation), 8 from request 1; 9 (never an input) copies 8
+    expected = [[p, 10] for p in range(5)] + [[p, 20] for p in range(5, 9)] + [[8, 20]]
+    assert rows.dtype == torch.int16 and rows[:, 0, :].tolist() == expected
+
+    # request 0's capture lost (an engine restart): request 1's prefill covers its positions
+    rows = episode_routes(tokens, episode.requests, CaptureIndex([request1]), layers=1, top_k=2, where="e")
+    assert rows[:, 0, :].tolist() == [[p, 20] for p in range(9)] + [[8, 20]]
+    # request 1's capture lost: positions 5-9 were computed by no request
+    with pytest.raises(RoutedExpertsError, match=r"episode 7: .* 5 of its 10 positions, first 5"):
+        episode_routes(tokens, episode.requests, CaptureIndex([request0]), layers=1, top_k=2, where="episode 7")
+    # a failed episode (out of the loss) gets experts 0, 1 where nothing was computed
+    rows = episode_routes(tokens, episode.requests, CaptureIndex([request0]), layers=1, top_k=2, where="e", allow_missing=True)
+    assert rows[:, 0, :].tolist() == [[p, 10] for p in range(5)] + [[0, 1]] * 5
+
+    # attached to the sample: prompt rows too, or the response's only; the batch puts them at their positions
+    for include_prompt, start in ((True, 0), (False, 3)):
+        sample = episode.to_sample(eos_id=2)
+        EpisodeCapture(captures=[request0, request1], layers=1, top_k=2, on=True).attach([episode], [sample], include_prompt)
+        assert sample.routed_experts[:, 0, :].tolist() == expected[start:]
+        padded = Rollouts(samples=[sample], n_samples=1, weight_version=3).to_padded()
+        assert padded.routed_experts[0, :, 0, :].tolist() == [[-1, -1]] * start + expected[start:]

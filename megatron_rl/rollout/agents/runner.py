@@ -29,6 +29,13 @@ engine's (0 on observations); `token_versions` the weight version of each model
 token (observations take their turn's). The response always ends with a model
 token (no observation follows the last turn).
 
+R3 (rollout.return_routed_experts): the engine records the routes of every
+request of the batch (start before the loop, collect after it), and each
+sample's routed_experts cover prompt + all turns: a position takes the route of
+the first request of its episode that computed it, so observation tokens get
+the routes the next turn's prefill computed (agents.routes, which also says
+which weights computed which routes when a push lands between two turns).
+
 Seeds: the first request of sample j of prompt i samples with
 prompt_seed(seed, i) + j, the seed engine.generate gives it, so single-turn
 episodes reproduce engine.generate's tokens exactly; a later request mixes
@@ -53,6 +60,7 @@ import torch
 from megatron_rl.data.batch import RolloutSample, Rollouts
 from megatron_rl.rollout.agents.base import AgentContext, Environment, ModelTurn, StepResult
 from megatron_rl.rollout.agents.render import ObservationRenderer
+from megatron_rl.rollout.agents.routes import EpisodeCapture, capture_routes
 from megatron_rl.rollout.agents.stats import EpisodeStats
 from megatron_rl.rollout.agents.turns import make_turns
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
@@ -98,6 +106,8 @@ class Episode:
     """The turn scheduler was told the episode ended."""
     turn_token_ids: list[list[int]] = field(default_factory=list)
     """Every model turn's token ids as the engine returned them (for tests and traces)."""
+    requests: list[tuple[int, int]] = field(default_factory=list)
+    """Every engine request: (its input tokens, the tokens it sampled) (R3: agents.routes)."""
 
     def request(self, max_new_tokens: int, budget: int) -> SegmentRequest | None:
         """The next engine request, or None when the budget leaves no room for a token."""
@@ -110,6 +120,7 @@ class Episode:
         return SegmentRequest(tokens, min(max_new_tokens - turn_so_far, room), seed)
 
     def add_model_tokens(self, output: SegmentOutput, version: int) -> None:
+        self.requests.append((len(self.prompt_ids) + len(self.response), len(output.token_ids)))
         self.response += output.token_ids
         self.mask += [True] * len(output.token_ids)
         self.logprobs += list(output.logprobs)
@@ -192,43 +203,44 @@ class EpisodeRunner:
         by_key = {id(e): e for e in episodes}
         turns = make_turns(engine, spec, engine_turn, push_waiting)
         start = time.perf_counter()
-        try:
-            while waiting or pending or turns.in_flight:
-                while waiting:  # every ready episode's turn joins the engine as soon as it has room
-                    episode = waiting[0]
-                    request = episode.request(spec.max_new_tokens, budget)
-                    if request is None:
+        with capture_routes(engine, spec.return_routed_experts) as routes:  # R3: every request of the batch
+            try:
+                while waiting or pending or turns.in_flight:
+                    while waiting:  # every ready episode's turn joins the engine as soon as it has room
+                        episode = waiting[0]
+                        request = episode.request(spec.max_new_tokens, budget)
+                        if request is None:
+                            waiting.popleft()
+                            self._end(episode, "budget")
+                            continue
+                        if not turns.admits(id(episode), request):
+                            break
                         waiting.popleft()
-                        self._end(episode, "budget")
-                        continue
-                    if not turns.admits(id(episode), request):
-                        break
-                    waiting.popleft()
-                    turns.submit(id(episode), request)
-                if turns.in_flight:
-                    for key, output, version in turns.poll(_POLL_S if pending or waiting else _HEALTH_POLL_S):
-                        episode = by_key[key]
-                        if self._turn_ended(episode, output, version, spec, pending):
+                        turns.submit(id(episode), request)
+                    if turns.in_flight:
+                        for key, output, version in turns.poll(_POLL_S if pending or waiting else _HEALTH_POLL_S):
+                            episode = by_key[key]
+                            if self._turn_ended(episode, output, version, spec, pending):
+                                waiting.append(episode)
+                    done = [f for f in pending if f.done()]
+                    if not done and pending and not waiting and not turns.in_flight:
+                        turns.idle()  # every episode waits for its environment: a push may land now
+                        wait(list(pending), return_when=FIRST_COMPLETED)
+                        done = list(wait(list(pending), timeout=_GATHER_S).done)  # steps that end together share a step
+                    for future in done:
+                        episode = pending.pop(future)
+                        if self._after_step(episode, future, budget):
                             waiting.append(episode)
-                done = [f for f in pending if f.done()]
-                if not done and pending and not waiting and not turns.in_flight:
-                    turns.idle()  # every episode waits for its environment: a push may land now
-                    wait(list(pending), return_when=FIRST_COMPLETED)
-                    done = list(wait(list(pending), timeout=_GATHER_S).done)  # steps that end together share a step
-                for future in done:
-                    episode = pending.pop(future)
-                    if self._after_step(episode, future, budget):
-                        waiting.append(episode)
-                for episode in episodes:
-                    if episode.done and not episode.released:
-                        episode.released = True
-                        turns.finish(id(episode))
-        finally:
-            turns.shutdown()
+                    for episode in episodes:
+                        if episode.done and not episode.released:
+                            episode.released = True
+                            turns.finish(id(episode))
+            finally:
+                turns.shutdown()
         self.stats.count("engine_requests", turns.requests)
         self.stats.count("engine_restarts", turns.restarts)
         self.stats.count("wall_s", time.perf_counter() - start)
-        return self._finish(episodes, spec)
+        return self._finish(episodes, spec, routes)
 
     def _start(self, episode: Episode) -> bool:
         episode.env = self.agent_cls(self.context)
@@ -304,7 +316,7 @@ class EpisodeRunner:
 
     # -- rewards and samples ---------------------------------------------------------------------------
 
-    def _finish(self, episodes: list[Episode], spec: SamplingSpec) -> EpisodeBatch:
+    def _finish(self, episodes: list[Episode], spec: SamplingSpec, routes: EpisodeCapture | None = None) -> EpisodeBatch:
         from megatron_rl.rollout.rewards import compute_rewards
 
         mode = self.config.agent_reward
@@ -321,6 +333,8 @@ class EpisodeRunner:
         failed = torch.tensor([bool(e.failed) for e in episodes])
         rewards = torch.where(failed, torch.zeros_like(rewards), rewards)
         samples = [e.to_sample(self.tokenizer.eos_id) for e in episodes]
+        if routes is not None:  # R3: prompt + every turn, each position routed by the first request that computed it
+            routes.attach(episodes, samples, bool(self.config.routed_experts_include_prompt))
         rollouts = Rollouts(samples=samples, n_samples=spec.n, weight_version=min(s.weight_version for s in samples))
         self.stats.add_episodes(episodes)
         self.stats.maybe_keep_trace(episodes, self.tokenizer, rewards)
