@@ -141,6 +141,7 @@ class Trainer:
         self.step, self.weight_version = 0, 0
         resumed = self._maybe_resume()
         self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
+        self._placement, self._vllm = None, None  # the engines' placement; vLLM's trainer engines (vllm_* transports)
         self._own_engine = engine is None
         if engine is not None and ctx.world_size > 1:
             raise ValueError(f"an engine started beforehand serves a one-process run; this one has {ctx.world_size} ranks")
@@ -316,6 +317,11 @@ class Trainer:
                 self._owner_push(version, bucket_bytes)
             self.weight_version = version
             return
+        if self._placement is not None and self._placement.transport.startswith("vllm_"):  # vLLM's own engines (weight_sync.vllm_transfer)
+            with self._offload.on_device(["params"]), self._engine_held():
+                self._vllm_push(version)
+            self.weight_version = version
+            return
         with self._offload.on_device(["params"]), self._engine_held():
             try:
                 push_weights(self.engine, export, version, group=self.ctx.world_group,
@@ -324,6 +330,39 @@ class Trainer:
                 if relay is not None:
                     relay.close()
         self.weight_version = version
+
+    def _vllm_push(self, version: int) -> None:
+        """Every rank sends through vLLM's trainer engines (made on the first push, and again after a broken one:
+        the engine then says its weights are lost and the trainer pushes again, _experience)."""
+        from urllib.parse import urlparse
+
+        from megatron_rl.actor.distribute import broadcast_object
+        from megatron_rl.weight_sync.broadcast import default_host
+        from megatron_rl.weight_sync.push import _any_rank
+        from megatron_rl.weight_sync.stream import PushBrokenError
+        from megatron_rl.weight_sync.vllm_transfer import start_for_run
+
+        rollout, ctx = self._placement.rollout_config(self.cfg.rollout), self.ctx
+        if self._vllm is None:
+            urls = rollout.server_urls or (self._colocated.urls if self._colocated is not None else [])
+            host = rollout.weight_broadcast_host or default_host([urlparse(u).hostname or "" for u in urls])
+            clients = self.engine.weight_sync_clients() if self.engine is not None else None
+            self._vllm = start_for_run(rollout.weight_transport, rollout, ctx, self.actor.model,
+                                       engines=self._placement.engines, clients=clients, host=host,
+                                       share=lambda obj: broadcast_object(obj, ctx))
+        error: PushBrokenError | None = None
+        try:
+            if self.engine is not None:
+                self.engine.vllm_push(self._vllm.send, version)
+            else:
+                self._vllm.send(version)
+        except PushBrokenError as raised:
+            error = raised
+        if _any_rank(error is not None, ctx.world_group):  # every rank drops its engines: made again next push
+            self._vllm.shutdown()
+            self._vllm = None
+            raise error or PushBrokenError(f"weight push v{version} by {rollout.weight_transport} broke on another "
+                                           "rank", [])
 
     def _owner_push(self, version: int, bucket_bytes: int) -> None:
         """Every owner rank broadcasts its own buckets (rollout.weight_senders=owners; weight_sync.parallel), made
@@ -381,6 +420,9 @@ class Trainer:
         ctx = self.ctx
         placement = resolve_placement(self.cfg.rollout, world_size=ctx.world_size, cluster=self.cfg.cluster)
         rollout = placement.rollout_config(self.cfg.rollout)
+        self._placement = placement
+        if ctx.rank == 0:
+            logger.info("weight push by %s: %s", placement.transport, placement.reason)
         if placement.kind == "colocated_servers":
             self._colocated = start_colocated_servers(
                 self.cfg.model.path, rollout, placement.engines, rank=ctx.rank, world_size=ctx.world_size,
@@ -467,6 +509,8 @@ class Trainer:
         self.logger.close()
         if self.agent is not None:
             self.agent.close()
+        if self._vllm is not None:
+            self._vllm.shutdown()
         if self.engine is not None and self._own_engine:
             self.engine.shutdown()
         if self._colocated is not None:

@@ -15,6 +15,14 @@ to one of four placements:
 | colocated_servers  | engine=vllm, engines > 1 (servers on ranks)  | ipc handles from every rank with CUDA, else gloo broadcast (or rpc) |
 | remote_servers     | engine=vllm_server, server_urls             | broadcast, nccl on GPU (or rpc) |
 
+On CUDA, with a vLLM build whose trainer-side weight-transfer engines are
+registered (vllm.distributed.weight_transfer), auto prefers vLLM's own
+engines (weight_sync.vllm_transfer): vllm_nccl_m2n for remote servers (every
+trainer rank sends its own slice over NCCL; needs NCCL and the nccl.m2n
+runtime), vllm_ipc for engines on the trainer's GPUs (an engine process or
+colocated servers). `choose_transport` makes that choice from the platform
+facts (TransportFacts, detected by parallel.availability) and says why.
+
 multiprocessing unset = on when the trainer has several ranks (an engine in
 the trainer's process would start its process groups on the trainer's
 world). A broadcast into an engine that shares a trainer GPU (an engine
@@ -28,13 +36,51 @@ protocol (rollout.push).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config.core import ConfigError, replace
 from megatron_rl.config.schema import ClusterConfig, RolloutConfig
 
 PlacementKind = Literal["in_process", "engine_process", "colocated_servers", "remote_servers"]
+Transport = Literal["rpc", "broadcast", "ipc", "vllm_nccl_m2n", "vllm_ipc"]
+VLLM_ENGINE_OF = {"vllm_nccl_m2n": "nccl_m2n", "vllm_ipc": "ipc"}
+"""Each vllm_* transport and the vLLM weight-transfer engine (its registry key) it drives."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportFacts:
+    """What the platform offers the weight push (parallel.availability.transport_facts detects it)."""
+
+    cuda: bool
+    """torch sees a CUDA device."""
+    nccl: bool = False
+    """torch.distributed has NCCL."""
+    vllm_engines: frozenset[str] = field(default_factory=frozenset)
+    """vLLM's registered trainer-side weight-transfer engines (WeightTransferTrainerFactory), empty without vLLM."""
+    m2n_runtime: bool = False
+    """nccl.m2n (NVIDIA nccl-extensions) imports: vLLM's nccl_m2n engine needs it."""
+
+    def missing_for(self, transport: str) -> list[str]:
+        """What this platform lacks for a vllm_* transport (empty: it can run)."""
+        engine = VLLM_ENGINE_OF[transport]
+        missing = [] if self.cuda else ["no CUDA device"]
+        if engine not in self.vllm_engines:
+            missing.append(f"vLLM has no '{engine}' trainer engine registered (a vLLM build with "
+                           "vllm.distributed.weight_transfer is needed)")
+        if engine == "nccl_m2n" and not self.nccl:
+            missing.append("torch.distributed has no NCCL (gloo only)")
+        if engine == "nccl_m2n" and not self.m2n_runtime:
+            missing.append("nccl.m2n does not import (pip install NVIDIA nccl-extensions)")
+        return missing
+
+
+@dataclass(frozen=True)
+class TransportChoice:
+    """The transport a placement uses and why (the start-up line)."""
+
+    transport: Transport
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -44,10 +90,12 @@ class Placement:
     kind: PlacementKind
     engines: int
     """How many engines (servers, or 1 for an in-process engine or its own process)."""
-    transport: Literal["rpc", "broadcast", "ipc"]
+    transport: Transport
     broadcast_backend: Literal["auto", "nccl", "gloo"]
     multiprocessing: bool | None
     """The in-process engine's core runs in its own process (engine_process); None for servers (not theirs to set)."""
+    reason: str = ""
+    """Why this transport (rollout.weight_transport=auto: what the platform offered), for the start-up log line."""
 
     def rollout_config(self, rollout: RolloutConfig) -> RolloutConfig:
         """`rollout` with every decision written out, so the engine reads no 'auto' or unset value."""
@@ -55,33 +103,89 @@ class Placement:
                        weight_broadcast_backend=self.broadcast_backend)
 
 
-def resolve_placement(rollout: RolloutConfig, *, world_size: int = 1, cluster: ClusterConfig | None = None) -> Placement:
-    """The placement `rollout` asks for on `world_size` trainer ranks; ConfigError names a setting that does not fit."""
+def resolve_placement(rollout: RolloutConfig, *, world_size: int = 1, cluster: ClusterConfig | None = None,
+                      facts: TransportFacts | None = None) -> Placement:
+    """The placement `rollout` asks for on `world_size` trainer ranks; ConfigError names a setting that does not fit.
+    facts: the platform (None: this process's, parallel.availability.transport_facts)."""
+    facts = facts if facts is not None else _platform_facts()
     if rollout.engine == "vllm_server":
         if not rollout.server_urls:
             raise ConfigError(
                 "rollout.engine=vllm_server needs rollout.server_urls=[http://host:port, ...] (servers started with "
                 "`megatron-rl serve`), or a launch by launch/slurm.sbatch with cluster.rollout_gpus, which starts them"
             )
-        return Placement("remote_servers", len(rollout.server_urls), server_transport(rollout),
-                         rollout.weight_broadcast_backend, None)
+        choice = choose_transport(rollout, "remote_servers", facts)
+        return Placement("remote_servers", len(rollout.server_urls), choice.transport,
+                         rollout.weight_broadcast_backend, None, choice.reason)
     engines = _colocated_count(rollout, cluster, world_size)
     if engines > 1:
         # every worker is on a trainer rank's GPU: memory handles from that rank with CUDA; a broadcast must go
         # through host memory (engine 0's first worker shares rank 0's GPU, which NCCL refuses)
-        transport = rollout.weight_transport
-        if transport == "auto":
-            transport = "ipc" if _cuda_available() else "broadcast"
+        choice = choose_transport(rollout, "colocated_servers", facts)
         backend = "gloo" if rollout.weight_broadcast_backend == "auto" else rollout.weight_broadcast_backend
-        return Placement("colocated_servers", engines, transport, backend, None)  # type: ignore[arg-type]
+        return Placement("colocated_servers", engines, choice.transport, backend, None, choice.reason)
     multiprocessing = world_size > 1 if rollout.multiprocessing is None else bool(rollout.multiprocessing)
-    transport = rollout.weight_transport
-    if transport == "auto":  # an engine process shares the trainer's GPU: memory handles with CUDA, no host copy
-        transport = ("ipc" if _cuda_available() else "broadcast") if multiprocessing else "rpc"
-    check_transport_reaches_engine(transport, multiprocessing)
-    backend = "gloo" if rollout.weight_broadcast_backend == "auto" else rollout.weight_broadcast_backend
     kind: PlacementKind = "engine_process" if multiprocessing else "in_process"
-    return Placement(kind, 1, transport, backend, multiprocessing)  # type: ignore[arg-type]
+    choice = choose_transport(rollout, kind, facts)
+    check_transport_reaches_engine(choice.transport, multiprocessing)
+    backend = "gloo" if rollout.weight_broadcast_backend == "auto" else rollout.weight_broadcast_backend
+    return Placement(kind, 1, choice.transport, backend, multiprocessing, choice.reason)
+
+
+def choose_transport(rollout: RolloutConfig, kind: PlacementKind, facts: TransportFacts) -> TransportChoice:
+    """rollout.weight_transport for engines placed as `kind` on a platform with `facts` (a pure function).
+
+    auto: remote servers -> vllm_nccl_m2n when CUDA, NCCL, vLLM's nccl_m2n engine and its runtime are all there,
+    else broadcast; engines on the trainer's GPUs (an engine process, colocated servers) -> vllm_ipc with CUDA and
+    vLLM's ipc engine, else ipc with CUDA, else broadcast; an engine in the trainer's process -> rpc. An explicit
+    vllm_* value that cannot work here is a ConfigError naming what is missing and the value to set instead.
+    """
+    asked = rollout.weight_transport
+    if asked in VLLM_ENGINE_OF:
+        _check_vllm_transport(asked, kind, facts)
+        return TransportChoice(asked, f"rollout.weight_transport={asked} (vLLM's {VLLM_ENGINE_OF[asked]} engine)")
+    if kind == "remote_servers":
+        transport = server_transport(rollout)
+        if asked != "auto":
+            return TransportChoice(transport, f"rollout.weight_transport={asked}")
+        missing = facts.missing_for("vllm_nccl_m2n")
+        if not missing:
+            return TransportChoice("vllm_nccl_m2n", "auto: CUDA, NCCL and vLLM's nccl_m2n engine are available "
+                                                    "(every trainer rank sends its own slice)")
+        return TransportChoice(transport, f"auto: broadcast, not vllm_nccl_m2n ({'; '.join(missing)})")
+    if asked != "auto":
+        return TransportChoice(asked, f"rollout.weight_transport={asked}")  # type: ignore[arg-type]
+    if kind == "in_process":
+        return TransportChoice("rpc", "auto: the engine is in the trainer's process (tensors by reference)")
+    missing = facts.missing_for("vllm_ipc")
+    if not missing:
+        return TransportChoice("vllm_ipc", "auto: CUDA and vLLM's ipc engine are available (engines on the trainer's GPUs)")
+    if facts.cuda:
+        return TransportChoice("ipc", f"auto: megatron_rl's ipc, not vllm_ipc ({'; '.join(missing)})")
+    return TransportChoice("broadcast", "auto: broadcast over gloo (no CUDA: no memory handles, no vLLM engines)")
+
+
+def _check_vllm_transport(transport: str, kind: PlacementKind, facts: TransportFacts) -> None:
+    """ConfigError unless vLLM's engine behind `transport` can serve engines placed as `kind` on this platform."""
+    if transport == "vllm_nccl_m2n" and kind != "remote_servers":
+        raise ConfigError(
+            f"rollout.weight_transport=vllm_nccl_m2n sends over NCCL to servers on GPUs of their own, but these engines "
+            f"({kind}) share the trainer's GPUs (NCCL refuses two ranks on one GPU): set rollout.weight_transport="
+            "vllm_ipc or auto"
+        )
+    if transport == "vllm_ipc" and kind not in ("engine_process", "colocated_servers"):
+        raise ConfigError(
+            f"rollout.weight_transport=vllm_ipc hands memory handles to engines on the trainer's own GPUs (an engine "
+            f"process or colocated servers), not to {kind.replace('_', ' ')}: set rollout.weight_transport="
+            + ("vllm_nccl_m2n or auto" if kind == "remote_servers" else "rpc or auto")
+        )
+    missing = facts.missing_for(transport)
+    if missing:
+        fallback = "broadcast" if transport == "vllm_nccl_m2n" else ("ipc" if facts.cuda else "broadcast")
+        raise ConfigError(
+            f"rollout.weight_transport={transport} cannot run here: {'; '.join(missing)}. Set rollout.weight_transport="
+            f"{fallback} (megatron_rl's own transport) or auto (picks what the platform offers)"
+        )
 
 
 def check_rollout_section(rollout: RolloutConfig) -> None:
@@ -96,7 +200,7 @@ def check_rollout_section(rollout: RolloutConfig) -> None:
 def check_transport_reaches_engine(transport: str, multiprocessing: bool) -> None:
     """A broadcast or memory handles need the engine in a process of its own: in the trainer's it gets tensors by
     reference."""
-    if transport in ("broadcast", "ipc") and not multiprocessing:
+    if transport in ("broadcast", "ipc", "vllm_ipc") and not multiprocessing:
         raise ConfigError(
             f"rollout.weight_transport={transport} needs the engine in another process, but rollout.multiprocessing="
             "false keeps it in the trainer's (where it gets tensors by reference): set rollout.multiprocessing=true "
@@ -105,23 +209,26 @@ def check_transport_reaches_engine(transport: str, multiprocessing: bool) -> Non
 
 
 def server_transport(rollout: RolloutConfig) -> Literal["rpc", "broadcast"]:
-    """Remote servers take weights by broadcast unless rollout.weight_transport=rpc."""
-    if rollout.weight_transport == "ipc":
+    """Remote servers take weights by broadcast unless rollout.weight_transport=rpc (our own transports: vLLM's are
+    choose_transport's)."""
+    if rollout.weight_transport in ("ipc", "vllm_ipc"):
         raise ConfigError(
-            "rollout.weight_transport=ipc hands memory handles to engines on the trainer's own devices (rollout.engine"
+            f"rollout.weight_transport={rollout.weight_transport} hands memory handles to engines on the trainer's own "
+            "devices (rollout.engine"
             "=vllm: an engine process, or colocated servers); remote servers take weights by broadcast or rpc: set "
             "rollout.weight_transport=auto"
         )
     return "rpc" if rollout.weight_transport == "rpc" else "broadcast"
 
 
-def _cuda_available() -> bool:
-    """Whether this process sees a CUDA device (torch imported only here: the rules above need no torch)."""
+def _platform_facts() -> TransportFacts:
+    """This process's TransportFacts (torch and vLLM imported only here, through parallel.availability: the rules
+    above need neither)."""
     try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+        from megatron_rl.parallel.availability import transport_facts
+    except ImportError:  # no torch
+        return TransportFacts(cuda=False)
+    return transport_facts()
 
 
 def _colocated_count(rollout: RolloutConfig, cluster: ClusterConfig | None, world_size: int) -> int:

@@ -327,15 +327,18 @@ class RolloutConfig:
     30 s). Generation requests have no limit of their own: a server that answers /health is slow, not dead."""
     weight_bucket_mb: float = 512.0
     """Size of one weight-sync bucket in MB."""
-    weight_transport: Literal["auto", "rpc", "broadcast", "ipc"] = "auto"
+    weight_transport: Literal["auto", "rpc", "broadcast", "ipc", "vllm_nccl_m2n", "vllm_ipc"] = "auto"
     """How pushed weights reach the engine. rpc: through the worker extension's RPC (tensors by reference to an
     in-process engine, safetensors bytes to an engine process or over HTTP to a server); broadcast: a
     torch.distributed broadcast from the pushing trainer rank into every engine worker (weight_broadcast_backend);
     ipc: memory handles to engines on the trainer's own devices, an engine process or colocated servers (CUDA IPC on
     a GPU, shared memory on the host; weight_sync.ipc: with colocated servers every rank shares each bucket with the
-    workers on its GPU); auto: rpc for an engine inside the trainer's process, ipc for an engine process or
-    colocated servers when CUDA is available (they share the trainer's GPUs), else broadcast; broadcast for remote
-    servers."""
+    workers on its GPU); vllm_nccl_m2n (remote servers on GPUs): vLLM's own nccl_m2n engine, every trainer rank sends
+    its own slice of each tensor over NCCL; vllm_ipc (an engine process or colocated servers on GPUs): vLLM's own
+    ipc engine (weight_sync.vllm_transfer; both need CUDA and a vLLM build that registers the engine); auto: rpc for
+    an engine inside the trainer's process; for engines on the trainer's GPUs vllm_ipc, else ipc with CUDA, else
+    broadcast; for remote servers vllm_nccl_m2n where CUDA, NCCL and the nccl.m2n runtime are there, else
+    broadcast (config.placement.choose_transport; the start-up log names the choice and why)."""
     weight_senders: Literal["rank0", "owners"] = "rank0"
     """Who sends a broadcast push (weight_transport=broadcast). rank0: every bucket through trainer rank 0, one group
     with the engine workers; owners: every rank that owns parameters (one per PP stage and EP rank at least, replicas

@@ -101,3 +101,25 @@ def detect() -> Availability:
         apex=cuda and _package_imports("apex.optimizers"),
         grouped_gemm=cuda and _package_imports("grouped_gemm"),
     )
+
+
+def transport_facts():
+    """What the weight push can use here (config.placement.TransportFacts): CUDA, NCCL, vLLM's registered trainer-side
+    weight-transfer engines and the nccl.m2n runtime. Imports vLLM's factory (not its engines) when vLLM is there."""
+    from megatron_rl.config.placement import TransportFacts
+
+    cuda = torch.cuda.is_available()
+    return TransportFacts(cuda=cuda, nccl=cuda and torch.distributed.is_nccl_available(),
+                          vllm_engines=_vllm_trainer_engines(), m2n_runtime=cuda and _package_imports("nccl.m2n"))
+
+
+@functools.lru_cache(maxsize=None)
+def _vllm_trainer_engines() -> frozenset[str]:
+    """The names vLLM's WeightTransferTrainerFactory registers (empty without vLLM, or a vLLM without the API)."""
+    if importlib.util.find_spec("vllm") is None:
+        return frozenset()
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except Exception:  # noqa: BLE001 - an older vLLM, or one built for another torch: no engines to use
+        return frozenset()
+    return frozenset(WeightTransferTrainerFactory._registry)

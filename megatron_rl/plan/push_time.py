@@ -12,8 +12,13 @@ receiving side; at link bandwidth `bw` (cluster.push_link_gb_per_s):
     owner-parallel  every owner rank sends its own shards (S senders, one bucket of slack),
                     each bucket still broadcast whole to every worker (weight_sync.parallel):
                     out = B / S + bucket, in = B             -> t = max(B / S + bucket, B) / bw
-    vllm nccl_m2n   each worker receives only its own shard (vLLM's weight_transfer, GPUs):
-                    out = B / S + bucket, in = B / (engine TP x PP)
+    vllm nccl_m2n   each worker receives only its own shard (vLLM's weight_transfer, GPUs;
+                    weight_sync.vllm_transfer: trainer rank r sends row block r mod s of every
+                    tensor, s = the largest divisor of S up to 16, m2n's fan-in limit):
+                    out = B / s + bucket, in = B / (engine TP x PP)
+    vllm ipc        engines on the trainer's GPUs: every rank holds each tensor whole for a moment
+                    (its owner broadcasts it), the worker reads it over device memory, no link:
+                    out = B / S + bucket, in = B                 -> t = B / bw
 
 S = the trainer ranks that hold a shard (every rank: replicated shards are spread
 over their replicas). Owner-parallel frees trainer rank 0 (its link and memory
@@ -24,7 +29,8 @@ the time below B / bw.
 Sanity check against the numbers published for DeepSeek-V3 (671 B parameters,
 bf16: B = 1.34 TB) at 50 GB/s (400 Gb/s InfiniBand):
 funnel 1.34e12 / 50e9 = 27 s per step;
-m2n into engines of TP 8 x PP 4: 1.34e12 / 32 / 50e9 = 0.84 s, the order of
+m2n from 256 trainer ranks (s = 16) into engines of TP 8 x PP 4: max(1.34e12 / 16,
+1.34e12 / 32) / 50e9 = 1.7 s, the order of
 NeMo RL's published 2.4-2.8 s reshard (which also converts and loads) and below
 checkpoint-engine's 14-16 s for Kimi-K2 (1 T parameters in fp8, 16-256 GPUs).
 The estimate counts bytes on links only: no loading, conversion, latency.
@@ -42,7 +48,7 @@ class PushTime:
     """One transport's estimate (see the module docstring)."""
 
     transport: str
-    """funnel, owner-parallel or vllm-nccl_m2n."""
+    """funnel, owner-parallel, vllm-nccl_m2n or vllm-ipc."""
     out_bytes: float
     """Bytes out of the busiest trainer rank."""
     in_bytes: float
@@ -53,12 +59,15 @@ class PushTime:
 
 def push_times(*, model_bytes: float, senders: int, bucket_bytes: float, engine_workers: int,
                link_bytes_per_s: float) -> list[PushTime]:
-    """The three rows of the module docstring's formula."""
+    """The four rows of the module docstring's formula."""
     if senders < 1 or engine_workers < 1 or link_bytes_per_s <= 0:
         raise ValueError(f"senders={senders}, engine_workers={engine_workers} must be >= 1 and the link bandwidth > 0")
-    share = model_bytes / senders + min(bucket_bytes, model_bytes)
+    bucket = min(bucket_bytes, model_bytes)
+    share = model_bytes / senders + bucket
+    m2n_slices = max(d for d in range(1, min(senders, 16) + 1) if senders % d == 0)  # vllm_transfer.m2n_slices
     rows = [("funnel", model_bytes, model_bytes), ("owner-parallel", share, model_bytes),
-            ("vllm-nccl_m2n", share, model_bytes / engine_workers)]
+            ("vllm-nccl_m2n", model_bytes / m2n_slices + bucket, model_bytes / engine_workers),
+            ("vllm-ipc", share, model_bytes)]
     return [PushTime(transport=name, out_bytes=out, in_bytes=into, seconds=max(out, into) / link_bytes_per_s)
             for name, out, into in rows]
 

@@ -247,6 +247,28 @@ class WeightSyncedEngine:
             self.weight_version = int(version)
         return result
 
+    def vllm_push(self, send: Callable[[int], None], version: int) -> None:
+        """Rank 0's part of a push by vLLM's own engines (rollout.weight_transport=vllm_*; weight_sync.vllm_transfer):
+        every rank calls `send(version)` at once; here the engines are checked first and, once it is in, told the
+        version (the worker extension's, for recovery) and their prefix caches reset."""
+        with self._lock:
+            self._prepare_push()
+            try:
+                send(int(version))
+            except PushBrokenError as error:
+                self.weights_lost = True
+                self._push_broke(error)
+                raise
+            for target in self._targets():
+                target.call("mrl_set_version", int(version))
+                target.reset_prefix_cache()
+            self.weights_lost = False
+            self.weight_version = int(version)
+
+    def weight_sync_clients(self) -> list[Any]:
+        """vLLM's control-plane client (VLLMWeightSyncClient) of each engine, for vLLM's weight-transfer engines."""
+        raise NotImplementedError
+
     def _broadcaster(self) -> BroadcastSender:
         """The weight-broadcast group with every engine's workers, formed on first use and after a restart."""
         if self._broadcast is None:

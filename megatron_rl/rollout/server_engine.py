@@ -53,6 +53,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from megatron_rl.config.placement import VLLM_ENGINE_OF, server_transport
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.client_limits import HEALTH_FAILURES_TO_DEAD, health_interval_s, prompts_in_flight, start_timeout_s
@@ -69,11 +70,11 @@ from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutErr
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
-from megatron_rl.config.placement import server_transport
 from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightSyncedEngine
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
 from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
+from megatron_rl.weight_sync import vllm_transfer
 from megatron_rl.weight_sync.manifest import WeightManifest
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class VLLMServer:
             cmd.append("--no-enable-prefix-caching")
         if cfg.sleep_level and sleep_mode_available():  # vLLM refuses the flag where the platform has none (CPU)
             cmd.append("--enable-sleep-mode")
-        return cmd + self.extra_args
+        return cmd + vllm_transfer.server_args(cfg.weight_transport) + self.extra_args
 
     def check_model_dir(self) -> None:
         """EngineStartError unless model_dir is an HF model directory."""
@@ -165,7 +166,7 @@ class VLLMServer:
         env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path}
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))
-        return {**env, **self.env}
+        return {**env, **vllm_transfer.server_env(self.config.weight_transport), **self.env}
 
     def start(self) -> "VLLMServer":
         """Start the server and wait until /health answers (EngineStartError with the log tail if it dies)."""
@@ -257,7 +258,10 @@ class VLLMServerEngine(WeightSyncedEngine):
         self.model_dir = model_dir or next((s.model_dir for s in servers if isinstance(s, VLLMServer)), None)
         self.relay = relay
         colocated_ipc = relay is not None and self.config.weight_transport == "ipc"
-        self.weight_transport = "ipc" if colocated_ipc else server_transport(self.config)
+        if self.config.weight_transport in VLLM_ENGINE_OF:  # vLLM's own engines (weight_sync.vllm_transfer)
+            self.weight_transport = self.config.weight_transport
+        else:
+            self.weight_transport = "ipc" if colocated_ipc else server_transport(self.config)
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
         self._route_capture = False  # between start_route_capture and collect_route_capture
         self._wait_for_servers()
@@ -387,6 +391,12 @@ class VLLMServerEngine(WeightSyncedEngine):
                               call_each=partial(self._rpc_each, url))
 
         return [target(url) for url in self.urls]
+
+    def weight_sync_clients(self) -> list[Any]:
+        """vLLM's HTTP client of each server's weight-transfer routes (open with VLLM_SERVER_DEV_MODE=1)."""
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        return [HTTPVLLMWeightSyncClient(url, timeout=self.config.request_timeout_s) for url in self.urls]
 
     def _broadcast_sender(self) -> BroadcastSender:
         from urllib.parse import urlparse

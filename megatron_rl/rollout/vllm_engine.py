@@ -68,6 +68,7 @@ from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightsLostError, WeightSyncedEngine
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
 from megatron_rl.weight_sync.ipc import IpcSender
+from megatron_rl.weight_sync import vllm_transfer
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class VLLMEngine(WeightSyncedEngine):
             args["max_model_len"] = cfg.max_model_len
         if cfg.sleep_level and sleep_mode_available():
             args["enable_sleep_mode"] = True
+        args.update(vllm_transfer.engine_args(self.weight_transport))  # vLLM's own engine (rollout.weight_transport)
         args.update(self.engine_kwargs)
         return args
 
@@ -286,6 +288,10 @@ class VLLMEngine(WeightSyncedEngine):
                 raise RolloutError("the engine refused to reset its prefix cache after a weight push (requests still running?)")
 
         return [PushTarget(self.name, self._rpc, encode, reset_prefix_cache)]
+
+    def weight_sync_clients(self) -> list[Any]:
+        """This engine's vllm.LLM as vLLM's weight-sync client."""
+        return [vllm_transfer.LLMClient(self._llm)]
 
     def _broadcast_sender(self) -> BroadcastSender:
         backend = self.config.weight_broadcast_backend

@@ -214,6 +214,10 @@ class RolloutWorkerExtension:
     def mrl_weight_version(self) -> int:
         return int(self.__dict__.get("_mrl_version", 0))
 
+    def mrl_set_version(self, version: int | str) -> None:
+        """Record the version that vLLM's own weight-transfer engine just loaded (weight_sync.vllm_transfer)."""
+        self.__dict__["_mrl_version"] = int(version)
+
     def mrl_begin_push(self, version: int | str) -> None:
         self.mrl_abort_push()  # a push left open (its caller died) is ended first, restoring a complete version
         self.__dict__["_mrl_push"] = StreamingLoad(self.model_runner, self._mrl_manifest(), int(version))  # type: ignore[attr-defined]

@@ -75,11 +75,15 @@ def make_megatron_source(model_chunks: list, ctx, *, wire_dtype: torch.dtype | N
         def iter_groups(self):
             held_groups = {tuple(g) for g in self.groups()}
             for group in base.layerwise_groups([m.name for m in self._meta]):
-                made = self._make(group)
+                made = self.make_group(group)
                 if tuple(group) in held_groups:
                     yield list(group), [made.get(n) for n in group]
 
-        def _make(self, group: list[str]) -> dict[str, torch.Tensor]:
+        def owner_of(self, name: str) -> int:
+            """The trainer rank that makes (and serves) HF tensor `name`."""
+            return int(self._of_name[name].owner)
+
+        def make_group(self, group: list[str]) -> dict[str, torch.Tensor]:
             """Every rank: the owners of the group's parameters get their TP peers' shards; HF tensors of those owned here."""
             params, seen = [], set()
             for name in group:

@@ -186,6 +186,18 @@ def _vllm_source(chunks, ctx) -> dict:
             "order_ok": names == [n for g in layerwise_groups(names) for n in g], "yielded": yielded, "nones": nones}
 
 
+def _vllm_spread(chunks, ctx) -> dict:
+    """The sources of vLLM's nccl_m2n and ipc engines (weight_sync.vllm_transfer): what each rank yields."""
+    from megatron_rl.weight_sync.vllm_transfer import make_full_source, make_m2n_source
+
+    m2n = make_m2n_source(chunks, ctx)
+    blocks = dict(iter(m2n))
+    full = make_full_source(chunks, ctx)
+    return {"mesh": m2n.mesh().dims, "placements": {m.name: m.placements for m in m2n.metadata()},
+            "order": list(blocks), "meta_order": [m.name for m in m2n.metadata()], "blocks": blocks,
+            "full": dict(iter(full))}
+
+
 def _ranks(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
     from megatron_rl.config import ModelConfig, ParallelConfig
     from megatron_rl.models import build_model, load_hf_config, model_shape
@@ -227,6 +239,7 @@ def _ranks(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
             if rank == 0:
                 record["reference_3"], record["after_3"] = reference, states()
             record["source"] = _vllm_source(chunks, ctx)
+            record["spread"] = _vllm_spread(chunks, ctx)
             if case == "pp2_ep2":
                 record["delta"] = _delta_pushes(chunks, ctx, targets, engines, states, manifest, rank)
         finally:
@@ -326,3 +339,27 @@ def test_vllm_weight_source_serves_our_shards_by_its_own_contract(setup):
             assert set(source["yielded"]) == held[rank] and not set(source["nones"]) & held[rank], (case, rank)
             for name, tensor in source["yielded"].items():
                 assert tensor.dtype == reference[name].dtype and torch.equal(tensor, reference[name]), (case, name)
+
+
+def test_vllm_engines_sources_give_every_rank_its_row_block_or_the_whole_tensor(setup):
+    """vLLM's nccl_m2n source: 4 trainer ranks on a (1, 4) mesh, rank r yields row block r of every tensor whose rows 4
+    divides (placement (Replicate, Shard(0))), the whole tensor otherwise, in metadata order; the row blocks of the 4
+    ranks put together are the funnel export bit for bit. vLLM's ipc source: every tensor whole on every rank."""
+    for case in LAYOUTS:
+        records = [r[case] for r in _launch(setup)]
+        reference = records[0]["reference_3"]
+        for rank, record in enumerate(records):
+            spread = record["spread"]
+            assert spread["mesh"] == (1, 4) and spread["order"] == spread["meta_order"], (case, rank)
+            assert set(spread["full"]) == set(reference)
+            for name, tensor in spread["full"].items():
+                assert torch.equal(tensor, reference[name]), (case, rank, name)
+        for name, tensor in reference.items():
+            placement = records[0]["spread"]["placements"][name]
+            blocks = [r["spread"]["blocks"][name] for r in records]
+            if tensor.shape[0] % 4 == 0:
+                assert placement == (-1, 0), (case, name)
+                assert all(b.shape[0] == tensor.shape[0] // 4 for b in blocks)
+                assert torch.equal(torch.cat(blocks), tensor), (case, name)
+            else:
+                assert placement is None and all(torch.equal(b, tensor) for b in blocks), (case, name)

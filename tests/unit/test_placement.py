@@ -12,7 +12,7 @@ from megatron_rl.rollout import make_engine, resolve_placement
 @pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda"])
 def test_each_placement_and_its_transport(cuda, monkeypatch):
     """Both platforms on any machine: whether CUDA is present is faked (it decides auto's transport)."""
-    monkeypatch.setattr(placement, "_cuda_available", lambda: cuda)
+    monkeypatch.setattr(placement, "_platform_facts", lambda: placement.TransportFacts(cuda=cuda))  # no vLLM engines
     shared = "ipc" if cuda else "broadcast"  # an engine on the trainer's GPU takes memory handles; on CPU a broadcast
     single = resolve_placement(RolloutConfig())
     assert (single.kind, single.engines, single.transport, single.multiprocessing) == ("in_process", 1, "rpc", False)

