@@ -413,6 +413,9 @@ class RolloutConfig:
                 f"{self.request_timeout_s}: the start-up timeout must be >= 0 (0 = scaled with the model's size), "
                 "the request timeout > 0"
             )
+        if self.weight_senders == "owners" and self.weight_transport.startswith("vllm_"):
+            raise ConfigError(f"rollout.weight_senders=owners with rollout.weight_transport={self.weight_transport}: vLLM's "
+                              "engine already sends from every rank; set weight_senders=rank0, or weight_transport=broadcast")
         if self.weight_delta and self.weight_senders != "owners":
             raise ConfigError("rollout.weight_delta=true needs rollout.weight_senders=owners (each owner keeps what the "
                               "engines hold of its tensors): set both, or weight_delta=false")

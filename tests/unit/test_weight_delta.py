@@ -62,3 +62,5 @@ def test_config_keys(tmp_path):
         load_config(RLConfig, path, ["rollout.weight_senders=owners", "rollout.weight_delta_full_every=0"])
     cfg = load_config(RLConfig, path, ["rollout.weight_senders=owners"])
     assert cfg.rollout.weight_delta and cfg.rollout.weight_delta_full_every == 10
+    with pytest.raises(ConfigError, match="weight_senders=owners with rollout.weight_transport=vllm_nccl_m2n"):
+        load_config(RLConfig, path, ["rollout.weight_senders=owners", "rollout.weight_transport=vllm_nccl_m2n"])
