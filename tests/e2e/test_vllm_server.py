@@ -206,7 +206,12 @@ def test_episode_turns_stay_on_their_server_and_new_episodes_go_to_the_least_loa
     from megatron_rl.rollout.rewards import exact_match
     from tests.e2e.vllm_helpers import hf_model
 
-    push_weights(server_engine, bucketize(hf_state_dict(models["moe0"]).items(), 1 << 20), version=server_engine.weight_version + 1)
+    url = server_engine.urls[0]
+    pusher = VLLMServerEngine([url], replace(server_engine.config, weight_transport="rpc"))  # known weights: moe0's
+    try:
+        push_weights(pusher, bucketize(hf_state_dict(models["moe0"]).items(), 1 << 20), version=20)
+    finally:
+        pusher.shutdown()
     calls: list[tuple[int, list[int]]] = []
 
     class Recording(VLLMServerEngine):
@@ -218,7 +223,6 @@ def test_episode_turns_stay_on_their_server_and_new_episodes_go_to_the_least_loa
         def step(self, turn):
             return StepResult(observation=[7, 8, 9], done=turn.index >= 2)
 
-    url = server_engine.urls[0]
     engine = Recording([url, url], server_engine.config)
     tokenizer = load_tokenizer(models["moe0"])
     # distinct prompts: an episode's requests are known by its prompt
