@@ -384,21 +384,25 @@ class RolloutWorkerExtension:
 
     # ---- buckets by memory handle (weight_sync.ipc) ----------------------------------------------------
     def mrl_ipc_receive(self, message: str | dict) -> dict:
-        """Map one bucket the trainer shared (the handle of this worker's device) and stage it (see
-        mrl_stage_weights).
+        """Map the buckets the trainer shared (the handle of this worker's device) and stage each (see
+        mrl_stage_weights): one bucket ({'sender', 'bucket_id', 'layout', 'handles', 'trainer_gpus'}) or several
+        in one message ({'sender', 'buckets': [...]}, weight_sync.owner_ipc: one call per round).
 
-        Returns {'staged': its tensor count, 'released': ids of the buckets whose memory this worker no longer
+        Returns {'staged': their tensor count, 'released': ids of the buckets whose memory this worker no longer
         holds}; the trainer writes a bucket's buffer again only after every worker said so."""
         message = json.loads(message) if isinstance(message, str) else message
         receiver = self.__dict__.setdefault("_mrl_ipc", IpcReceiver())
-        try:
-            bucket = receiver.open(message, int(getattr(self, "rank", 0)))
-        except BaseException:
-            self.mrl_abort_push()
-            raise
-        staged = self.mrl_stage_weights(bucket)
-        del bucket  # the loading holds the views it still needs
-        return {"staged": staged, "released": receiver.take_released(str(message["sender"]))}
+        sender = str(message["sender"])
+        staged = 0
+        for entry in message.get("buckets", [message]):
+            try:
+                bucket = receiver.open({**entry, "sender": sender}, int(getattr(self, "rank", 0)))
+            except BaseException:
+                self.mrl_abort_push()
+                raise
+            staged += self.mrl_stage_weights(bucket)
+            del bucket  # the loading holds the views it still needs
+        return {"staged": staged, "released": receiver.take_released(sender)}
 
     # ---- routed experts ------------------------------------------------------------------------
     def _mrl_recorder(self) -> _RouteRecorder:
