@@ -106,17 +106,20 @@ def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *
         for target in targets:
             target.call("mrl_begin_push", version)
         names = [target.name for target in targets]
+        receives = [partial(t.call_each or t.call, broadcast.receive_method) for t in targets] if broadcast is not None else []
         for bucket in buckets:
             if not bucket:
                 continue
             bucket = [(name, live.track(tensor)) for name, tensor in bucket]
             announced.check_bucket(bucket)
             if broadcast is not None:
-                broadcast.send(bucket, [partial(t.call_each or t.call, broadcast.receive_method) for t in targets], names)
+                broadcast.send(bucket, receives, names)
             else:
                 for target in targets:
                     target.call("mrl_stage_weights", target.encode(bucket))
             del bucket
+        if getattr(broadcast, "flush", None) is not None:  # memory handles batched: the last ones
+            broadcast.flush(receives, names)
         announced.check_complete()
         commits = [target.call("mrl_commit_push", "1" if repack_moe else "0") for target in targets]
         for target in targets:
