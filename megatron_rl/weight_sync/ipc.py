@@ -10,17 +10,22 @@ bucket:
    file, torch's file_system strategy: any process of this host can map it,
    a server as well as the trainer's own child) and pickles that small handle;
 3. the handles (base64) and the layout go over the engine's RPC channel (or a
-   server's HTTP API) to `mrl_ipc_receive` (rollout.worker_ext); each worker
-   maps the handle of its own device (`IpcReceiver.open`), unpacks views of
-   it and stages them like any other bucket: the same manifest check and
-   streaming load (rollout.streaming_load), the same abort and recovery;
+   server's HTTP API) to `mrl_ipc_receive` (rollout.worker_ext), one call per
+   bucket or, with `IpcSender.batch_buckets` (and weight_sync.owner_ipc's
+   rounds), one call for several; each worker maps the handle of its own
+   device (`IpcReceiver.open`), unpacks views of it and stages them like any
+   other bucket: the same manifest check and streaming load
+   (rollout.streaming_load), the same abort and recovery;
 4. each answer lists the buckets whose memory the worker no longer holds
-   (its loading is past them: their storage is freed, views of views
-   included); once every worker has let go of a bucket its buffers are
-   written again by later buckets (a fresh shared allocation costs page
-   faults that took longer than the copy on the host). A CUDA buffer stays
-   allocated while another process maps it (torch's IPC reference counts),
-   and is written again only after every worker has said it is done with it.
+   (its loading is past them: nothing but the receiver references their
+   storage, views of views included); once every worker has let go of a
+   bucket its buffers are written again by later buckets (a fresh shared
+   allocation costs page faults that took longer than the copy on the
+   host), and the worker, which kept its mapping, maps nothing anew for
+   them (`IpcReceiver`). A CUDA buffer stays allocated while another
+   process maps it (torch's IPC reference counts), and is written again only
+   after every worker has said it is done with it; the workers let go of
+   every mapping when the push ends.
 
 Colocated servers (rollout.engines > 1, config.placement) have workers on
 every GPU of the trainer, so every rank shares each bucket with the worker
