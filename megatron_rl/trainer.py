@@ -233,6 +233,8 @@ class Trainer:
             last = self._owner_last
             metrics["weight_sync/sent_bytes"] = float(last["wire_bytes"] if "wire_bytes" in last else last["sent_bytes"])
             metrics["weight_sync/delta"] = float(last.get("delta", False))
+            if "received_bytes" in last:  # colocated by memory handle: other owners' buckets for this rank's workers
+                metrics["weight_sync/received_bytes"] = float(last["received_bytes"])
         start = time.perf_counter()
         offloaded += self._offload.to_host()  # the parameters (train.offload=all): the device is the engine's
         offload_s += time.perf_counter() - start
