@@ -19,6 +19,10 @@ gloo on the host) and each worker maps its own rank's copy. It writes
 ipc_relay_<device>.json.
 
 Reported: push GB/s (fastest of REPEATS after a warm-up, and the median),
+the engine-worker calls per push and the buffers the worker had to map anew
+per push (weight_sync.ipc.IpcReceiver keeps the mapping of a buffer the
+pushing side writes again; `batch_buckets` > 1 sends that many buckets'
+handles in one call),
 the same bytes copied once with `Tensor.copy_` on the device in the same run
 (the ratio copy time / push time says how close a push comes to moving its
 bytes once), the most bytes of shared buckets alive at once on the pushing
@@ -60,7 +64,7 @@ def make_checkpoint(path: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
+def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets: int = 1) -> dict:
     import torch
 
     from megatron_rl.rollout.push import PushTarget, stream_push
@@ -76,20 +80,38 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         buckets = list(bucketize(state.items(), bucket_mb << 20))
         worker = WorkerProcess(model_dir, device)
-        target = PushTarget("worker", worker.call, lambda b: b, lambda: None)
-        push_s, alive, staged = [], 0, 0
+        answers: list = []
+
+        def call(method, *args):
+            answer = worker.call(method, *args)
+            if method == "mrl_ipc_receive":
+                answers.append(answer)
+            return answer
+
+        target = PushTarget("worker", call, lambda b: b, lambda: None)
+        push_s, alive, staged, calls, mapped = [], 0, 0, 0, 0
+        pools: list = []  # on the host the engine keeps its shared buffers across pushes (rollout.vllm_engine)
+
+        def sender() -> IpcSender:
+            made = IpcSender(torch.device(device), timeout_s=600, batch_buckets=batch_buckets,
+                             pool=pools[0] if pools else None)
+            if device == "cpu" and not pools:
+                pools.append(made.pool)
+            return made
+
         try:
             for version in range(1, REPEATS + 2):
                 stream = WeightStream(entries_of(buckets), ([(n, t.clone()) for n, t in b] for b in buckets))
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
+                answers.clear()
                 begin = time.perf_counter()
-                result = stream_push([target], stream, version, manifest=manifest, repack_moe=False,
-                                     sender=lambda: IpcSender(torch.device(device), timeout_s=600))
+                result = stream_push([target], stream, version, manifest=manifest, repack_moe=False, sender=sender)
                 elapsed = time.perf_counter() - begin
                 if version > 1:  # the first push is a warm-up
                     push_s.append(elapsed)
                     alive, staged = max(alive, result.buffer_bytes), max(staged, result.commits[0]["peak_staged_bytes"])
+                    calls, mapped = len(answers), sum(int(a.get("mapped", 0)) for a in answers)
             pushed = float(sum(t.float().sum() for t in worker.call("state").values()))
         finally:
             worker.stop()
@@ -97,6 +119,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int) -> dict:
         copy_s = _plain_copy_s(state, device)
     return {
         "hidden": hidden, "layers": layers, "bytes": num_bytes, "bucket_mb": bucket_mb, "buckets": len(buckets),
+        "batch_buckets": batch_buckets, "worker_calls_per_push": calls, "worker_buffers_mapped_per_push": mapped,
         "weights_arrived": abs(pushed - expected) <= 1e-3 * max(1.0, abs(expected)),
         "push_s": [round(x, 4) for x in push_s],
         "push_gb_per_s": round(num_bytes / min(push_s) / 1e9, 3),
@@ -238,10 +261,13 @@ def main() -> None:
     if args.device == "cuda":
         device, name = "cuda:0", torch.cuda.get_device_name(0)
         # bf16, 16 x hidden^2 parameters a layer: 16 x 4096^2 x 2 bytes = 537 MB; 2 and 16 layers (1.1 / 8.6 GB)
-        runs = [(4096, 2, 512), (4096, 16, 512), (4096, 16, 128)]
+        # 128 MB buckets with their handles sent 1 and 4 at a time (IpcSender.batch_buckets)
+        runs = [(4096, 2, 512), (4096, 16, 512), (4096, 16, 128), (4096, 16, 128, 4)]
     else:
         device, name = "cpu", "cpu"
-        runs = [(1024, 8, 32), (1024, 8, 8)]  # 16 x 1024^2 x 2 bytes = 33.5 MB a layer, 268 MB in all
+        runs = [(1024, 8, 32), (1024, 8, 8), (1024, 8, 8, 4)]  # 16 x 1024^2 x 2 bytes = 33.5 MB a layer, 268 MB in all
+    if args.relay:
+        runs = [run[:3] for run in runs if len(run) == 3]
     rows = [(measure_relay if args.relay else measure)(device, *run) for run in runs]
     for row in rows:
         print(json.dumps(row), flush=True)

@@ -231,8 +231,11 @@ class Trainer:
         self._sync_weights(step + 1)
         metrics["time/weight_sync_s"] = time.perf_counter() - start
         if getattr(self, "_owner_last", None) is not None:  # rollout.weight_senders=owners: what this rank sent
-            metrics["weight_sync/sent_bytes"] = float(self._owner_last["wire_bytes"])
-            metrics["weight_sync/delta"] = float(self._owner_last["delta"])
+            last = self._owner_last
+            metrics["weight_sync/sent_bytes"] = float(last["wire_bytes"] if "wire_bytes" in last else last["sent_bytes"])
+            metrics["weight_sync/delta"] = float(last.get("delta", False))
+            if "received_bytes" in last:  # colocated by memory handle: other owners' buckets for this rank's workers
+                metrics["weight_sync/received_bytes"] = float(last["received_bytes"])
         start = time.perf_counter()
         offloaded += self._offload.to_host()  # the parameters (train.offload=all): the device is the engine's
         offload_s += time.perf_counter() - start
@@ -370,6 +373,7 @@ class Trainer:
         from megatron_rl.models.export_owners import export_owned_weights
         from megatron_rl.weight_sync.broadcast import default_host
         from megatron_rl.weight_sync.delta import DeltaEncoder
+        from megatron_rl.weight_sync.owner_ipc import owner_ipc_push
         from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
         from megatron_rl.weight_sync.stream import PushBrokenError
 
@@ -381,10 +385,16 @@ class Trainer:
             from megatron_rl.rollout import resolve_placement
 
             placement = resolve_placement(rollout, world_size=ctx.world_size, cluster=self.cfg.cluster)
-            if placement.transport != "broadcast":  # decided on every rank alike: no rank waits in the push
-                raise ConfigError(f"rollout.weight_senders=owners sends by broadcast, but this placement ({placement.kind}) "
-                                  f"takes weights by {placement.transport}: set rollout.weight_transport=broadcast "
-                                  "(an engine process or servers) or rollout.weight_senders=rank0")
+            owner_relay = self._colocated.owner_relay if self._colocated is not None else None
+            if placement.transport != "broadcast" and owner_relay is None:  # decided on every rank alike
+                raise ConfigError(f"rollout.weight_senders=owners sends by broadcast, or by memory handle to colocated "
+                                  f"servers, but this placement ({placement.kind}) takes weights by {placement.transport}: "
+                                  "set rollout.weight_transport=broadcast (an engine process or servers) or "
+                                  "rollout.weight_senders=rank0")
+            if owner_relay is not None and rollout.weight_delta:
+                raise ConfigError("rollout.weight_delta=true sends by broadcast; colocated servers take weights by memory "
+                                  "handle here (rollout.weight_transport=ipc): set weight_transport=broadcast or "
+                                  "weight_delta=false")
             backend = placement.broadcast_backend
             if backend == "auto":  # servers on GPUs of their own: NCCL; an engine sharing a trainer GPU or CPU: gloo
                 backend = "nccl" if placement.kind == "remote_servers" and ctx.device.type == "cuda" else "gloo"
@@ -392,12 +402,16 @@ class Trainer:
             self._owner_senders = OwnerSenders(backend, host, rollout.request_timeout_s)
             self._owner_delta = DeltaEncoder(rollout.weight_delta_full_every) if rollout.weight_delta else None
         attempts = rollout.max_restarts + 1
+        relay = self._colocated.owner_relay if self._colocated is not None else None
         for attempt in range(1, attempts + 1):
             export = export_owned_weights(self.actor.model, ctx, bucket_bytes=bucket_bytes)
             try:
                 if self.engine is not None:
-                    self._owner_last = self.engine.owner_push(export, version, senders=self._owner_senders,
+                    self._owner_last = self.engine.owner_push(export, version, senders=self._owner_senders, relay=relay,
                                                               delta=self._owner_delta, group=ctx.world_group, rank=ctx.rank)
+                elif relay is not None:
+                    self._owner_last = owner_ipc_push(None, export, version, relay=relay, rank=ctx.rank,
+                                                      trainer_group=ctx.world_group)
                 else:
                     self._owner_last = owner_parallel_push(None, export, version, senders=self._owner_senders,
                                                            rank=ctx.rank, trainer_group=ctx.world_group,

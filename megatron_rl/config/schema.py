@@ -340,10 +340,12 @@ class RolloutConfig:
     broadcast; for remote servers vllm_nccl_m2n where CUDA, NCCL and the nccl.m2n runtime are there, else
     broadcast (config.placement.choose_transport; the start-up log names the choice and why)."""
     weight_senders: Literal["rank0", "owners"] = "rank0"
-    """Who sends a broadcast push (weight_transport=broadcast). rank0: every bucket through trainer rank 0, one group
-    with the engine workers; owners: every rank that owns parameters (one per PP stage and EP rank at least, replicas
-    share the load) broadcasts its own buckets in a group of its own with every worker, rank 0 sends only its share
-    and drives the engines (weight_sync.parallel; the bytes through a rank are about model / senders)."""
+    """Who sends a push (weight_transport=broadcast, or ipc to colocated servers). rank0: every bucket through trainer
+    rank 0, one group with the engine workers; owners: every rank that owns parameters (one per PP stage and EP rank
+    at least, replicas share the load) broadcasts its own buckets in a group of its own with every worker, rank 0
+    sends only its share and drives the engines (weight_sync.parallel; the bytes through a rank are about model /
+    senders); with ipc each owner sends its buckets to the ranks whose GPUs hold workers, which share them by
+    memory handle (weight_sync.owner_ipc)."""
     weight_delta: bool = False
     """With weight_senders=owners: send only the values that changed since the last push (positions + values per
     tensor, dense when not smaller), checked by a checksum per tensor on the engine (weight_sync.delta)."""

@@ -15,7 +15,9 @@ engines, one per rollout.tensor_parallel x pipeline_parallel GPUs (as
   with CUDA every push goes by memory handles (rollout.weight_transport=ipc, the
   default there): each bucket is copied from rank 0 to every rank whose GPU
   holds a worker (`IpcRelay`, over the trainer's own group) and each worker maps
-  its own GPU's copy; otherwise one broadcast into the workers of every engine.
+  its own GPU's copy (with rollout.weight_senders=owners each bucket goes from
+  the rank that owns it instead, `OwnerIpcRelay`: no rank carries the model);
+  otherwise one broadcast into the workers of every engine.
 
 One engine (the default on CPU, and on a single GPU group) keeps the
 in-process VLLMEngine instead.
@@ -40,6 +42,7 @@ from megatron_rl.rollout.engine import EngineStartError
 from megatron_rl.rollout.server_engine import VLLMServer, VLLMServerEngine
 from megatron_rl.weight_sync.broadcast import host_address
 from megatron_rl.weight_sync.ipc import IpcRelay
+from megatron_rl.weight_sync.owner_ipc import OwnerIpcRelay
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,9 @@ class ColocatedServers:
     relay: IpcRelay | None = None
     """rollout.weight_transport=ipc: shares each pushed bucket on this rank's device with the worker there (None on
     ranks without one, and for other transports)."""
+    owner_relay: OwnerIpcRelay | None = None
+    """rollout.weight_transport=ipc with weight_senders=owners: this rank's part in pushes where every owner sends
+    its own buckets to the workers' devices (weight_sync.owner_ipc; every rank has one)."""
 
     def engine(self, rollout: RolloutConfig) -> VLLMServerEngine:
         """Rank 0's engine over every server (its own restarted by the engine, the others by their hosts)."""
@@ -162,11 +168,14 @@ def start_colocated_servers(
         raise EngineStartError(f"rank {r} could not start its colocated vLLM engine ({len(failed)} of {engines} failed): {message}")
     urls = [outcomes[r][1] for r in hosts]
     supervisor = ServerSupervisor(server) if server is not None and rank != 0 else None
-    relay = None
+    relay, owner_relay = None, None
     if rollout.weight_transport == "ipc":
-        relay = ipc_relay(engines, rollout.tensor_parallel * rollout.pipeline_parallel, rank=rank,
-                          world_size=world_size, group=group, object_group=object_group)
-    return ColocatedServers(urls=urls, server=server, supervisor=supervisor, relay=relay)
+        workers = rollout.tensor_parallel * rollout.pipeline_parallel
+        relay = ipc_relay(engines, workers, rank=rank, world_size=world_size, group=group, object_group=object_group)
+        if rollout.weight_senders == "owners":
+            owner_relay = OwnerIpcRelay(rank=rank, engine_ranks=worker_ranks(engines, workers, world_size), group=group,
+                                        object_group=object_group, timeout_s=rollout.request_timeout_s)
+    return ColocatedServers(urls=urls, server=server, supervisor=supervisor, relay=relay, owner_relay=owner_relay)
 
 
 def ipc_relay(engines: int, workers: int, *, rank: int, world_size: int, group: Any = None,

@@ -107,17 +107,20 @@ def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *
         for target in targets:
             target.call("mrl_begin_push", version)
         names = [target.name for target in targets]
+        receives = [partial(t.call_each or t.call, broadcast.receive_method) for t in targets] if broadcast is not None else []
         for bucket in buckets:
             if not bucket:
                 continue
             bucket = [(name, live.track(tensor)) for name, tensor in bucket]
             announced.check_bucket(bucket)
             if broadcast is not None:
-                broadcast.send(bucket, [partial(t.call_each or t.call, broadcast.receive_method) for t in targets], names)
+                broadcast.send(bucket, receives, names)
             else:
                 for target in targets:
                     target.call("mrl_stage_weights", target.encode(bucket))
             del bucket
+        if getattr(broadcast, "flush", None) is not None:  # memory handles batched: the last ones
+            broadcast.flush(receives, names)
         announced.check_complete()
         commits = [target.call("mrl_commit_push", "1" if repack_moe else "0") for target in targets]
         for target in targets:
@@ -225,20 +228,27 @@ class WeightSyncedEngine:
         self.weights_lost = False
         return result
 
-    def owner_push(self, export, version: int, *, senders, delta, group, rank: int) -> dict:
-        """Rank 0's part of a push without a funnel (rollout.weight_senders=owners; weight_sync.parallel): every
-        rank calls weight_sync.parallel.owner_parallel_push at once, the others with no engine."""
+    def owner_push(self, export, version: int, *, senders=None, delta=None, group, rank: int, relay=None) -> dict:
+        """Rank 0's part of a push without a funnel (rollout.weight_senders=owners): every rank calls
+        weight_sync.parallel.owner_parallel_push at once (by broadcast, `senders`), or with `relay` (colocated
+        servers by memory handle) weight_sync.owner_ipc.owner_ipc_push, the others with no engine."""
+        from megatron_rl.weight_sync.owner_ipc import owner_ipc_push
         from megatron_rl.weight_sync.parallel import owner_parallel_push
 
-        if self.weight_transport != "broadcast":
-            raise WeightPushError(f"rollout.weight_senders=owners sends by broadcast, but {self.name} takes weights by "
-                                  f"{self.weight_transport}: set rollout.weight_transport=broadcast or weight_senders=rank0")
+        wanted = "ipc" if relay is not None else "broadcast"
+        if self.weight_transport != wanted:
+            raise WeightPushError(f"rollout.weight_senders=owners sends by {wanted} here, but {self.name} takes weights "
+                                  f"by {self.weight_transport}: set rollout.weight_transport={wanted} or weight_senders=rank0")
         with self._lock:
             self._prepare_push()
             try:
-                result = owner_parallel_push(self._targets(), export, int(version), senders=senders, rank=rank,
-                                             trainer_group=group, manifest=self.manifest,
-                                             workers_per_engine=self._broadcast_members()[1], delta=delta)
+                if relay is not None:
+                    result = owner_ipc_push(self._targets(), export, int(version), relay=relay, rank=rank,
+                                            trainer_group=group, manifest=self.manifest)
+                else:
+                    result = owner_parallel_push(self._targets(), export, int(version), senders=senders, rank=rank,
+                                                 trainer_group=group, manifest=self.manifest,
+                                                 workers_per_engine=self._broadcast_members()[1], delta=delta)
             except PushBrokenError as error:
                 self.weights_lost = True
                 self._push_broke(error)

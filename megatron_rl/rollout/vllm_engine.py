@@ -304,8 +304,15 @@ class VLLMEngine(WeightSyncedEngine):
         return [lambda info: self._rpc("mrl_broadcast_join", info)], [int(self.model_info.get("workers", 1))], [self.name]
 
     def _ipc_sender(self) -> IpcSender:
-        """Memory handles from this rank's device into the engine process's workers (weight_sync.ipc), one per push."""
-        return IpcSender(timeout_s=self.config.request_timeout_s, workers=int(self.model_info.get("workers", 1)))
+        """Memory handles from this rank's device into the engine process's workers (weight_sync.ipc), one per push;
+        on the host its shared buffers are kept for the next push (a fresh shared allocation's page faults cost
+        more than the copy), on a GPU they go with the push (the engine needs the memory; CUDA's caching allocator
+        makes them again cheaply)."""
+        sender = IpcSender(timeout_s=self.config.request_timeout_s, workers=int(self.model_info.get("workers", 1)),
+                           pool=self.__dict__.get("_ipc_pool"))
+        if sender.pool.device.type == "cpu":
+            self.__dict__["_ipc_pool"] = sender.pool
+        return sender
 
     def _prepare_push(self) -> None:
         if self._llm is None or self._engine_core_dead():

@@ -226,6 +226,7 @@ class RolloutWorkerExtension:
         """End an open push. If its loading had begun, go back to a complete version: the model directory's weights
         (version 0). Returns {'version': the version now served, 'restored': whether the weights were reloaded}."""
         push = self.__dict__.pop("_mrl_push", None)
+        self._mrl_ipc_close()
         if push is not None and "_mrl_delta" in self.__dict__:
             self.__dict__["_mrl_delta"].reset()  # a broken push: the next one goes in full
         if push is None or not push.abort():
@@ -270,6 +271,7 @@ class RolloutWorkerExtension:
             self.mrl_abort_push()
             raise
         self.__dict__.pop("_mrl_push", None)
+        self._mrl_ipc_close()
         runner = self.model_runner  # type: ignore[attr-defined]
         start = time.perf_counter()
         repacked = repack_cpu_moe_experts(runner.get_model()) if repack_moe else 0
@@ -387,22 +389,33 @@ class RolloutWorkerExtension:
         return None if holder is None else holder.base
 
     # ---- buckets by memory handle (weight_sync.ipc) ----------------------------------------------------
-    def mrl_ipc_receive(self, message: str | dict) -> dict:
-        """Map one bucket the trainer shared (the handle of this worker's device) and stage it (see
-        mrl_stage_weights).
+    def _mrl_ipc_close(self) -> None:
+        """A push ended: the trainer's buffers this worker still maps are let go of."""
+        receiver = self.__dict__.get("_mrl_ipc")
+        if receiver is not None:
+            receiver.close()
 
-        Returns {'staged': its tensor count, 'released': ids of the buckets whose memory this worker no longer
-        holds}; the trainer writes a bucket's buffer again only after every worker said so."""
+    def mrl_ipc_receive(self, message: str | dict) -> dict:
+        """Map the buckets the trainer shared (the handle of this worker's device) and stage each (see
+        mrl_stage_weights): one bucket ({'sender', 'bucket_id', 'layout', 'handles', 'trainer_gpus'}) or several
+        in one message ({'sender', 'buckets': [...]}, weight_sync.owner_ipc: one call per round).
+
+        Returns {'staged': their tensor count, 'released': ids of the buckets whose memory this worker no longer
+        holds, 'mapped': how many of the buffers it had to map anew (the others it still mapped: the trainer wrote
+        a released buffer again)}; the trainer writes a bucket's buffer again only after every worker said so."""
         message = json.loads(message) if isinstance(message, str) else message
         receiver = self.__dict__.setdefault("_mrl_ipc", IpcReceiver())
-        try:
-            bucket = receiver.open(message, int(getattr(self, "rank", 0)))
-        except BaseException:
-            self.mrl_abort_push()
-            raise
-        staged = self.mrl_stage_weights(bucket)
-        del bucket  # the loading holds the views it still needs
-        return {"staged": staged, "released": receiver.take_released(str(message["sender"]))}
+        sender, mapped_before = str(message["sender"]), receiver.mapped
+        staged = 0
+        for entry in message.get("buckets", [message]):
+            try:
+                bucket = receiver.open({**entry, "sender": sender}, int(getattr(self, "rank", 0)))
+            except BaseException:
+                self.mrl_abort_push()
+                raise
+            staged += self.mrl_stage_weights(bucket)
+            del bucket  # the loading holds the views it still needs
+        return {"staged": staged, "released": receiver.take_released(sender), "mapped": receiver.mapped - mapped_before}
 
     # ---- routed experts ------------------------------------------------------------------------
     def _mrl_recorder(self) -> _RouteRecorder:

@@ -10,17 +10,22 @@ bucket:
    file, torch's file_system strategy: any process of this host can map it,
    a server as well as the trainer's own child) and pickles that small handle;
 3. the handles (base64) and the layout go over the engine's RPC channel (or a
-   server's HTTP API) to `mrl_ipc_receive` (rollout.worker_ext); each worker
-   maps the handle of its own device (`IpcReceiver.open`), unpacks views of
-   it and stages them like any other bucket: the same manifest check and
-   streaming load (rollout.streaming_load), the same abort and recovery;
+   server's HTTP API) to `mrl_ipc_receive` (rollout.worker_ext), one call per
+   bucket or, with `IpcSender.batch_buckets` (and weight_sync.owner_ipc's
+   rounds), one call for several; each worker maps the handle of its own
+   device (`IpcReceiver.open`), unpacks views of it and stages them like any
+   other bucket: the same manifest check and streaming load
+   (rollout.streaming_load), the same abort and recovery;
 4. each answer lists the buckets whose memory the worker no longer holds
-   (its loading is past them: their storage is freed, views of views
-   included); once every worker has let go of a bucket its buffers are
-   written again by later buckets (a fresh shared allocation costs page
-   faults that took longer than the copy on the host). A CUDA buffer stays
-   allocated while another process maps it (torch's IPC reference counts),
-   and is written again only after every worker has said it is done with it.
+   (its loading is past them: nothing but the receiver references their
+   storage, views of views included); once every worker has let go of a
+   bucket its buffers are written again by later buckets (a fresh shared
+   allocation costs page faults that took longer than the copy on the
+   host), and the worker, which kept its mapping, maps nothing anew for
+   them (`IpcReceiver`). A CUDA buffer stays allocated while another
+   process maps it (torch's IPC reference counts), and is written again only
+   after every worker has said it is done with it; the workers let go of
+   every mapping when the push ends.
 
 Colocated servers (rollout.engines > 1, config.placement) have workers on
 every GPU of the trainer, so every rank shares each bucket with the worker
@@ -155,35 +160,65 @@ def import_handle(handle: str | bytes, trainer_gpu: str = "") -> torch.Tensor:
 class IpcReceiver:
     """Engine-worker end: opens each bucket's buffer and tells which buckets it has let go of.
 
-    A bucket is let go of when its memory is: the loading may keep views of views of it (vLLM's layerwise
-    reload keeps a fused layer's parts), so what is watched is the storage itself, not a tensor object.
+    A bucket is let go of when nothing but this receiver holds its memory: the loading may keep views of views
+    of it (vLLM's layerwise reload keeps a fused layer's parts), so what is counted is the storage's references
+    (its use count), not a tensor object.
+
+    The mapping of a let-go buffer is kept (at most `keep_mapped` of them) until the push ends (`close`): the
+    pushing side writes its released buffers again, and their next handle then finds the mapping in torch's
+    cache of shared storages (torch.multiprocessing.reductions.shared_cache) instead of opening the memory
+    again (cudaIpcOpenMemHandle on a GPU; on the host, mapping the file anew and faulting its pages in).
     """
 
+    keep_mapped = 4
+
     def __init__(self) -> None:
-        # (sender, bucket id) -> (its mapped storage, weakly; its CUDA device): ids count from 0 in every push
+        # (sender, bucket id) -> (its mapped storage, its CUDA device): ids count from 0 in every push
         self._open: dict[tuple[str, int], tuple[Any, torch.device | None]] = {}
+        self._idle: list[Any] = []  # mappings of let-go buffers, oldest first
+        self.mapped = 0
+        """Buffers mapped anew (not found among the mappings kept) since the receiver was made."""
 
     def open(self, message: dict, worker_rank: int = 0) -> Bucket:
         """Views of the shared bucket a message from IpcSender describes: the handle of worker `worker_rank` of its
         engine (of the copy on its device)."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         handles, gpus = list(message["handles"]), list(message.get("trainer_gpus") or [""] * len(message["handles"]))
         if worker_rank >= len(handles):
             raise IpcError(f"a weight bucket carries {len(handles)} handles, none for engine worker {worker_rank}: "
                            "the trainer counts fewer workers than the engine has")
         flat = import_handle(handles[worker_rank], str(gpus[worker_rank]))
+        storage = flat.untyped_storage()
+        held = [s for s in self._idle if s.data_ptr() == storage.data_ptr()]
+        if not held and all(s.data_ptr() != storage.data_ptr() for s, _ in self._open.values()):
+            self.mapped += 1
+        self._idle = [s for s in self._idle if s.data_ptr() != storage.data_ptr()]  # in use again
         device = flat.device if flat.is_cuda else None
-        self._open[(str(message["sender"]), int(message["bucket_id"]))] = (StorageWeakRef(flat.untyped_storage()), device)
+        self._open[(str(message["sender"]), int(message["bucket_id"]))] = (storage, device)
         return unpack_bucket(message["layout"], flat)
 
     def take_released(self, sender: str) -> list[int]:
-        """Ids of `sender`'s buckets whose memory nothing here holds any more (forgetting earlier pushes' ones)."""
-        released = [key for key, (storage, _) in self._open.items() if storage.expired()]
-        devices = {self._open.pop(key)[1] for key in released}
+        """Ids of `sender`'s buckets whose memory only this receiver holds now (forgetting earlier pushes' ones)."""
+        released = [key for key, (storage, _) in self._open.items() if _use_count(storage) <= 1]
+        devices = set()
+        for key in released:
+            storage, device = self._open.pop(key)
+            devices.add(device)
+            self._idle.append(storage)
+        del self._idle[: max(0, len(self._idle) - self.keep_mapped)]
         for device in devices - {None}:  # copies out of a released bucket may still be queued on a stream
             torch.cuda.synchronize(device)
         return [bucket_id for owner, bucket_id in released if owner == sender]
+
+    def close(self) -> None:
+        """The push ended: every mapping goes (the pushing side frees its buffers; a CUDA block stays allocated
+        while a worker maps it)."""
+        self._open.clear()
+        self._idle.clear()
+
+
+def _use_count(storage: Any) -> int:
+    """References to `storage`'s memory: tensors, views of views and storage objects (this one included)."""
+    return int(torch._C._storage_Use_Count(storage._cdata))
 
 
 class BufferPool:
@@ -197,6 +232,8 @@ class BufferPool:
         self.shared_bytes = 0
         self.peak_shared_bytes = 0
         """Most bytes of shared buffers allocated at once on this rank (what it and its workers share)."""
+        self.allocations = 0
+        """Shared buffers allocated (each one a worker maps once: later buckets written into it find its mapping)."""
 
     @property
     def alive_buckets(self) -> int:
@@ -214,6 +251,7 @@ class BufferPool:
             self.shared_bytes -= sum(b.numel() for b in self._free)
             self._free = []
             buffer = shared_buffer(nbytes, self.device)
+            self.allocations += 1
             self.shared_bytes += buffer.numel()
             self.peak_shared_bytes = max(self.peak_shared_bytes, self.shared_bytes)
         self._alive[bucket_id] = buffer
@@ -230,6 +268,13 @@ class BufferPool:
         self._alive.clear()
         self._free.clear()
         self.shared_bytes = 0
+
+    def release_all(self) -> None:
+        """Every buffer is free to be written again (the push that used them ended; the next one keeps them: on the
+        host a fresh shared allocation costs page faults that took longer than the copy, measured in
+        bench/ipc_gpu.py)."""
+        self._free += self._alive.values()
+        self._alive.clear()
 
 
 def share(pool: BufferPool, bucket_id: int, layout: dict, copies: int, bucket: Bucket | None = None,
@@ -384,14 +429,27 @@ class IpcSender:
     receive_method = "mrl_ipc_receive"
 
     def __init__(self, device: torch.device | None = None, timeout_s: float = 600.0, relay: IpcRelay | None = None,
-                 *, workers: int = 1):
-        """workers: without a relay, how many workers the one engine process has (each maps its own handle)."""
+                 *, workers: int = 1, batch_buckets: int = 1, pool: BufferPool | None = None):
+        """workers: without a relay, how many workers the one engine process has (each maps its own handle).
+        batch_buckets: buckets whose handles go to the engines in one message (one call per engine for them, not
+        one per bucket; the pushing side then shares up to this many buckets more at once).
+        pool: without a relay, the buffers of an earlier push to write again (its push ended: all are free), kept
+        by the engine across pushes; None: new ones."""
+        if batch_buckets < 1:
+            raise ValueError(f"batch_buckets={batch_buckets} must be >= 1")
         self.local = relay is None
         self.relay = relay if relay is not None else IpcRelay(rank=0, ranks=[0], engine_ranks=[[0] * workers],
-                                                              device=device)
+                                                              device=pool.device if pool is not None else device)
+        if relay is None and pool is not None:
+            pool.release_all()
+            self.relay.pool = pool
         self.relay.start()
         self.timeout_s = float(timeout_s)
+        self.batch_buckets = int(batch_buckets)
+        self.messages = 0
+        """Calls made to each engine so far (one per batch of buckets)."""
         self._holders: Counter[int] = Counter()  # bucket id -> engines still holding it
+        self._pending: list[SharedBucket] = []  # shared, not yet sent
 
     @property
     def pool(self) -> BufferPool:
@@ -403,21 +461,38 @@ class IpcSender:
         return self.pool.peak_shared_bytes
 
     def send(self, bucket: Bucket, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
-        """Hand one bucket to every engine; returns each engine's answers (one per worker)."""
-        names = [f"engine {i}" for i in range(len(receives))] if names is None else list(names)
+        """Hand one bucket to every engine (with batch_buckets > 1, once that many are shared; `flush` sends the
+        rest); returns each engine's answers (one per worker) to the call made, [] when none was."""
         if len(receives) != len(self.relay.engine_ranks):
             raise IpcError(f"{len(receives)} engines, but the relay knows the devices of {len(self.relay.engine_ranks)}")
-        shared = self._shared(bucket)
-        messages = [json.dumps(self.relay.message(shared, i)) for i in range(len(receives))]
-        self._holders[shared.bucket_id] = len(receives)
+        self._pending.append(self._shared(bucket))
+        return self.flush(receives, names) if len(self._pending) >= self.batch_buckets else []
+
+    def flush(self, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
+        """Send the buckets shared and not yet sent, in one message per engine (rollout.push calls it at the end)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        names = [f"engine {i}" for i in range(len(receives))] if names is None else list(names)
+        messages = [json.dumps(self._message(pending, i)) for i in range(len(receives))]
+        for shared in pending:
+            self._holders[shared.bucket_id] = len(receives)
         futures = call_in_threads(receives, messages, "weight-ipc-receive")
+        nbytes = sum(int(shared.layout["nbytes"]) for shared in pending)
         wait_for_engines(futures, names, self.timeout_s,
-                         what=f"a weight bucket of {shared.layout['nbytes']} bytes by memory handle to {len(receives)} engine(s)")
+                         what=f"{len(pending)} weight bucket(s) of {nbytes} bytes by memory handle to {len(receives)} engine(s)")
+        self.messages += 1
         answers = [f.result() for f in futures]
         for workers in answers:
             for released in _released_by_all(workers):
                 self._release(released)
         return answers
+
+    def _message(self, pending: list[SharedBucket], engine: int) -> dict:
+        if len(pending) == 1:
+            return self.relay.message(pending[0], engine)
+        parts = [self.relay.message(shared, engine) for shared in pending]
+        return {"sender": self.relay.token, "buckets": [{k: v for k, v in part.items() if k != "sender"} for part in parts]}
 
     def _shared(self, bucket: Bucket) -> SharedBucket:
         if self.local:
@@ -438,6 +513,7 @@ class IpcSender:
         theirs go at its next bucket, or when the push ends)."""
         self.relay.stop()
         self._holders.clear()
+        self._pending = []
 
 
 def _released_by_all(workers: Any) -> list[int]:

@@ -148,17 +148,7 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
     bytes this rank broadcast} and on rank 0 also {'commits', 'tensors', 'bytes'}.
     delta: this rank's DeltaEncoder (rollout.weight_delta; weight_sync.delta), kept across pushes.
     Raises WeightPushError (refused, nothing moved; on rank 0) or PushBrokenError (on every rank)."""
-    refused = None
-    if targets is not None:
-        try:
-            check_announced(manifest, export.entries)
-        except WeightPushError as error:
-            refused = error
-    if _any_rank(refused is not None, trainer_group):
-        for _ in export:  # a collective: every rank runs it to the end
-            pass
-        if refused is not None:
-            raise refused
+    if refuse_or_none(targets, export, manifest, trainer_group):
         return None
     stale = senders.senders != export.senders or (senders.group is None and rank in export.senders)
     if targets is not None and not stale:  # an engine restarted since: its workers are in no group
@@ -217,6 +207,25 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
     where = f"trainer rank {rank}: {type(failure).__name__}: {failure}" if failure is not None else "on another trainer rank"
     raise PushBrokenError(f"owner-parallel weight push v{version} broke midway ({where}); engines now serve versions "
                           f"{versions} (None: not answering, to be restarted)", versions) from failure
+
+
+def refuse_or_none(targets: list | None, export, manifest: WeightManifest | None, trainer_group: Any,
+                   refused: WeightPushError | None = None) -> bool:
+    """Collective: rank 0 checks the whole push against the engines' manifest before anything moves. Refused (there,
+    or `refused` given on rank 0): every rank drains its export (a collective), rank 0 raises the WeightPushError
+    and the others return True. Accepted: False."""
+    if targets is not None and refused is None:
+        try:
+            check_announced(manifest, export.entries)
+        except WeightPushError as error:
+            refused = error
+    if not _any_rank(refused is not None, trainer_group):
+        return False
+    for _ in export:  # a collective: every rank runs it to the end
+        pass
+    if refused is not None:
+        raise refused
+    return True
 
 
 def _delta_decision(targets: list | None, delta: DeltaEncoder | None, version: int, trainer_group: Any) -> bool:

@@ -134,7 +134,7 @@ def test_context_parallel_packed_first_step_equals_one_process(model_dir, tmp_pa
     assert one["batch/packed_fraction"] == cp2["batch/packed_fraction"] == 1.0
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+@pytest.mark.parametrize("transport", ["broadcast", "ipc", "ipc_owners"])
 def test_two_colocated_engines_hosted_by_the_trainer_ranks(transport, model_dir, tmp_path):
     # rollout.engines=2: each of the 2 ranks hosts a vLLM server; rank 0 sends the 4 prompts of a
     # step round-robin (2 each) and pushes every step's weights into both. Samples from either
@@ -142,9 +142,17 @@ def test_two_colocated_engines_hosted_by_the_trainer_ranks(transport, model_dir,
     # broadcast into both servers' workers (the CPU default), or by memory handles (the GPU default),
     # where rank 1 shares each bucket from its own memory with the server it hosts; small buckets, so
     # that each push is many buckets and their buffers are written again once the servers let go.
+    # ipc_owners: rollout.weight_senders=owners, each rank's own buckets go from it to the other rank
+    # (weight_sync.owner_ipc), and each rank logs the bytes it sourced
+    senders = ("rollout.weight_senders=owners",) if transport == "ipc_owners" else ()
     _run(_command("tiny-gspo-cpu2.yaml", model_dir, tmp_path, "train.steps=2", "rollout.engines=2",
-                  f"rollout.weight_transport={transport}", "rollout.weight_bucket_mb=0.25", nproc=2), timeout=500)
-    _check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
+                  f"rollout.weight_transport={transport.removesuffix('_owners')}", "rollout.weight_bucket_mb=0.25",
+                  *senders, nproc=2), timeout=500)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    _check_rows(rows, 2)
+    if senders:
+        # rank 0 sourced its own share and received rank 1's for its server's worker, by the owner-IPC path
+        assert all(row["weight_sync/sent_bytes"] > 0 and row["weight_sync/received_bytes"] > 0 for row in rows), rows
     for engine in (0, 1):  # vLLM's own access log: 2 prompts x 2 steps on each engine
         log = (tmp_path / f"vllm-engine{engine}.log").read_text()
         assert log.count('"POST /v1/completions HTTP/1.1" 200') == 4, log[-3000:]

@@ -58,21 +58,29 @@ def stream_of(state: dict[str, torch.Tensor], device: str, tamper_at: int | None
     return WeightStream(entries_of(buckets), make())
 
 
-def push_by_handles(worker: WorkerProcess, model_dir: Path, stream: WeightStream, version: int, device: str):
-    """One push through rollout.push's protocol with memory handles; returns (result, the sender)."""
+def push_by_handles(worker: WorkerProcess, model_dir: Path, stream: WeightStream, version: int, device: str,
+                    batch_buckets: int = 1, answers: list | None = None, pool=None):
+    """One push through rollout.push's protocol with memory handles; returns (result, the sender). answers: gets
+    the worker's answer to each mrl_ipc_receive call; pool: an earlier push's buffers to write again."""
     senders: list[IpcSender] = []
 
     def sender() -> IpcSender:
-        senders.append(IpcSender(torch.device(device), timeout_s=120))
+        senders.append(IpcSender(torch.device(device), timeout_s=120, batch_buckets=batch_buckets, pool=pool))
         return senders[-1]
 
     messages = []
 
     def call(method, *args):
         if method == "mrl_ipc_receive":
-            messages.append(json.loads(args[0]))
+            message = json.loads(args[0])
             held = set(senders[0].pool._alive)  # the buffers this rank keeps, by bucket id
-            assert messages[-1]["bucket_id"] in held, (messages[-1]["bucket_id"], held)
+            for entry in message.get("buckets", [message]):
+                messages.append(entry)
+                assert entry["bucket_id"] in held, (entry["bucket_id"], held)
+            answer = worker.call(method, *args)
+            if answers is not None:
+                answers.append(answer)
+            return answer
         return worker.call(method, *args)
 
     target = PushTarget("worker", call, lambda bucket: bucket, lambda: None)
@@ -91,7 +99,8 @@ def check_push_by_handles(tmp_path: Path, device: str) -> None:
     worker = WorkerProcess(first, device)
     try:
         assert not any(torch.equal(target[n], t) for n, t in worker.call("state").items())
-        result, sender = push_by_handles(worker, first, stream_of(target, device), 1, device)
+        answers: list = []
+        result, sender = push_by_handles(worker, first, stream_of(target, device), 1, device, answers=answers)
         state = worker.call("state")
         assert set(state) == set(target)
         for name, tensor in target.items():
@@ -105,6 +114,10 @@ def check_push_by_handles(tmp_path: Path, device: str) -> None:
         # queued, the one just shared, one whose release the worker reports with its next answer
         assert 0 < result.buffer_bytes == sender.pool.peak_shared_bytes <= 4 * largest < model_bytes / 2
         assert sender.pool.alive_buckets <= 3  # every earlier bucket was acknowledged during the push
+        # one call per bucket, and the worker mapped each buffer once: a bucket written into a released buffer
+        # found the worker's mapping of it (no new IPC open / page faults per bucket)
+        assert len(answers) == len(buckets) and sender.messages == len(buckets)
+        assert sum(a["mapped"] for a in answers) == sender.pool.allocations <= 4 < len(buckets)
         sender.abandon()
         assert sender.pool.shared_bytes == 0
         # a second push (its bucket ids count from 0 again) is not confused with the first one's buckets
@@ -112,6 +125,21 @@ def check_push_by_handles(tmp_path: Path, device: str) -> None:
         push_by_handles(worker, first, stream_of(original, device), 2, device)
         state = worker.call("state")
         assert all(torch.equal(state[name], tensor) for name, tensor in original.items())
+        # batched: the handles of 3 buckets in one call (ceil(buckets / 3) calls), the same weights arrive; the
+        # pushing side holds up to 3 more buckets at once
+        answers = []
+        result, sender = push_by_handles(worker, first, stream_of(target, device), 3, device, 3, answers)
+        state = worker.call("state")
+        assert all(state[n].dtype == t.dtype and torch.equal(state[n], t) for n, t in target.items())
+        assert len(answers) == sender.messages == -(-len(buckets) // 3)
+        assert sum(a["staged"] for a in answers) == len(target) and result.commits[0]["version"] == 3
+        assert 0 < result.buffer_bytes <= (3 + 4) * largest < model_bytes
+        # the next push writes the same buffers again (an engine keeps them across pushes): none is made
+        allocations = sender.pool.allocations
+        push_by_handles(worker, first, stream_of(original, device), 4, device, pool=sender.pool)
+        state = worker.call("state")
+        assert all(torch.equal(state[name], tensor) for name, tensor in original.items())
+        assert sender.pool.allocations == allocations
     finally:
         worker.stop()
 
