@@ -8,13 +8,16 @@ turns; a turn ends at one of STOP_IDS (16 of the 256 token ids, so turns average
 about 16 tokens on the random model) or at MAX_TURN_TOKENS; between turns an
 environment step sleeps TOOL_MS (0 or 50 ms, a tool's latency) and returns
 OBS_TOKENS observation tokens. For 1, 8 and 64 episodes in flight (one runner call
-holding that many episodes), the reference is the same number of model tokens as
-plain requests: engine.generate of as many sequences, ignore_eos, each with the
-episodes' mean model tokens. Reported per case: episodes/s, engine tokens/s (model
-tokens / wall time), and ratio = episode tokens/s / plain tokens/s (1 = no
-overhead; episodes also prefill observations, re-send their context each turn,
-and wait for their tools). Best of REPEATS after a warm-up (other processes on a
-shared machine only add time).
+holding that many episodes), the reference is the same tokens as plain requests:
+one request per episode, prompt = the episode's prompt, exactly as many new
+tokens as the episode's model tokens (ignore_eos), all submitted at once to
+vLLM itself (in-process: LLM.generate with a SamplingParams per request; a
+server: concurrent /v1/completions requests, at most max_num_seqs at a time).
+Reported per case: episodes/s, engine tokens/s (model tokens / wall time), and
+ratio = episode tokens/s / plain tokens/s (1 = no overhead; episodes also
+prefill their observations, send a request per turn, and wait for their tools).
+Best of REPEATS after a warm-up, the episode runs and the plain runs interleaved
+(other processes on a shared machine slow both alike).
 """
 
 from __future__ import annotations
@@ -68,30 +71,48 @@ def measure(engine, tokenizer, label: str) -> list[dict]:
             runner = EpisodeRunner(_environment(tool_ms, observation), tokenizer, exact_match,
                                    RolloutConfig(agent="single_turn", agent_max_turns=TURNS, agent_reward="env"))
             spec = SamplingSpec(n=1, max_new_tokens=MAX_TURN_TOKENS, stop_token_ids=STOP_IDS, seed=0)
-            runner.run(engine, batch_prompts, spec)  # warm-up
-            times, tokens = [], 0
+            batch = runner.run(engine, batch_prompts, spec)  # warm-up; the same tokens every run (same seeds)
+            tokens = int(batch.model_tokens.sum())
+            lengths = [int(n) for n in batch.model_tokens]
+            plain(engine, [p.token_ids for p in batch_prompts], lengths)  # warm-up
+            times, plain_times = [], []
             for _ in range(REPEATS):
-                start = time.perf_counter()
-                batch = runner.run(engine, batch_prompts, spec)
-                times.append(time.perf_counter() - start)
-                tokens = int(batch.model_tokens.sum())  # the same every repeat (same seeds)
+                times.append(_timed(runner.run, engine, batch_prompts, spec))
+                plain_times.append(_timed(plain, engine, [p.token_ids for p in batch_prompts], lengths))
             stats = runner.stats.take()
             runner.close()
-            per_sequence = max(1, round(tokens / in_flight))
-            plain_spec = SamplingSpec(n=1, max_new_tokens=per_sequence, ignore_eos=True, seed=0)
-            engine.generate([p.token_ids for p in batch_prompts], plain_spec)  # warm-up
-            plain = min(_timed(engine.generate, [p.token_ids for p in batch_prompts], plain_spec) for _ in range(REPEATS))
-            episodes = min(times)
-            plain_tokens = per_sequence * in_flight
+            episodes, plain_s = min(times), min(plain_times)
             rows.append({
                 "engine": label, "episodes_in_flight": in_flight, "tool_ms": tool_ms,
                 "model_tokens": tokens, "turns_mean": round(stats["agent/turns_mean"], 2),
                 "episodes_per_s": round(in_flight / episodes, 2), "engine_tokens_per_s": round(tokens / episodes, 1),
-                "plain_tokens_per_s": round(plain_tokens / plain, 1),
-                "ratio": round((tokens / episodes) / (plain_tokens / plain), 3),
+                "plain_tokens_per_s": round(tokens / plain_s, 1),
+                "ratio": round(plain_s / episodes, 3),
             })
             print(rows[-1], flush=True)
     return rows
+
+
+def plain(engine, prompts: list[list[int]], lengths: list[int]) -> None:
+    """The reference: one request per sequence with exactly `lengths[k]` new tokens, all at once, to vLLM itself."""
+    params = dict(temperature=1.0, ignore_eos=True, logprobs=0)
+    if hasattr(engine, "_llm"):  # in-process: vllm.LLM.generate
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                             [SamplingParams(max_tokens=n, seed=k, detokenize=False, **params) for k, n in enumerate(lengths)],
+                             use_tqdm=False)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    with httpx.Client(timeout=300) as client, ThreadPoolExecutor(max_workers=engine.max_num_seqs[0]) as pool:
+        bodies = [{"model": engine.model_name, "prompt": p, "max_tokens": n, "seed": k, "return_token_ids": True, **params}
+                  for k, (p, n) in enumerate(zip(prompts, lengths))]
+        for response in pool.map(lambda b: client.post(f"{engine.urls[0]}/v1/completions", json=b), bodies):
+            response.raise_for_status()
 
 
 def _timed(fn, *args) -> float:

@@ -158,7 +158,7 @@ class _SteppedTurns(_Turns):
                 self.submit(key, request)
             return []
         version = self._version
-        if self.in_flight and self.push_waiting():
+        if self.push_waiting():  # the push runs before the next turn or step
             finished += self._session.abort()  # finish_reason None: the episode continues under the new weights
             self.close()
         return [(key, output, version) for key, output in finished]
