@@ -31,6 +31,7 @@ Each kind is counted per tool (agent/tool_errors/<tool>, agent/malformed_tool_ca
 from __future__ import annotations
 
 import asyncio
+import logging
 import inspect
 import json
 import time
@@ -65,6 +66,9 @@ def make_parser(name: str, tokenizer: Any) -> Any:
     except KeyError:
         known = ", ".join(sorted(set(ToolParserManager.tool_parsers) | set(ToolParserManager.lazy_parsers)))
         raise AgentError(f"tool parser {name!r} is not one of vLLM's: set rollout.agent_tool_parser to one of {known}") from None
+    # a malformed call is the model's (counted as agent/malformed_tool_calls and shown to it as the observation);
+    # vLLM's parsers log each one with a traceback at ERROR, which would flood the trainer's log early in training
+    logging.getLogger(parser_cls.__module__).setLevel(logging.CRITICAL)
     return parser_cls(getattr(tokenizer, "_tok", None) or tokenizer)
 
 
