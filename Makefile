@@ -31,7 +31,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: $(STAMP)
-	MEGATRON_RL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest tests -q -ra --timeout=900
+	MEGATRON_RL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest tests -q -ra --timeout=900 --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -ra --timeout=300
