@@ -360,3 +360,4 @@ def test_a_push_may_land_inside_a_turn(engine, tokenizer, model_dir):
         reference = torch.log_softmax(logits, dim=-1)[sample.prompt_length - 1 : -1].gather(1, sample.response_token_ids[:, None])[:, 0]
         assert float((reference[mask] - sample.rollout_logprobs[mask]).abs().max()) < 1e-4
     assert split_turns > 0  # some turn was sampled partly before and partly after the push
+    assert runner.stats.take()["agent/interrupted_turns"] >= split_turns  # (one with no token yet is not split)

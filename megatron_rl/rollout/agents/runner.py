@@ -257,6 +257,7 @@ class EpisodeRunner:
         """Add a turn's tokens; its environment step goes to the pool. True when it must go on (a push interrupted it)."""
         episode.add_model_tokens(output, version)
         if output.finish_reason is None:  # a push interrupted the turn: it goes on under the new weights
+            self.stats.count("interrupted_turns")
             return True
         turn_ids = episode.response[episode.turn_start:]
         episode.turn_token_ids.append(list(turn_ids))

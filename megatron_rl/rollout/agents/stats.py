@@ -33,7 +33,7 @@ class EpisodeStats:
         self.cuts: dict[str, int] = {}
         self.failed_episodes = 0
         self.failed_logged = getattr(self, "failed_logged", 0)
-        self.engine_requests = self.engine_restarts = 0
+        self.engine_requests = self.engine_restarts = self.interrupted_turns = 0
         self.wall_s = 0.0
         self.tool_calls: dict[str, int] = {}
         self.tool_errors: dict[str, int] = {}
@@ -55,7 +55,7 @@ class EpisodeStats:
                 self.tool_seconds_max = max(self.tool_seconds_max, seconds)
 
     def count(self, what: str, n: int = 1) -> None:
-        """Add n to a counter: observation_tokens, engine_requests, engine_restarts, failed_episodes, or cut_<reason>."""
+        """Add n to a counter: observation_tokens, engine_requests, engine_restarts, interrupted_turns, failed_episodes, or cut_<reason>."""
         with self._lock:
             if what.startswith("cut_"):
                 self.cuts[what[4:]] = self.cuts.get(what[4:], 0) + n
@@ -88,6 +88,7 @@ class EpisodeStats:
                 "agent/malformed_tool_calls": float(self.malformed),
                 "agent/engine_requests": float(self.engine_requests),
                 "agent/engine_restarts": float(self.engine_restarts),
+                "agent/interrupted_turns": float(self.interrupted_turns),
                 "agent/tool_latency_s_max": self.tool_seconds_max,
             }
             for cut in ("max_turns", "budget", "length"):
