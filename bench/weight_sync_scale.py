@@ -37,47 +37,9 @@ STEPS = 20
 WORKERS = [2, 2]
 BUCKET_BYTES = 64 << 10
 LAYOUTS = {1: {}, 2: {"expert_parallel": 2}, 4: {"pipeline_parallel": 2, "expert_parallel": 2}}
-AUTH = b"weight-sync-scale"
 
 
 # ---- owner-parallel vs funnel ---------------------------------------------------------------------------------
-def _serve(ready, model_dir: str, rank: int) -> None:
-    from multiprocessing.connection import Listener
-
-    from tests.worker_process import _serve as serve_pipe
-
-    with Listener(("127.0.0.1", 0), authkey=AUTH) as listener:
-        ready.send(listener.address)
-        conn = listener.accept()
-    try:
-        serve_pipe(conn, model_dir, "cpu", rank)
-    except EOFError:
-        pass
-
-
-def _targets(addresses):
-    from multiprocessing.connection import Client
-
-    from megatron_rl.rollout.push import PushTarget
-
-    targets = []
-    for index, engine in enumerate(addresses):
-        conns = [Client(address, authkey=AUTH) for address in engine]
-
-        def call_each(method, *args, conns=conns):
-            for conn in conns:
-                conn.send((method, args))
-            answers = [conn.recv() for conn in conns]
-            for status, value in answers:
-                if status != "ok":
-                    raise RuntimeError(value)
-            return [value for _, value in answers]
-
-        targets.append(PushTarget(f"engine {index}", lambda m, *a, f=call_each: f(m, *a)[0], lambda b: b, lambda: None,
-                                  call_each=call_each))
-    return targets
-
-
 def _funnel(chunks, ctx, targets, manifest, sender, version: int) -> dict:
     """One push through rank 0 (models.export_hf_weights + rollout.push with the broadcast group)."""
     import torch.distributed as dist
@@ -100,6 +62,8 @@ def _funnel(chunks, ctx, targets, manifest, sender, version: int) -> dict:
 def _scale_rank(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
     import torch.distributed as dist
 
+    from tests.worker_process import TcpEngine
+
     from megatron_rl.config import ModelConfig, ParallelConfig
     from megatron_rl.models import build_model, load_hf_config, model_shape
     from megatron_rl.models.export_owners import export_owned_weights
@@ -109,7 +73,7 @@ def _scale_rank(rank: int, world_size: int, model_dir: str, addresses: list) -> 
     from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
 
     ctx = init_parallel(ParallelConfig(**LAYOUTS[world_size]), shape=model_shape(load_hf_config(model_dir)))
-    targets = _targets(addresses) if rank == 0 else None
+    targets = [TcpEngine(a).target(f"engine {i}") for i, a in enumerate(addresses)] if rank == 0 else None
     manifest = manifest_from_checkpoint(model_dir) if rank == 0 else None
     senders = OwnerSenders("gloo", "127.0.0.1", timeout_s=120.0)
     funnel = BroadcastSender("gloo", "127.0.0.1", timeout_s=120.0) if rank == 0 else None
@@ -154,27 +118,17 @@ def _busiest_ratio(funnel_sent: list, funnel_received: list, results: list) -> f
 def measure_owner_parallel() -> dict:
     from megatron_rl.models.tiny import make_tiny_model_dir
     from tests.distributed.harness import _context, run_distributed
+    from tests.worker_process import TcpWorkers
 
     model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp()) / "m", "qwen3_moe", seed=1, with_tokenizer=False)
     context = _context()
     rows = []
     for world in LAYOUTS:
-        processes, addresses = [], []
-        for workers in WORKERS:
-            engine = []
-            for rank in range(workers):
-                parent, child = context.Pipe()
-                process = context.Process(target=_serve, args=(child, str(model_dir), rank), daemon=True)
-                process.start()
-                processes.append(process)
-                engine.append(parent.recv())
-            addresses.append(engine)
+        workers = TcpWorkers(model_dir, WORKERS, context)
         try:
-            results = run_distributed(_scale_rank, world, str(model_dir), addresses, timeout=600)
+            results = run_distributed(_scale_rank, world, str(model_dir), workers.addresses, timeout=600)
         finally:
-            for process in processes:
-                process.kill()
-                process.join()
+            workers.close()
         model = results[0]["model_bytes"]
         # funnel: rank 0 sends the whole model to the engines and receives every shard it does not hold itself
         funnel_sent = [model if r == 0 else 0 for r in range(world)]

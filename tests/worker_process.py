@@ -101,3 +101,66 @@ class WorkerProcess:
         self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.kill()
+
+
+TCP_AUTHKEY = b"megatron-rl-engine-worker"
+
+
+def _serve_tcp(ready, model_dir: str, rank: int) -> None:
+    """An engine worker reached over TCP (trainer ranks forked elsewhere connect to it by address)."""
+    from multiprocessing.connection import Listener
+
+    with Listener(("127.0.0.1", 0), authkey=TCP_AUTHKEY) as listener:
+        ready.send(listener.address)
+        conn = listener.accept()
+    try:
+        _serve(conn, model_dir, "cpu", rank)
+    except EOFError:  # the driving rank exited
+        pass
+
+
+class TcpWorkers:
+    """Engines of host worker processes (the worker extension's loop), `workers[i]` for engine i, reached over TCP:
+    `addresses` go to the trainer ranks, which make a `TcpEngine` of each engine's list."""
+
+    def __init__(self, model_dir: Path, workers: list[int], context):
+        self.processes, self.addresses = [], []
+        for count in workers:
+            engine = []
+            for rank in range(count):
+                parent, child = context.Pipe()
+                process = context.Process(target=_serve_tcp, args=(child, str(model_dir), rank), daemon=True)
+                process.start()
+                self.processes.append(process)
+                engine.append(parent.recv())
+            self.addresses.append(engine)
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.join()
+
+
+class TcpEngine:
+    """An engine of TcpWorkers' processes; a call runs on all of its workers at once (collective_rpc)."""
+
+    def __init__(self, addresses: list):
+        from multiprocessing.connection import Client
+
+        self.conns = [Client(address, authkey=TCP_AUTHKEY) for address in addresses]
+
+    def call_each(self, method: str, *args) -> list:
+        for conn in self.conns:
+            conn.send((method, args))
+        answers = [conn.recv() for conn in self.conns]
+        for status, value in answers:
+            if status != "ok":
+                raise RuntimeError(value)
+        return [value for _, value in answers]
+
+    def target(self, name: str):
+        """The engine as the push protocol sees it (rollout.push.PushTarget; buckets by reference)."""
+        from megatron_rl.rollout.push import PushTarget
+
+        return PushTarget(name, lambda method, *args: self.call_each(method, *args)[0], lambda bucket: bucket,
+                          lambda: None, call_each=self.call_each)

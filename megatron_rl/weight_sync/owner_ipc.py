@@ -54,9 +54,9 @@ import torch.distributed as dist
 from megatron_rl.weight_sync.broadcast import call_in_threads, gpu_uuid, pack_bucket, wait_for_engines
 from megatron_rl.weight_sync.ipc import BufferPool, _released_by_all, default_device, export_handle
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.parallel import _meta_layout, _restore, refuse_or_none
+from megatron_rl.weight_sync.parallel import _meta_layout, _restore, begin_push, broken_push, check_round, commit_push, refuse_or_none
 from megatron_rl.weight_sync.push import _any_rank
-from megatron_rl.weight_sync.stream import AnnouncedPush, PushBrokenError
+from megatron_rl.weight_sync.stream import AnnouncedPush
 
 RECEIVE_METHOD = "mrl_ipc_receive"
 
@@ -171,13 +171,7 @@ def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIp
     announced = AnnouncedPush(export.entries) if targets is not None else None
     token, holders, released = uuid.uuid4().hex, Counter(), []
     sent_before, received_before = relay.sent_bytes, relay.received_bytes
-    failure: BaseException | None = None
-    try:
-        if targets is not None:
-            for target in targets:
-                target.call("mrl_begin_push", version)
-    except BaseException as error:  # noqa: BLE001 - agreed below
-        failure = error
+    failure = begin_push(targets, version)
     buckets, next_id = iter(export), 0
     try:
         for parts in export.rounds:
@@ -200,14 +194,7 @@ def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIp
         result = None
         broken = _any_rank(failure is not None, trainer_group)
         if targets is not None and not broken:
-            try:
-                announced.check_complete()
-                commits = [target.call("mrl_commit_push", "1" if repack_moe else "0") for target in targets]
-                for target in targets:
-                    target.reset_prefix_cache()
-                result = {"commits": commits, "tensors": len(announced.seen), "bytes": announced.num_bytes}
-            except BaseException as error:  # noqa: BLE001 - rank 0 alone talks to the engines; agreed below
-                failure = error
+            result, failure = commit_push(targets, announced, repack_moe)
         if not _any_rank(failure is not None, trainer_group):
             return {**(result or {}), "sent_bytes": relay.sent_bytes - sent_before,
                     "received_bytes": relay.received_bytes - received_before}
@@ -217,17 +204,13 @@ def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIp
         dist.barrier(group=relay.object_group)  # every engine is back on a complete version before a buffer goes
     finally:
         relay.close()
-    where = f"trainer rank {rank}: {type(failure).__name__}: {failure}" if failure is not None else "on another trainer rank"
-    raise PushBrokenError(f"owner-parallel IPC weight push v{version} broke midway ({where}); engines now serve "
-                          f"versions {versions} (None: not answering, to be restarted)", versions) from failure
+    raise broken_push("owner-parallel IPC weight push", version, rank, failure, versions) from failure
 
 
 def _send_round(targets: list, parts: list, shared: dict, relay: OwnerIpcRelay, token: str, holders: Counter,
                 announced: AnnouncedPush) -> list[int]:
     """(rank 0) One message per engine with the round's buckets; returns the ids every worker has let go of."""
-    for _, entries in parts:
-        announced.check_bucket([(n, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
-                                for n, shape, dtype in entries])
+    check_round(announced, parts)
     messages = relay.messages(shared, token)
     for bucket_id in shared["ids"]:
         holders[bucket_id] = len(targets)

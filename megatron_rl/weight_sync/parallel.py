@@ -157,14 +157,8 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
         senders.connect(export.senders, rank, trainer_group, targets, workers_per_engine)
     announced = AnnouncedPush(export.entries) if targets is not None else None
     use_delta = _delta_decision(targets, delta, version, trainer_group)
-    failure: BaseException | None = None
     sent_before = senders.sent_bytes
-    try:
-        if targets is not None:
-            for target in targets:
-                target.call("mrl_begin_push", version)
-    except BaseException as error:  # noqa: BLE001 - agreed below
-        failure = error
+    failure = begin_push(targets, version)
     buckets = iter(export)
     for parts in export.rounds:
         bucket, meta = None, None
@@ -186,14 +180,7 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
     result = None
     broken = _any_rank(failure is not None, trainer_group)  # every rank takes part: no short circuit
     if targets is not None and not broken:
-        try:
-            announced.check_complete()
-            commits = [target.call("mrl_commit_push", "1" if repack_moe else "0") for target in targets]
-            for target in targets:
-                target.reset_prefix_cache()
-            result = {"commits": commits, "tensors": len(announced.seen), "bytes": announced.num_bytes}
-        except BaseException as error:  # noqa: BLE001 - rank 0 alone talks to the engines; agreed below
-            failure = error
+        result, failure = commit_push(targets, announced, repack_moe)
     if not _any_rank(failure is not None, trainer_group):
         if delta is not None:
             delta.commit(version, use_delta)
@@ -204,9 +191,44 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
     if failure is not None and isinstance(failure, (KeyboardInterrupt, SystemExit)):
         raise failure
     versions = _restore(targets) if targets is not None else []
+    raise broken_push("owner-parallel weight push", version, rank, failure, versions) from failure
+
+
+def begin_push(targets: list | None, version: int) -> BaseException | None:
+    """(rank 0) mrl_begin_push on every engine; what failed, for every rank to agree on (None elsewhere)."""
+    try:
+        for target in targets or []:
+            target.call("mrl_begin_push", version)
+    except BaseException as error:  # noqa: BLE001 - agreed by the caller
+        return error
+    return None
+
+
+def check_round(announced: AnnouncedPush, parts: list) -> None:
+    """(rank 0) The round's buckets (per sender: names, shapes, dtypes) against the push's announcement."""
+    for _, entries in parts:
+        announced.check_bucket([(n, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
+                                for n, shape, dtype in entries])
+
+
+def commit_push(targets: list, announced: AnnouncedPush, repack_moe: bool) -> tuple[dict | None, BaseException | None]:
+    """(rank 0) Every tensor arrived: commit every engine and reset its prefix cache. (result, None) or (None, what
+    failed, for every rank to agree on)."""
+    try:
+        announced.check_complete()
+        commits = [target.call("mrl_commit_push", "1" if repack_moe else "0") for target in targets]
+        for target in targets:
+            target.reset_prefix_cache()
+        return {"commits": commits, "tensors": len(announced.seen), "bytes": announced.num_bytes}, None
+    except BaseException as error:  # noqa: BLE001 - rank 0 alone talks to the engines; agreed by the caller
+        return None, error
+
+
+def broken_push(what: str, version: int, rank: int, failure: BaseException | None, versions: list) -> PushBrokenError:
+    """The error every rank raises when a push broke midway (failure: this rank's, None when another rank's)."""
     where = f"trainer rank {rank}: {type(failure).__name__}: {failure}" if failure is not None else "on another trainer rank"
-    raise PushBrokenError(f"owner-parallel weight push v{version} broke midway ({where}); engines now serve versions "
-                          f"{versions} (None: not answering, to be restarted)", versions) from failure
+    return PushBrokenError(f"{what} v{version} broke midway ({where}); engines now serve versions {versions} "
+                           "(None: not answering, to be restarted)", versions)
 
 
 def refuse_or_none(targets: list | None, export, manifest: WeightManifest | None, trainer_group: Any,
@@ -268,9 +290,7 @@ def _round(targets: list | None, parts: list, bucket: list | None, rank: int, se
         else:
             message = {"parts": [{"sender": s, "layout": wire[s][0], "meta": wire[s][1], "base": base} for s, _ in parts]}
         message = json.dumps(message)
-        for _, entries in parts:
-            announced.check_bucket([(n, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
-                                    for n, shape, dtype in entries])
+        check_round(announced, parts)
         futures = call_in_threads([partial(t.call_each or t.call, RECEIVE_METHOD) for t in targets],
                                   [message] * len(targets), "owner-receive")
         names = [t.name for t in targets]

@@ -21,35 +21,20 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from multiprocessing.connection import Client, Listener
 
 import pytest
 import torch
 
 from tests.distributed.harness import _context, run_distributed
-from tests.worker_process import load_state
+from tests.worker_process import TcpEngine, TcpWorkers, load_state
 
 WORKERS = [2, 2]
 """Engines and their workers."""
 BUCKET_BYTES = 48 << 10
 LAYOUTS = {"pp2_ep2": {"pipeline_parallel": 2, "expert_parallel": 2},
            "tp2_ep2": {"tensor_parallel": 2, "expert_parallel": 2}}
-AUTH = b"owner-push-test"
 BROKEN_RANK, BROKEN_ROUND = 2, 1
 DELTA_FULL_EVERY = 4
-
-
-def _serve(ready, model_dir: str, rank: int) -> None:
-    """An engine worker reached over TCP (the trainer ranks are forked elsewhere): the worker extension's loop."""
-    from tests.worker_process import _serve as serve_pipe
-
-    with Listener(("127.0.0.1", 0), authkey=AUTH) as listener:
-        ready.send(listener.address)
-        conn = listener.accept()
-    try:
-        serve_pipe(conn, model_dir, "cpu", rank)
-    except EOFError:  # the driving rank exited
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -57,43 +42,9 @@ def setup(tmp_path_factory):
     from megatron_rl.models.tiny import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("owner") / "qwen3_moe", "qwen3_moe", seed=7, with_tokenizer=False)
-    context = _context()
-    processes, addresses = [], []
-    for workers in WORKERS:
-        engine = []
-        for rank in range(workers):
-            parent, child = context.Pipe()
-            process = context.Process(target=_serve, args=(child, str(model_dir), rank), daemon=True)
-            process.start()
-            processes.append(process)
-            engine.append(parent.recv())
-        addresses.append(engine)
-    yield model_dir, addresses
-    for process in processes:
-        process.kill()
-        process.join()
-
-
-class _Engine:
-    """An engine of several worker processes; a call runs on all of them at once (collective_rpc)."""
-
-    def __init__(self, addresses):
-        self.conns = [Client(address, authkey=AUTH) for address in addresses]
-
-    def call_each(self, method: str, *args):
-        for conn in self.conns:
-            conn.send((method, args))
-        answers = [conn.recv() for conn in self.conns]
-        for status, value in answers:
-            if status != "ok":
-                raise RuntimeError(value)
-        return [value for _, value in answers]
-
-    def target(self, name: str):
-        from megatron_rl.rollout.push import PushTarget
-
-        return PushTarget(name, lambda method, *args: self.call_each(method, *args)[0], lambda bucket: bucket,
-                          lambda: None, call_each=self.call_each)
+    workers = TcpWorkers(model_dir, WORKERS, _context())
+    yield model_dir, workers.addresses
+    workers.close()
 
 
 def _fault(rank: int, round_index: int) -> None:
@@ -206,7 +157,7 @@ def _ranks(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
     from megatron_rl.weight_sync import manifest_from_checkpoint
     from megatron_rl.weight_sync.parallel import OwnerSenders
 
-    engines = [_Engine(a) for a in addresses] if rank == 0 else []
+    engines = [TcpEngine(a) for a in addresses] if rank == 0 else []
     targets = [e.target(f"engine {i}") for i, e in enumerate(engines)] if rank == 0 else None
     manifest = manifest_from_checkpoint(model_dir) if rank == 0 else None
     states = lambda: [[(v, s) for v, s in zip(e.call_each("mrl_weight_version"), e.call_each("state"))] for e in engines]  # noqa: E731

@@ -14,28 +14,18 @@ independent of the loop:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.metrics import read_metrics
+from tests.e2e.subprocess_runs import run_module
 from tests.e2e.agent_runs import LEARN_STEPS, TARGET
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("agent")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="WARNING")
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    result = subprocess.run([sys.executable, "-m", "tests.e2e.agent_runs", str(out)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"agent runs failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return out
+    return run_module("tests.e2e.agent_runs", tmp_path_factory.mktemp("agent"), timeout=900)
 
 
 @pytest.mark.parametrize("name", ["sync", "staleness_1"])

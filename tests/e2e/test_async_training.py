@@ -16,29 +16,19 @@ What is checked against something independent of the stream:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extra, without vLLM; a broken install fails)
 from megatron_rl.metrics import read_metrics
+from tests.e2e.subprocess_runs import run_module
 from tests.e2e.async_runs import LEARN_STEPS, TARGET
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("async")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="WARNING")
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    result = subprocess.run([sys.executable, "-m", "tests.e2e.async_runs", str(out)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"async runs failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return out
+    return run_module("tests.e2e.async_runs", tmp_path_factory.mktemp("async"), timeout=600)
 
 
 @pytest.mark.parametrize("staleness", [1, 2])

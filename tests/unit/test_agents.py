@@ -207,7 +207,7 @@ def test_unknown_parser_and_agents_that_cannot_be_used():
         load_agent("no_such_pkg.mod:Agent")
     with pytest.raises(AgentError, match="not a subclass of megatron_rl.rollout.agents.Environment"):
         load_agent("megatron_rl.rollout.agents.base:ModelTurn")
-    with pytest.raises(AgentError, match="single_turn"):
+    with pytest.raises(AgentError, match=r"rollout.agent=.nonsense.: use a built-in \(lookup, single_turn\) or an import path"):
         load_agent("nonsense")
     from megatron_rl.config import RLConfig, load_config
     from megatron_rl.config.core import from_dict
