@@ -313,9 +313,7 @@ class WeightSyncedEngine:
     # ---- generation ------------------------------------------------------------------------------
     def _generate_with_restarts(self, generate_once: Callable[[], Rollouts], what: str) -> Rollouts:
         """generate_once under the lock, the engines awake and on the trainer's weights, retried after restarts."""
-        with self._lock:
-            self.wake_up()  # a sleeping engine's scheduler is paused: its requests would wait forever
-            self._recover_weights()
+        with self.serving():
             return generate_with_restarts(
                 generate_once, self._restart, max_restarts=self.config.max_restarts,
                 is_engine_failure=self._is_engine_failure, what=what,
@@ -326,7 +324,7 @@ class WeightSyncedEngine:
         """Generation outside generate() (episodes' turns, rollout.agents.turns): under the lock, the engines
         awake and on the trainer's weights; a push waits until it ends."""
         with self._lock:
-            self.wake_up()
+            self.wake_up()  # a sleeping engine's scheduler is paused: its requests would wait forever
             self._recover_weights()
             yield
 

@@ -22,22 +22,23 @@ One push, on every trainer rank (as weight_sync.parallel, whose checks and
 recovery it shares):
 1. rank 0 checks the whole push against the engines' manifest (refused:
    nothing moves) and begins the push on every engine;
-2. per round: every rank makes its bucket; the ranks agree that all did;
-   rank 0 tells the others which buffers every worker let go of (written
-   again from now on); each part of the round (one sender's bucket) lands
-   in a shared buffer on every worker rank (the owner packs it there, the
-   others receive it from the owner); every worker rank exports one handle
-   per worker it hosts and the handles are gathered to rank 0, which sends
-   each engine ONE message with the round's buckets (`mrl_ipc_receive`
-   with 'buckets': one RPC per round, not per bucket);
-3. the ranks agree the last round went through; rank 0 commits every engine.
-A round that fails on any rank stops every rank at the next agreement:
+2. per round: every rank makes its bucket; the round's parts (one sender's
+   bucket each) go in slices of at most `max_parts`; per slice the ranks
+   agree that all is well, rank 0 tells the others which buffers every
+   worker let go of (written again from now on), each part lands in a
+   shared buffer on every worker rank (the owner packs it there, the others
+   receive it from the owner), every worker rank exports one handle per
+   worker it hosts and the handles are gathered to rank 0, which sends each
+   engine ONE message with the slice's buckets (`mrl_ipc_receive` with
+   'buckets': one RPC per slice, not per bucket);
+3. the ranks agree the last slice went through; rank 0 commits every engine.
+A slice that fails on any rank stops every rank at the next agreement:
 rank 0 aborts the push on every engine (each back on a complete version)
 and every rank raises PushBrokenError.
 
-Buffers alive on a worker rank: the round's parts (one per sender) plus
-those its workers have not let go of yet (their loading's queue: about two
-rounds), never the model.
+Buffers alive on a worker rank: the slice's parts (at most max_parts,
+whatever the number of senders) plus those its workers have not let go of
+yet (their loading's queue: about two slices), never the model.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch.distributed as dist
 from megatron_rl.weight_sync.broadcast import call_in_threads, gpu_uuid, pack_bucket, wait_for_engines
 from megatron_rl.weight_sync.ipc import BufferPool, _released_by_all, default_device, export_handle
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.parallel import _meta_layout, _restore, begin_push, broken_push, check_round, commit_push, refuse_or_none
+from megatron_rl.weight_sync.parallel import MAX_PARTS, _meta_layout, _restore, begin_push, broken_push, check_round, commit_push, refuse_or_none
 from megatron_rl.weight_sync.push import _any_rank
 from megatron_rl.weight_sync.stream import AnnouncedPush
 
@@ -69,7 +70,7 @@ class OwnerIpcRelay:
     the same ranks for the small messages. Ranks are global ranks of `group`."""
 
     def __init__(self, *, rank: int, engine_ranks: list[list[int]], group: Any = None, object_group: Any = None,
-                 device: torch.device | None = None, timeout_s: float = 600.0):
+                 device: torch.device | None = None, timeout_s: float = 600.0, max_parts: int = MAX_PARTS):
         self.rank = int(rank)
         self.engine_ranks = [[int(r) for r in ranks] for ranks in engine_ranks]
         self.worker_ranks = sorted({r for ranks in self.engine_ranks for r in ranks})
@@ -78,6 +79,9 @@ class OwnerIpcRelay:
         self.group, self.object_group = group, object_group
         self.pool = BufferPool(device if device is not None else default_device())
         self.timeout_s = float(timeout_s)
+        self.max_parts = max(1, int(max_parts))
+        """Buckets shared at once (one engine message): a round of more senders goes in slices of this many, so a
+        worker rank holds a few slices' buffers, whatever the number of senders (the world size)."""
         self.sent_bytes = 0
         """Bytes of this rank's own buckets it sent to the worker ranks, over every push (each byte once)."""
         self.received_bytes = 0
@@ -172,7 +176,7 @@ def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIp
     token, holders, released = uuid.uuid4().hex, Counter(), []
     sent_before, received_before = relay.sent_bytes, relay.received_bytes
     failure = begin_push(targets, version)
-    buckets, next_id = iter(export), 0
+    buckets, next_id, stopped = iter(export), 0, False
     try:
         for parts in export.rounds:
             bucket = None
@@ -181,16 +185,20 @@ def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIp
                     bucket = next(buckets)
                 except BaseException as error:  # noqa: BLE001 - agreed below
                     failure = error
-            if _any_rank(failure is not None, trainer_group):
+            for start in range(0, len(parts), relay.max_parts):  # slices bound the buffers, whatever the senders
+                if stopped := _any_rank(failure is not None, trainer_group):
+                    break
+                piece = parts[start : start + relay.max_parts]
+                try:
+                    shared = relay.share_round(piece, bucket, next_id, released)
+                    released = []
+                    if targets is not None:
+                        released = _send_round(targets, piece, shared, relay, token, holders, announced)
+                except BaseException as error:  # noqa: BLE001 - agreed at the next slice
+                    failure = error
+                next_id += len(piece)
+            if stopped:
                 break
-            try:
-                shared = relay.share_round(parts, bucket, next_id, released)
-                released = []
-                if targets is not None:
-                    released = _send_round(targets, parts, shared, relay, token, holders, announced)
-            except BaseException as error:  # noqa: BLE001 - agreed at the next round
-                failure = error
-            next_id += len(parts)
         result = None
         broken = _any_rank(failure is not None, trainer_group)
         if targets is not None and not broken:

@@ -20,7 +20,8 @@ trainer's group keeps them in step):
    the ranks agree that all did; rank 0 calls `mrl_owner_receive` on every
    engine with the layout of each sender's bucket, and every sender
    broadcasts its bucket in its own group at the same time: a worker receives
-   from all senders of the round at once, then stages each bucket through the
+   from the senders of a slice of the round at once (at most MAX_PARTS: its
+   buffers do not grow with the senders), then stages each bucket through the
    manifest check and the streaming loader (rollout.worker_ext);
 4. the ranks agree the last round went through; rank 0 commits every engine.
 A round that fails on any rank (its export raised, a broadcast or an engine
@@ -51,6 +52,10 @@ from megatron_rl.weight_sync.push import _any_rank
 from megatron_rl.weight_sync.stream import AnnouncedPush, PushBrokenError, check_announced
 
 logger = logging.getLogger(__name__)
+
+MAX_PARTS = 4
+"""Senders' buckets an engine worker takes at once: a round of more senders goes in slices of this many, so a
+worker's buffers stay a few buckets whatever the number of senders (the world size)."""
 
 RECEIVE_METHOD = "mrl_owner_receive"
 JOIN_METHOD = "mrl_owner_join"
@@ -142,11 +147,12 @@ class OwnerSenders:
 def owner_parallel_push(targets: list | None, export, version: int, *, senders: OwnerSenders, rank: int,
                         trainer_group: Any, manifest: WeightManifest | None = None,
                         workers_per_engine: list[int] | None = None, repack_moe: bool = True,
-                        delta: DeltaEncoder | None = None) -> dict | None:
+                        delta: DeltaEncoder | None = None, max_parts: int = MAX_PARTS) -> dict | None:
     """One push (see the module docstring) on every trainer rank; targets, manifest and workers_per_engine on
     rank 0 only (rollout.push.PushTarget). Returns {'delta': whether it went as a sparse delta, 'wire_bytes': the
     bytes this rank broadcast} and on rank 0 also {'commits', 'tensors', 'bytes'}.
     delta: this rank's DeltaEncoder (rollout.weight_delta; weight_sync.delta), kept across pushes.
+    max_parts: senders' buckets a worker takes at once (a wider round goes in slices).
     Raises WeightPushError (refused, nothing moved; on rank 0) or PushBrokenError (on every rank)."""
     if refuse_or_none(targets, export, manifest, trainer_group):
         return None
@@ -173,10 +179,18 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
             break
         try:
             wire = _wire_parts(bucket, meta, trainer_group) if delta is not None else None
-            _round(targets, parts, bucket, rank, senders, announced, wire, delta.base if use_delta else None)
-        except BaseException as error:  # noqa: BLE001 - agreed at the next round
+        except BaseException as error:  # noqa: BLE001 - agreed at the first slice
             failure = error
-            senders.close()
+        for start in range(0, len(parts), max_parts):  # slices bound a worker's buffers, whatever the senders
+            if start and _any_rank(failure is not None, trainer_group):
+                break
+            if failure is None:
+                try:
+                    _round(targets, parts[start : start + max_parts], bucket, rank, senders, announced, wire,
+                           delta.base if use_delta else None)
+                except BaseException as error:  # noqa: BLE001 - agreed at the next slice or round
+                    failure = error
+                    senders.close()
     result = None
     broken = _any_rank(failure is not None, trainer_group)  # every rank takes part: no short circuit
     if targets is not None and not broken:

@@ -36,6 +36,8 @@ from tests.worker_process import WorkerProcess, load_state
 
 BUCKET_BYTES = 48 << 10
 ENGINES, WORKERS = 2, 2
+MAX_PARTS = 2
+"""Buckets a slice shares at once (OwnerIpcRelay.max_parts): less than the senders of a round."""
 BROKEN_RANK, BROKEN_ROUND = 2, 1
 
 
@@ -85,7 +87,7 @@ def _ranks(rank: int, world_size: int, model_dir: str) -> dict:
     manifest = manifest_from_checkpoint(model_dir) if rank == 0 else None
     states = lambda: [[(w.call("mrl_weight_version"), w.call("state")) for w in e] for e in workers]  # noqa: E731
     relay = OwnerIpcRelay(rank=rank, engine_ranks=engine_ranks, group=ctx.world_group, object_group=ctx.world_group,
-                          timeout_s=60.0)
+                          timeout_s=60.0, max_parts=MAX_PARTS)
     try:
         chunks = build_model(ModelConfig(path=model_dir), ctx)
 
@@ -178,12 +180,13 @@ def test_every_owner_shares_its_own_buckets_with_every_workers_device_and_a_brok
         assert push["sent"] == packed[rank] <= limit, (rank, push["sent"], limit)
         assert push["received"] == model_packed - packed[rank]  # its worker needs the rest of the model, from the owners
     assert first[0]["sent"] < model_packed / 2  # the funnel relay sourced all of model_packed on rank 0
-    # one message per engine per round (the round's buckets batched), for each of pushes 1 and 3
-    rounds = first[0]["rounds"]
+    # one message per engine per slice of MAX_PARTS of a round's buckets (batched), for each of pushes 1 and 3
+    slices = [p[k : k + MAX_PARTS] for p in parts for k in range(0, len(p), MAX_PARTS)]
+    assert max(len(p) for p in parts) > MAX_PARTS  # a round wider than a slice: the bound below is the slice's
     for record in rank0["records"]:
-        assert record["messages"][:rounds] == [len(p) for p in parts]
-    # buffers: a few rounds' worth on each rank, not the model
-    widest = max(sum(_packed_bytes(e) for _, e in round_parts) for round_parts in parts)
+        assert record["messages"][: len(slices)] == [len(p) for p in slices]
+    # buffers: a few slices' worth on each rank (not the round's, which grows with the senders; not the model)
+    widest = max(sum(_packed_bytes(e) for _, e in piece) for piece in slices)
     for push in first:
         assert 0 < push["peak_shared"] <= 4 * widest < model_packed, (push["peak_shared"], widest, model_packed)
 

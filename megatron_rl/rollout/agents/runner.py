@@ -102,8 +102,6 @@ class Episode:
     failed: str = ""
     """Why user code failed this episode ('' = it did not)."""
     done: bool = False
-    released: bool = False
-    """The turn scheduler was told the episode ended."""
     turn_token_ids: list[list[int]] = field(default_factory=list)
     """Every model turn's token ids as the engine returned them (for tests and traces)."""
     requests: list[tuple[int, int]] = field(default_factory=list)
@@ -177,6 +175,8 @@ class EpisodeRunner:
     def __init__(self, agent_cls: type[Environment], tokenizer: Any, reward_fn: Callable, rollout_config: Any):
         self.agent_cls, self.tokenizer, self.reward_fn, self.config = agent_cls, tokenizer, reward_fn, rollout_config
         self.stats = EpisodeStats()
+        self._ended: list[Episode] = []
+        """Episodes ended since the loop last told the turn scheduler (its servers' live counts)."""
         if rollout_config.agent_trace_every:  # step 0 is traced; then every agent_trace_every steps (experience.agent_metrics)
             self.stats.trace_episodes = int(rollout_config.agent_trace_episodes)
         self.context = AgentContext(tokenizer=tokenizer, config=rollout_config, stats=self.stats)
@@ -198,6 +198,7 @@ class EpisodeRunner:
             Episode(i, j, p, None if spec.seed is None else prompt_seed(spec.seed, i) + j)
             for i, p in enumerate(prompts) for j in range(spec.n)
         ]
+        self._ended.clear()
         waiting = deque(e for e in episodes if self._start(e))
         pending: dict[Future, Episode] = {}
         by_key = {id(e): e for e in episodes}
@@ -231,10 +232,8 @@ class EpisodeRunner:
                         episode = pending.pop(future)
                         if self._after_step(episode, future, budget):
                             waiting.append(episode)
-                    for episode in episodes:
-                        if episode.done and not episode.released:
-                            episode.released = True
-                            turns.finish(id(episode))
+                    while self._ended:  # episodes that ended this pass: their server takes new ones
+                        turns.finish(id(self._ended.pop()))
             finally:
                 turns.shutdown()
         self.stats.count("engine_requests", turns.requests)
@@ -301,11 +300,13 @@ class EpisodeRunner:
 
     def _end(self, episode: Episode, cut: str) -> None:
         episode.done, episode.cut = True, cut
+        self._ended.append(episode)
         if cut:
             self.stats.count(f"cut_{cut}")
 
     def _fail(self, episode: Episode, where: str, error: BaseException) -> None:
         episode.done, episode.failed = True, f"{where}: {type(error).__name__}: {error}"
+        self._ended.append(episode)
         self.stats.count("failed_episodes")
         if self.stats.failed_logged < 3:
             self.stats.failed_logged += 1
