@@ -28,7 +28,9 @@ The math, for a query token i and a key token j (softmax scale s, head dim d):
   L / CP tokens of each.
 
 Grouped-query attention (fewer key/value heads) uses torch's ``enable_gqa``: query head n
-reads key/value group n // (heads / groups), as megatron's ``repeat_interleave`` does.
+reads key/value group n // (heads / groups), as megatron's ``repeat_interleave`` does. The
+varlen kernel takes it only from torch 2.13 on; before, heads are expanded for the call
+(models.varlen, chosen from the installed function's signature).
 
 Memory: the CP exchange is an all-gather (megatron's ``cp_comm_type="all_gather"``, not TE's
 ring of point-to-point steps), so each rank holds the keys and values of the whole sequences
@@ -195,6 +197,10 @@ class LocalCoreAttention(MegatronModule):
     """Packed (THD) attention: "per_sequence" (one exact SDPA per sequence) or "varlen" (torch's flash varlen
     kernel over the whole microbatch; CUDA, bf16/fp16, CP 1). Set once at build (models.kernels)."""
 
+    varlen_binding = None
+    """How the varlen kernel takes its arguments (models.varlen.VarlenBinding; set at build from the installed
+    torch's signature, read from it on first use when unset)."""
+
     @staticmethod
     def varlen_kernel(*args, **kwargs):
         """torch.nn.attention.varlen.varlen_attn (imported on first use: it exists in torch >= 2.9)."""
@@ -306,10 +312,16 @@ class LocalCoreAttention(MegatronModule):
         cu_seqlens are the laid-out (padded) offsets: each sequence's padding sits at its end and is
         causal-masked away from its real tokens, as in the per-sequence path. window_size (-1, 0) is causal.
         """
+        binding = self.varlen_binding
+        if binding is None:
+            from megatron_rl.models.varlen import varlen_binding
+
+            binding, why = varlen_binding()
+            if binding is None:
+                raise RuntimeError(f"packed attention was built for the varlen kernel, which cannot serve here: {why}")
         cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=query.device)
         longest = max(end - start for start, end in pairwise(offsets))
-        out = self.varlen_kernel(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=self.softmax_scale,
-                                 window_size=(-1, 0), enable_gqa=query.shape[1] != key.shape[1])
+        out = binding.call(self.varlen_kernel, query, key, value, cu_seqlens, longest, self.softmax_scale)
         return out.reshape(out.shape[0], -1)
 
     def _cp_causal_mask(self, seq_len_padded: int, device: torch.device) -> torch.Tensor:

@@ -273,7 +273,7 @@ def build_model(
         **family.gpt_model_kwargs(arch),
     )
     model.hf_info = info
-    _set_packed_attention(model, choice.attention)
+    _set_packed_attention(model, choice.attention, varlen_gqa=choice.varlen_gqa)
     if ctx.device.type == "cuda":
         model.cuda(ctx.device)
     if load_weights is None:
@@ -298,13 +298,16 @@ def build_model(
     return chunks
 
 
-def _set_packed_attention(model, kernel: str) -> None:
-    """Every LocalCoreAttention of the model runs packed microbatches with `kernel` (models.kernels)."""
+def _set_packed_attention(model, kernel: str, *, varlen_gqa: bool = True) -> None:
+    """Every LocalCoreAttention of the model runs packed microbatches with `kernel` (models.kernels), the varlen
+    kernel called as the installed torch's signature allows (models.varlen)."""
     from megatron_rl.models.attention import LocalCoreAttention
+    from megatron_rl.models.varlen import VarlenBinding
 
     for module in model.modules():
         if isinstance(module, LocalCoreAttention):
             module.packed_kernel = kernel
+            module.varlen_binding = VarlenBinding(enable_gqa=varlen_gqa)
 
 
 def _wrap_ddp(chunks: list, config, ddp_config) -> list:

@@ -37,6 +37,7 @@ the optimizer step). On CPU all are off (megatron-core on CPU, shared/notes).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -62,7 +63,12 @@ class Kernels:
     torch_grouped_mm: bool = False
     """torch has torch._grouped_mm."""
     varlen_attention: bool = False
-    """torch has torch.nn.attention.varlen.varlen_attn (flash varlen; CUDA only)."""
+    """torch's varlen_attn can serve packed attention here: its signature takes a causal window and a scale
+    (models.varlen) and, on the GPU, a one-time tiny call ran (flash varlen; CUDA only)."""
+    varlen_gqa: bool = True
+    """That varlen_attn takes enable_gqa (torch >= 2.13); else key/value heads are expanded for the call (exact)."""
+    varlen_why: str = ""
+    """Why varlen_attention is off, or how it is called: the start-up line quotes it."""
     jit_compiler: bool = False
     """megatron's jit fusions can compile here (torch.compile with triton on CUDA)."""
 
@@ -79,13 +85,7 @@ def detect_kernels(avail=None) -> Kernels:
     from megatron_rl.parallel.availability import detect
 
     avail = detect() if avail is None else avail
-    varlen = False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-
-        varlen = avail.cuda
-    except ImportError:
-        pass
+    varlen, varlen_gqa, varlen_why = _varlen_here(avail.cuda)
     return Kernels(
         cuda=avail.cuda,
         capability=torch.cuda.get_device_capability() if avail.cuda else None,
@@ -94,8 +94,26 @@ def detect_kernels(avail=None) -> Kernels:
         grouped_gemm_package=avail.grouped_gemm,
         torch_grouped_mm=hasattr(torch, "_grouped_mm"),
         varlen_attention=varlen,
+        varlen_gqa=varlen_gqa,
+        varlen_why=varlen_why,
         jit_compiler=avail.cuda and _imports("triton"),
     )
+
+
+@functools.cache
+def _varlen_here(cuda: bool) -> tuple[bool, bool, str]:
+    """(usable, takes enable_gqa, why) for the installed varlen_attn: its signature, then one tiny call on the GPU."""
+    from megatron_rl.models.varlen import probe_varlen, varlen_binding
+
+    binding, why = varlen_binding()
+    if binding is None:
+        return False, False, why
+    if not cuda:
+        return False, binding.enable_gqa, "no CUDA (flash varlen has no CPU kernel)"
+    failed = probe_varlen(binding, torch.device("cuda", torch.cuda.current_device()))
+    if failed:
+        return False, binding.enable_gqa, f"torch {torch.__version__}'s varlen_attn: {failed}"
+    return True, binding.enable_gqa, why
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +126,8 @@ class KernelChoice:
     attention: str
     """te | varlen | per_sequence."""
     attention_why: str
+    varlen_gqa: bool = True
+    """With attention varlen: the kernel takes enable_gqa (else key/value heads are expanded for it)."""
     fusions: dict[str, bool] = field(default_factory=dict)
     """TransformerConfig fusion fields."""
     fusions_off_why: dict[str, str] = field(default_factory=dict)
@@ -180,10 +200,11 @@ def choose_attention(kernels: Kernels, *, use_te: bool, dtype: torch.dtype, cont
     if context_parallel > 1:
         return "per_sequence", "context parallelism: each CP rank's chunks need a position mask"
     if not kernels.varlen_attention:
-        return "per_sequence", "this torch has no torch.nn.attention.varlen"
+        return "per_sequence", kernels.varlen_why or "this torch has no usable torch.nn.attention.varlen"
     if dtype not in (torch.bfloat16, torch.float16):
         return "per_sequence", f"flash varlen needs bf16/fp16, the model is {dtype}"
-    return "varlen", "torch's flash varlen kernel, one call per microbatch"
+    how = "" if kernels.varlen_gqa else "; key/value heads expanded: this torch's varlen_attn has no enable_gqa"
+    return "varlen", "torch's flash varlen kernel, one call per microbatch" + how
 
 
 def choose_fusions(kernels: Kernels, *, use_te: bool, enabled: bool = True) -> tuple[dict[str, bool], dict[str, str]]:
@@ -227,6 +248,7 @@ def choose_kernels(kernels: Kernels, model_cfg, *, use_te: bool, dtype: torch.dt
     fusions, off = choose_fusions(kernels, use_te=use_te, enabled=model_cfg.fusions)
     overlap, overlap_why = choose_overlap(kernels, data_parallel)
     return KernelChoice(experts=experts, experts_why=experts_why, attention=attention, attention_why=attention_why,
+                        varlen_gqa=kernels.varlen_gqa,
                         fusions=fusions, fusions_off_why=off, overlap_grad_reduce=overlap, overlap_why=overlap_why)
 
 

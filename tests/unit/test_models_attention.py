@@ -208,29 +208,47 @@ def test_single_query_sees_every_key(parallel_ctx):
     torch.testing.assert_close(out[:, 0].double(), expected, atol=1e-6, rtol=0)
 
 
-def varlen_reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa):
-    """torch.nn.attention.varlen.varlen_attn's contract (T, H, D tensors, cu_seqlens, causal window (-1, 0)), written
-    out per sequence in float64 on CPU, where torch has no flash kernel: it checks what LocalCoreAttention hands the
-    GPU kernel (layout, offsets, scale, causality, GQA flag), not the kernel itself (tests/gpu run that)."""
+def _varlen_math(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size):
+    """varlen_attn's contract (T, H, D tensors, cu_seqlens, causal window (-1, 0)) written out per sequence in
+    float64: torch has no CPU flash kernel, so this checks what LocalCoreAttention hands the GPU kernel (layout,
+    offsets, scale, causality, heads), not the kernel itself (tests/gpu run that)."""
     assert window_size == (-1, 0) and torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
     offsets = cu_seq_q.tolist()
     assert max_q == max_k == max(b - a for a, b in pairwise(offsets))
-    assert enable_gqa == (query.shape[1] != key.shape[1])
     outputs = [reference_attention(query[a:b], key[a:b], value[a:b], scale) for a, b in pairwise(offsets)]
     return torch.cat(outputs).reshape(query.shape).to(query.dtype)
 
 
-@pytest.mark.parametrize("multiple", [1, 8])
-def test_varlen_packed_attention_gives_the_per_sequence_values_and_gradients(parallel_ctx, multiple):
-    """packed_kernel="varlen" (the GPU choice) sends the whole microbatch to the varlen kernel in one call, with the
-    padded offsets: values and gradients equal the per-sequence path's (the CPU and CP choice)."""
-    from megatron_rl.models.attention import packed_seq_params
+def varlen_kernel_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                       window_size=(-1, -1)):
+    """torch 2.11's varlen_attn signature, exactly (no enable_gqa: its flash call needs as many key as query heads)."""
+    assert key.shape[1] == value.shape[1] == query.shape[1], "2.11's varlen_attn has no grouped-query heads"
+    return _varlen_math(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size)
 
+
+def varlen_kernel_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                       window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.13's varlen_attn signature, exactly."""
+    assert enable_gqa == (query.shape[1] != key.shape[1])
+    return _varlen_math(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size)
+
+
+@pytest.mark.parametrize("kernel", [varlen_kernel_2_11, varlen_kernel_2_13], ids=["torch2.11", "torch2.13"])
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_varlen_packed_attention_gives_the_per_sequence_values_and_gradients(parallel_ctx, multiple, kernel):
+    """packed_kernel="varlen" (the GPU choice) sends the whole microbatch to the varlen kernel in one call, with the
+    padded offsets, bound as that torch release's signature allows (models.varlen): values and gradients equal the
+    per-sequence path's (the CPU and CP choice), grouped-query heads included."""
+    from megatron_rl.models.attention import packed_seq_params
+    from megatron_rl.models.varlen import varlen_binding
+
+    assert GROUPS < HEADS  # the grouped-query case is the one torch 2.11 cannot take as is
     params = packed_seq_params([1, 37, 3, 64, 9], multiple=multiple)
     per_sequence, varlen = make_attention(0.3), make_attention(0.3)
     varlen.packed_kernel = "varlen"
+    varlen.varlen_binding, _ = varlen_binding(kernel)
     calls = []
-    varlen.varlen_kernel = lambda *a, **kw: calls.append(1) or varlen_reference_kernel(*a, **kw)
+    varlen.varlen_kernel = lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
     results = []
     for attention in (per_sequence, varlen):
         q, k, v = random_qkv(params.cu_seqlens_q_padded[-1].item(), seed=5)

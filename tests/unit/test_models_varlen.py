@@ -1,0 +1,84 @@
+"""models.varlen: the varlen kernel is called as the installed torch's signature allows, checked against each
+release's signature and against the real installed function."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from megatron_rl.models.kernels import Kernels, choose_attention
+from megatron_rl.models.varlen import VarlenBinding, installed_varlen_attn, varlen_binding
+from tests.unit.test_models_attention import varlen_kernel_2_11, varlen_kernel_2_13
+
+
+def varlen_kernel_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.9 / 2.10's varlen_attn signature: no scale, no window."""
+
+
+def _call_arguments(binding: VarlenBinding, heads: int = 4, groups: int = 2):
+    q = torch.randn(9, heads, 32)
+    k, v = torch.randn(9, groups, 32), torch.randn(9, groups, 32)
+    return binding.arguments(q, k, v, torch.tensor([0, 4, 9], dtype=torch.int32), 5, 0.25)
+
+
+@pytest.mark.parametrize("kernel,gqa", [(varlen_kernel_2_11, False), (varlen_kernel_2_13, True)])
+def test_each_release_signature_gets_only_what_it_takes(kernel, gqa):
+    binding, why = varlen_binding(kernel)
+    assert binding == VarlenBinding(enable_gqa=gqa)
+    args, kwargs = _call_arguments(binding)
+    inspect.signature(kernel).bind(*args, **kwargs)  # raises TypeError on a keyword the release lacks
+    assert ("enable_gqa" in kwargs) == gqa and kwargs["window_size"] == (-1, 0) and kwargs["scale"] == 0.25
+    if not gqa:  # 2.11: key/value heads expanded to the query's, group g serving heads 2g and 2g + 1
+        assert args[1].shape[1] == args[0].shape[1] == 4
+        assert "expanded" in why
+
+
+def test_a_release_without_a_causal_window_or_scale_is_not_used():
+    binding, why = varlen_binding(varlen_kernel_2_10)
+    assert binding is None and "scale" in why and "window_size" in why
+    kernels = Kernels(cuda=True, capability=(9, 0), varlen_attention=False, varlen_why=why)
+    assert choose_attention(kernels, use_te=False, dtype=torch.bfloat16, context_parallel=1) == ("per_sequence", why)
+
+
+def test_expanded_heads_repeat_each_group_for_its_query_heads():
+    q, k, v = torch.randn(9, 6, 32), torch.randn(9, 2, 32), torch.randn(9, 2, 32)
+    (_, k_expanded, v_expanded, *_), _ = VarlenBinding(enable_gqa=False).arguments(q, k, v, torch.tensor([0, 9]), 9, 1.0)
+    assert k_expanded.shape == v_expanded.shape == (9, 6, 32)
+    for head in range(6):  # query head n reads group n // (heads / groups), as SDPA's enable_gqa and megatron do
+        assert torch.equal(k_expanded[:, head], k[:, head // 3]) and torch.equal(v_expanded[:, head], v[:, head // 3])
+
+
+def test_the_binding_fits_the_installed_function():
+    """The real torch.nn.attention.varlen.varlen_attn of this torch: our arguments bind to it, and a call reaches
+    its kernel (on CPU torch has none: NotImplementedError from the flash op, never a TypeError on a keyword)."""
+    real = installed_varlen_attn()
+    if real is None:
+        pytest.fail(f"torch {torch.__version__} has no varlen_attn; the supported torch range has it")
+    binding, why = varlen_binding()
+    assert binding is not None, why
+    args, kwargs = _call_arguments(binding)
+    inspect.signature(real).bind(*args, **kwargs)
+    if torch.cuda.is_available():
+        args = [a.cuda().bfloat16() if isinstance(a, torch.Tensor) and a.is_floating_point() else
+                (a.cuda() if isinstance(a, torch.Tensor) else a) for a in args]
+        assert real(*args, **kwargs).shape == args[0].shape
+    else:
+        with pytest.raises(NotImplementedError, match="flash"):
+            real(*args, **kwargs)
+
+
+def test_the_start_up_line_says_when_heads_are_expanded():
+    kernels = Kernels(cuda=True, capability=(9, 0), torch_grouped_mm=True, varlen_attention=True, varlen_gqa=False)
+    kernel, why = choose_attention(kernels, use_te=False, dtype=torch.bfloat16, context_parallel=1)
+    assert kernel == "varlen" and "expanded" in why
+
+
+def test_detected_on_cpu_the_varlen_kernel_is_off_with_its_reason():
+    from megatron_rl.models.kernels import detect_kernels
+
+    kernels = detect_kernels()
+    if kernels.cuda:
+        pytest.skip("a GPU is present: this checks the CPU platform's choice")
+    assert not kernels.varlen_attention and "no CUDA" in kernels.varlen_why
