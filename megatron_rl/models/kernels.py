@@ -92,12 +92,31 @@ def detect_kernels(avail=None) -> Kernels:
         te=avail.transformer_engine,
         apex=avail.apex and _imports("fused_weight_gradient_mlp_cuda"),
         grouped_gemm_package=avail.grouped_gemm,
-        torch_grouped_mm=hasattr(torch, "_grouped_mm"),
+        torch_grouped_mm=_grouped_mm_here(avail.cuda),
         varlen_attention=varlen,
         varlen_gqa=varlen_gqa,
         varlen_why=varlen_why,
-        jit_compiler=avail.cuda and _imports("triton"),
+        jit_compiler=avail.cuda and _imports("triton") and _compile_runs_here(),
     )
+
+
+def _grouped_mm_here(cuda: bool) -> bool:
+    """torch._grouped_mm exists and, on the GPU, ran a tiny bf16 call there (parallel.grouped_gemm_torch's probe)."""
+    if not cuda:
+        return hasattr(torch, "_grouped_mm")
+    from megatron_rl.parallel.grouped_gemm_torch import torch_grouped_mm_runs
+
+    return torch_grouped_mm_runs(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
+
+
+@functools.cache
+def _compile_runs_here() -> bool:
+    """megatron's jit fusions are torch.compile'd (megatron.core.jit): one tiny compiled call on the GPU, once."""
+    try:
+        fused = torch.compile(lambda x: x * torch.sigmoid(x), dynamic=False)
+        return bool(torch.isfinite(fused(torch.ones(8, device="cuda", dtype=torch.bfloat16))).all())
+    except Exception:  # noqa: BLE001 - no working triton / C compiler: the fusions stay off
+        return False
 
 
 @functools.cache

@@ -30,6 +30,7 @@ torch's grouped matmul. The compatibility layer binds this module as megatron's
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -47,9 +48,28 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype, capability: tuple
 
 
 def torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """grouped_mm_supported for this torch and this device."""
+    """grouped_mm_supported for this torch and this device, confirmed once by a tiny call there (forward and backward)."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return grouped_mm_supported(device.type, dtype, capability, has_op=hasattr(torch, "_grouped_mm"))
+    if not grouped_mm_supported(device.type, dtype, capability, has_op=hasattr(torch, "_grouped_mm")):
+        return False
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
+    return _probe_grouped_mm(device.type, index, dtype) is None
+
+
+@functools.cache
+def _probe_grouped_mm(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
+    """None where torch._grouped_mm runs a tiny grouped GEMM (with its backward) on the device, else the error."""
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    try:
+        a = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        out = torch._grouped_mm(a, b.transpose(-2, -1), offs=torch.tensor([8, 32], dtype=torch.int32, device=device))
+        out.backward(torch.ones_like(out))  # a contiguous gradient, as _ContiguousGrad hands it
+        if not bool((out == 16).all()):
+            return "a probe call gave wrong values"
+    except Exception as err:  # noqa: BLE001 - any failure means: use the per-expert loop here
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return None
 
 
 def _aligned(*sizes: int, itemsize: int) -> bool:

@@ -27,6 +27,10 @@ from megatron_rl.rollout.agents.stats import EpisodeStats, episode_trace
 from megatron_rl.rollout.partial import SegmentOutput
 from megatron_rl.rollout.routing import CaptureIndex, RequestCapture, RoutedExpertsError
 
+from tests.extras import VLLM_EXTRA
+
+needs_vllm = pytest.mark.extra(VLLM_EXTRA, "vllm")  # vLLM's tool parsers / weight-transfer engines
+
 PROMPT = [5, 6, 7]
 TURN1, LP1 = [10, 11, 2], [-1.0, -0.5, -0.25]
 OBS = [20, 21]
@@ -152,6 +156,7 @@ def _call(name: str, args: str = "{}") -> str:
     return f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
 
 
+@needs_vllm
 def test_tool_results_and_failures_become_observations():
     agent, stats = _agent()
     agent.step(_turn("no call"))  # the first parse imports vLLM's parser: not part of what is timed
@@ -175,6 +180,7 @@ def test_tool_results_and_failures_become_observations():
     assert metrics["agent/tool_errors/boom"] == 1.0 and metrics["agent/tool_errors/ok"] == 0.0
 
 
+@needs_vllm
 def test_calls_of_one_turn_run_concurrently_and_async_tools_work():
     agent, _ = _agent()
     agent.step(_turn("no call"))
@@ -184,6 +190,7 @@ def test_calls_of_one_turn_run_concurrently_and_async_tools_work():
     assert time.perf_counter() - start < 0.8  # three 0.3 s naps side by side
 
 
+@needs_vllm
 def test_malformed_call_no_call_and_bad_arguments(caplog):
     agent, stats = _agent()
     malformed = agent.step(_turn('<tool_call>{"name": "ok", "argu'))
@@ -199,6 +206,7 @@ def test_malformed_call_no_call_and_bad_arguments(caplog):
     assert not [r for r in caplog.records if r.name.startswith("vllm.tool_parsers")]
 
 
+@needs_vllm
 def test_unknown_parser_and_agents_that_cannot_be_used():
     agent, _ = _agent("no_such_parser")
     with pytest.raises(AgentError, match="tool parser 'no_such_parser' is not one of vLLM's: set rollout.agent_tool_parser"):

