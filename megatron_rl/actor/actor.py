@@ -31,6 +31,7 @@ also works (each rank trains its rows; results are assembled over DP).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import NamedTuple
 
@@ -551,8 +552,50 @@ class Actor:
         return export_hf_weights(self.model, self.ctx, bucket_bytes=bucket_bytes, dst_rank=dst_rank)
 
     def close(self) -> None:
-        """Release hooks and megatron's global RouterReplay entries of this actor's models."""
+        """Release the actor's device memory and its hold on megatron's globals; the actor is unusable after.
+
+        1. routing hooks and this model's entries in megatron's global RouterReplay list;
+        2. every storage of the model, its gradient buffers, the optimizer's main parameters and moments,
+           and the reference model, freed in place (``resize_(0)``): megatron's DDP registers a
+           backward hook per parameter on autograd's gradient accumulators, which can outlive the
+           Python objects, so dropping references alone does not return the bytes;
+        3. the references themselves (DDP's accumulators, the config's bound DDP/optimizer functions).
+        """
         self.routing.close()
+        if getattr(self, "model", None) is None:
+            return
+        from megatron_rl.actor.offload import _distinct_storages, model_tensors, optimizer_tensors
+
+        chunks = list(self.model) + list(self.reference or [])
+        tensors = model_tensors(chunks) + (optimizer_tensors(self.optimizer) if self.optimizer is not None else [])
+        tensors += [b for chunk in chunks for b in torch.nn.Module.buffers(chunk)]  # (DDP shadows .buffers)
+        for tensor in _distinct_storages(tensors).values():
+            tensor.untyped_storage().resize_(0)
+        for chunk in chunks:
+            _drop_accumulator_hooks(getattr(chunk, "grad_accs", []))
+            config = getattr(chunk, "config", None)
+            for name in ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func", "grad_scale_func"):
+                if config is not None and hasattr(config, name):
+                    setattr(config, name, None)
+        self.model, self.reference, self.optimizer, self.scheduler = None, None, None, None
+        gc.collect()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _drop_accumulator_hooks(grad_accs: list) -> None:
+    """Clear the hooks megatron's DDP put on autograd's gradient accumulators, then drop the accumulators.
+
+    Each hook's closure holds its parameter and the DDP module, and autograd keeps an accumulator
+    alive from C++ after a backward, where Python's collector cannot see the cycle. torch keeps a
+    node's Python hooks in one dict, which a RemovableHandle of any hook on that node refers to.
+    """
+    for accumulator in grad_accs:
+        handle = accumulator.register_hook(lambda *_: None)
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None:
+            hooks.clear()
+    grad_accs.clear()
 
 
 def layout_metrics(items: list, lengths: torch.Tensor, device) -> dict[str, torch.Tensor]:

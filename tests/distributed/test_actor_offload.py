@@ -64,6 +64,23 @@ def _staged_round_trip(actor) -> dict:
             "moved": (moved_before_push, moved_after_push)}
 
 
+def _closed_actors_release(*actors) -> dict:
+    """Actor.close() after training: every parameter, DDP wrapper, optimizer and their storages unreachable."""
+    import gc
+    import weakref
+
+    params = [p for actor in actors for chunk in actor.model for p in chunk.parameters()]
+    storages = [p.untyped_storage() for p in params]
+    bytes_before = sum(s.nbytes() for s in storages)
+    refs = [weakref.ref(obj) for obj in params + [c for a in actors for c in a.model] + [a.optimizer for a in actors]]
+    for actor in actors:
+        actor.close()
+    bytes_after = sum(s.nbytes() for s in storages)
+    del params, storages, actors
+    gc.collect()
+    return {"bytes": (bytes_before, bytes_after), "alive": sum(r() is not None for r in refs), "objects": len(refs)}
+
+
 def _offload_round_trips(rank: int, world_size: int, model_dir: str) -> dict:
     from megatron_rl.actor import Actor
     from megatron_rl.actor.offload import ActorOffload, model_tensors
@@ -96,7 +113,8 @@ def _offload_round_trips(rank: int, world_size: int, model_dir: str) -> dict:
                 after = _snapshot(offloaded)
                 out["exact"].append(all(torch.equal(a, b) for a, b in zip(before, after)) and len(before) == len(after))
             out["staged"].append(_staged_round_trip(offloaded))
-        offloaded.close(), plain.close()
+        del offload  # the test's own last reference to a model (ActorOffload keeps the chunks)
+        out["released"] = _closed_actors_release(offloaded, plain)
     finally:
         destroy_parallel(ctx, keep_world=True)
     return out
@@ -108,6 +126,9 @@ def test_offload_round_trip_is_bit_exact_and_training_unchanged(tmp_path):
     model_dir = str(make_tiny_model_dir(tmp_path / "moe", "qwen3_moe", seed=1, with_tokenizer=False))
     for rank, result in enumerate(run_distributed(_offload_round_trips, 2, model_dir, timeout=180)):
         assert result["exact"] == [True] * 4, (rank, result)
+        released = result["released"]  # after training: DDP's accumulator hooks once kept all of it alive
+        assert released["bytes"][0] > 0 and released["bytes"][1] == 0 and released["alive"] == 0, released
+        assert released["objects"] > 50, released
         assert result["metrics_equal"] == [True, True], (rank, result)
         moved, model_bytes, optim_bytes = result["freed"]["optimizer"]
         # fp32: Adam's two moments of this rank's shard moved; the main parameters are the model's and stay
