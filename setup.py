@@ -10,7 +10,8 @@ build.
 from setuptools import find_packages, setup
 
 CORE = [
-    "torch>=2.4",
+    # the oldest torch the code runs on (parallel.availability.TORCH_FLOOR; start-up refuses an older one)
+    "torch>=2.11",
     "megatron-core>=0.16.1",
     "transformers>=4.51",
     "safetensors>=0.4",

@@ -63,6 +63,26 @@ CONDITIONS: dict[str, Callable[[Availability], bool]] = {
 }
 
 
+TORCH_FLOOR = (2, 11)
+"""The oldest torch the project runs on (setup.py's floor): 2.11's varlen_attn is the oldest with a causal window
+and a scale (models.varlen), and the GPU clusters it was measured on run 2.11."""
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as '2.11.0+cu130' or '2.13.0a0'."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def require_supported_torch(version: str | None = None) -> None:
+    """RuntimeError in one line when the installed torch is older than TORCH_FLOOR."""
+    version = torch.__version__ if version is None else version
+    if torch_release(version) < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise RuntimeError(f"torch {version} is older than megatron_rl supports (torch>={floor}): "
+                           f"install torch>={floor} (pip install 'torch>={floor}')")
+
+
 def condition_holds(condition: str, avail: Availability) -> bool:
     """Whether one named condition (see the module docstring) holds on `avail`."""
     try:

@@ -229,6 +229,9 @@ def init_parallel(
     others fail. Call :func:`destroy_parallel` to tear down (or to re-initialise
     with another layout in the same processes).
     """
+    from megatron_rl.parallel.availability import require_supported_torch
+
+    require_supported_torch()
     cfg.validate()
     world_size, rank, local_rank, launched = _launch_env()
     if dist.is_initialized():

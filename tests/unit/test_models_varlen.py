@@ -82,3 +82,20 @@ def test_detected_on_cpu_the_varlen_kernel_is_off_with_its_reason():
     if kernels.cuda:
         pytest.skip("a GPU is present: this checks the CPU platform's choice")
     assert not kernels.varlen_attention and "no CUDA" in kernels.varlen_why
+
+
+def test_the_torch_floor_is_setup_pys_and_older_torches_are_refused_in_one_line():
+    import re
+    from pathlib import Path
+
+    from megatron_rl.parallel.availability import TORCH_FLOOR, require_supported_torch, torch_release
+
+    setup = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    assert re.search(r'"torch>=(\d+)\.(\d+)"', setup).groups() == tuple(str(n) for n in TORCH_FLOOR) == ("2", "11")
+    assert torch_release("2.11.0+cu130") == (2, 11) and torch_release("2.13.0a0+git") == (2, 13)
+    require_supported_torch("2.11.0+cu130")
+    require_supported_torch(torch.__version__)  # the installed one
+    with pytest.raises(RuntimeError, match=r"^torch 2\.10\.1 is older than megatron_rl supports \(torch>=2\.11\): "
+                                           r"install torch>=2\.11") as err:
+        require_supported_torch("2.10.1")
+    assert "\n" not in str(err.value)
