@@ -216,12 +216,22 @@ def run_tests(suite: Suite, timeout_s: int, paths: tuple[str, ...] = ("tests/uni
         text, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as err:
         text, rc = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), "timeout"
-    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", text.splitlines()[-1] if text else "")}
+    summary = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed)", line) and " in " in line]
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary[-1] if summary else "")}
     failures = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
     out = {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": round(time.perf_counter() - start, 1),
-           "counts": counts, "failures": failures[:50]}
+           "counts": counts, "failures": failures[:50],
+           "failure_details": _failure_details(text) if failures else ""}
     suite.check("tests", rc == 0, f"{counts} in {out['seconds']} s")
     return out
+
+
+def _failure_details(text: str, limit: int = 6000) -> str:
+    """pytest's FAILURES section (the assertion lines and the errors), cut to `limit` characters."""
+    start = text.find("= FAILURES =")
+    section = text[start:] if start >= 0 else text
+    lines = [line for line in section.splitlines() if line.startswith(("E ", ">", "_", "FAILED", "ERROR")) or "Error" in line]
+    return "\n".join(lines)[:limit]
 
 
 def family_logprobs(suite: Suite, ctx, family: str, overrides: dict, tmp: Path) -> dict:
@@ -292,6 +302,8 @@ def actor_speed(ctx, hf: dict, rows: int, length: int, budget: int, repeats: int
     from megatron_rl.config import ModelConfig
 
     dtype = "bfloat16" if ctx.device.type == "cuda" else "float32"
+    cuda = ctx.device.type == "cuda"
+    allocated_before = torch.cuda.memory_allocated(ctx.device) if cuda else 0
     actor = _actor(ctx, ModelConfig(dtype=dtype, load_weights=False, **(model or {})), packed=packed, budget=budget, hf_config=hf)
     batch = actor.distribute(make_batch(rows, length, hf["vocab_size"], seed=2, prompt=length // 8, full=True))
     breakdown = None
@@ -303,11 +315,13 @@ def actor_speed(ctx, hf: dict, rows: int, length: int, budget: int, repeats: int
         if phases:
             breakdown = profile_train_step(actor, step_batch)
     finally:
-        actor.close()
-        actor.__dict__.clear()  # drop the model, its grad buffers and the optimizer now: transformers' model comes next
+        actor.close()  # the device memory comes back (Actor.close): transformers' model and the ablations come next
     tokens = rows * length
     out = {"dtype": dtype, "train_step_s": step_s, "train_tokens_per_s": tokens / step_s, "forward_s": fwd_s,
            "forward_tokens_per_s": tokens / fwd_s, "peak_memory_bytes": peak}
+    if cuda:  # bytes still allocated after close(), against those before the build (Actor.close frees the device)
+        out["allocated_before_bytes"] = allocated_before
+        out["allocated_after_close_bytes"] = torch.cuda.memory_allocated(ctx.device)
     if breakdown is not None:
         out["phases"] = breakdown
     return out

@@ -150,13 +150,29 @@ def phase_breakdown(averages, events, *, wall_s: float, cuda: bool) -> dict:
         busy = min(wall_s, sum(total(evt) for evt in events if evt.cpu_parent is None))  # top-level ops, ranges included
     named = sum(phases.values())
     phases["other"] = max(0.0, busy - named)
+    kernels = top_kernels(events) if cuda else []
     return {
         "wall_s": wall_s,
         "device_busy_s": busy if cuda else None,
         "host_overhead_s": max(0.0, wall_s - busy) if cuda else None,
         "phases_s": {name: phases[name] for name in PHASES},
         "phases_fraction": {name: phases[name] / max(busy, named, 1e-12) for name in PHASES},
+        "top_kernels": kernels,
     }
 
 
-__all__ = ["PHASES", "phase_breakdown", "profile_train_step"]
+def top_kernels(events, count: int = 20) -> list[dict]:
+    """The device kernels that took the most time in the step: name (cut to 100 characters), seconds, launches."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list] = {}
+    for evt in events:
+        if evt.device_type == DeviceType.CUDA:
+            entry = totals.setdefault(evt.name[:100], [0.0, 0])
+            entry[0] += evt.time_range.elapsed_us() / 1e6
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:count]
+    return [{"kernel": name, "seconds": seconds, "launches": launches} for name, (seconds, launches) in ranked]
+
+
+__all__ = ["PHASES", "phase_breakdown", "profile_train_step", "top_kernels"]
