@@ -58,3 +58,21 @@ def test_every_page_is_in_the_navigation_and_the_named_sections_exist():
     for page, heading in [("getting-started.md", "supported-platforms"), ("cluster.md", "failures-pre-emption-and-time-limits"),
                           ("weight-sync.md", "authentication"), ("performance/index.md", "gpu")]:
         assert heading in anchors(DOCS / page), f"{page} lost its section {heading}"
+
+
+def test_results_section_written_out_by_hand(tmp_path):
+    """tools/perf_tables.py on a results file made up here: its device and date, scalars, a record table."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("perf_tables", REPO / "tools" / "perf_tables.py")
+    perf_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf_tables)
+    path = tmp_path / "toy.json"
+    path.write_text('{"device": "cpu", "date": "2026-01-02", "model": {"layers": 2}, "ratio": 0.123456,'
+                    ' "runs": {"a": {"s": 1, "x": {"y": 2}}, "b": {"s": 3}}, "console": "l1\\nl2"}')
+    assert perf_tables.file_section(path) == [
+        "## toy", "", "`bench/results/toy.json`: device cpu; recorded 2026-01-02.", "",
+        "| key | value |", "| --- | --- |", "| model.layers | 2 |", "| ratio | 0.1235 |", "",
+        "**console**", "", "```", "l1\nl2", "```", "",
+        "**runs**", "", "| | s | x.y |", "| --- | --- | --- |", "| a | 1 | 2 |", "| b | 3 |  |", "",
+    ]
