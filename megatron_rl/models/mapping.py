@@ -25,13 +25,15 @@ Layouts (the transforms a mapping applies; HF Linear weights are [out, in]):
 
 The mapping kinds are in models/layer_maps.py, the per-layer tables in each
 family (models/families/); this module names parameters and asks a model's
-family for the mapping of each. Each mapping knows its TP split dim; `check_split_dim` compares it with the
-attributes megatron sets on the parameter, so a wrong table entry fails loudly.
+family for the mapping of each. Each mapping knows its TP split dim;
+`check_split_dim` compares it with the attributes megatron sets on the
+parameter, so a wrong table entry fails loudly.
 """
 
 from __future__ import annotations
 
 import re
+
 import torch
 
 from megatron_rl.models.arch import HFArch, UnsupportedModelError
