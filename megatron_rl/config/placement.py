@@ -21,7 +21,7 @@ engines (weight_sync.vllm_transfer): vllm_nccl_m2n for remote servers (every
 trainer rank sends its own slice over NCCL; needs NCCL and the nccl.m2n
 runtime), vllm_ipc for engines on the trainer's GPUs (an engine process or
 colocated servers). `choose_transport` makes that choice from the platform
-facts (TransportFacts, detected by parallel.availability) and says why.
+facts (config.transport.TransportFacts, detected there) and says why.
 
 multiprocessing unset = on when the trainer has several ranks (an engine in
 the trainer's process would start its process groups on the trainer's
@@ -36,45 +36,21 @@ protocol (rollout.push).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from megatron_rl.config.core import ConfigError, replace
 from megatron_rl.config.schema import ClusterConfig, RolloutConfig
+from megatron_rl.config.transport import (
+    VLLM_ENGINE_OF,
+    Transport,
+    TransportFacts,
+    check_transport_reaches_engine,
+    server_transport,
+    transport_facts,
+)
 
 PlacementKind = Literal["in_process", "engine_process", "colocated_servers", "remote_servers"]
-Transport = Literal["rpc", "broadcast", "ipc", "vllm_nccl_m2n", "vllm_ipc"]
-VLLM_ENGINE_OF = {"vllm_nccl_m2n": "nccl_m2n", "vllm_ipc": "ipc"}
-"""Each vllm_* transport and the vLLM weight-transfer engine (its registry key) it drives."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransportFacts:
-    """What the platform offers the weight push (parallel.availability.transport_facts detects it)."""
-
-    cuda: bool
-    """torch sees a CUDA device."""
-    nccl: bool = False
-    """torch.distributed has NCCL."""
-    vllm_engines: frozenset[str] = field(default_factory=frozenset)
-    """vLLM's registered trainer-side weight-transfer engines (WeightTransferTrainerFactory), empty without vLLM."""
-    m2n_runtime: bool = False
-    """nccl.m2n (NVIDIA nccl-extensions) imports: vLLM's nccl_m2n engine needs it."""
-
-    def missing_for(self, transport: str) -> list[str]:
-        """What this platform lacks for a vllm_* transport (empty: it can run)."""
-        engine = VLLM_ENGINE_OF[transport]
-        missing = [] if self.cuda else ["no CUDA device"]
-        if engine not in self.vllm_engines:
-            missing.append(f"vLLM has no '{engine}' trainer engine registered (a vLLM build with "
-                           "vllm.distributed.weight_transfer is needed)")
-        if engine == "nccl_m2n" and not self.nccl:
-            missing.append("torch.distributed has no NCCL (gloo only)")
-        if engine == "nccl_m2n" and not self.m2n_runtime:
-            missing.append("nccl.m2n does not import (pip install NVIDIA nccl-extensions)")
-        return missing
-
-
 @dataclass(frozen=True)
 class TransportChoice:
     """The transport a placement uses and why (the start-up line)."""
@@ -106,7 +82,7 @@ class Placement:
 def resolve_placement(rollout: RolloutConfig, *, world_size: int = 1, cluster: ClusterConfig | None = None,
                       facts: TransportFacts | None = None) -> Placement:
     """The placement `rollout` asks for on `world_size` trainer ranks; ConfigError names a setting that does not fit.
-    facts: the platform (None: this process's, parallel.availability.transport_facts)."""
+    facts: the platform (None: this process's, config.transport.transport_facts)."""
     facts = facts if facts is not None else _platform_facts()
     if rollout.engine == "vllm_server":
         if not rollout.server_urls:
@@ -145,7 +121,7 @@ def choose_transport(rollout: RolloutConfig, kind: PlacementKind, facts: Transpo
         _check_vllm_transport(asked, kind, facts)
         return TransportChoice(asked, f"rollout.weight_transport={asked} (vLLM's {VLLM_ENGINE_OF[asked]} engine)")
     if kind == "remote_servers":
-        transport = server_transport(rollout)
+        transport = server_transport(rollout.weight_transport)
         if asked != "auto":
             return TransportChoice(transport, f"rollout.weight_transport={asked}")
         missing = facts.missing_for("vllm_nccl_m2n")
@@ -188,46 +164,8 @@ def _check_vllm_transport(transport: str, kind: PlacementKind, facts: TransportF
         )
 
 
-def check_rollout_section(rollout: RolloutConfig) -> None:
-    """The placement rules the rollout section decides by itself (RolloutConfig.validate runs them at load time;
-    the rest needs the trainer's world size and cluster: resolve_placement)."""
-    if rollout.engine == "vllm" and rollout.multiprocessing is not None:
-        check_transport_reaches_engine(rollout.weight_transport, bool(rollout.multiprocessing))
-    if rollout.engine == "vllm_server":
-        server_transport(rollout)  # refuses ipc: memory handles reach engines on the trainer's own devices only
-
-
-def check_transport_reaches_engine(transport: str, multiprocessing: bool) -> None:
-    """A broadcast or memory handles need the engine in a process of its own: in the trainer's it gets tensors by
-    reference."""
-    if transport in ("broadcast", "ipc", "vllm_ipc") and not multiprocessing:
-        raise ConfigError(
-            f"rollout.weight_transport={transport} needs the engine in another process, but rollout.multiprocessing="
-            "false keeps it in the trainer's (where it gets tensors by reference): set rollout.multiprocessing=true "
-            "or rollout.weight_transport=rpc"
-        )
-
-
-def server_transport(rollout: RolloutConfig) -> Literal["rpc", "broadcast"]:
-    """Remote servers take weights by broadcast unless rollout.weight_transport=rpc (our own transports: vLLM's are
-    choose_transport's)."""
-    if rollout.weight_transport in ("ipc", "vllm_ipc"):
-        raise ConfigError(
-            f"rollout.weight_transport={rollout.weight_transport} hands memory handles to engines on the trainer's own "
-            "devices (rollout.engine"
-            "=vllm: an engine process, or colocated servers); remote servers take weights by broadcast or rpc: set "
-            "rollout.weight_transport=auto"
-        )
-    return "rpc" if rollout.weight_transport == "rpc" else "broadcast"
-
-
 def _platform_facts() -> TransportFacts:
-    """This process's TransportFacts (torch and vLLM imported only here, through parallel.availability: the rules
-    above need neither)."""
-    try:
-        from megatron_rl.parallel.availability import transport_facts
-    except ImportError:  # no torch
-        return TransportFacts(cuda=False)
+    """This process's TransportFacts (config.transport.transport_facts; tests replace this to fake a platform)."""
     return transport_facts()
 
 

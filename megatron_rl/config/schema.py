@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.core import ConfigError
+from megatron_rl.config.transport import check_rollout_transport
 
 
 @dataclass(kw_only=True)
@@ -429,9 +430,7 @@ class RolloutConfig:
                 f"{self.agent_tool_timeout_s}, agent_workers={self.agent_workers}: turns and workers must be >= 1, the budget >= 0 "
                 "(0 = the engine's context), the timeout > 0"
             )
-        from megatron_rl.config.placement import check_rollout_section  # every placement rule lives there
-
-        check_rollout_section(self)
+        check_rollout_transport(self.engine, self.weight_transport, self.multiprocessing)
 
 
 @dataclass(kw_only=True)

@@ -10,7 +10,7 @@
    answer fields), prompts longer than rollout.max_prompt_tokens are an error
    (a dropped prompt would change the score), every row must be scorable by
    the set's reward (megatron_rl.evaluation.answers), k and pass@k checked.
-2. Generation (`generate_samples`, the one engine call of single-turn
+2. Generation (`samples.generate_samples`, the one engine call of single-turn
    evaluation): one engine call per set, all prompts at once, k samples each, with the
    set's sampling settings and a seed fixed by (train.seed, set name): the same
    at every step and in `megatron-rl eval`, and apart from the training seeds, so
@@ -98,11 +98,6 @@ def load_eval_set(name: str, config: EvalSetConfig, cfg, tokenizer: Tokenizer) -
     )
     spec.validate()
     return EvalSet(name=name, config=config, prompts=dataset.prompts, sources=sources, reward=reward, reward_fn=reward_fn, rule=rule, spec=spec)
-
-
-def generate_samples(engine, eval_set: EvalSet):
-    """The k samples of every prompt of a set (Rollouts, prompt-major). Evaluation's one generation call site."""
-    return engine.generate([p.token_ids for p in eval_set.prompts], eval_set.spec)
 
 
 def score_set(eval_set: EvalSet, samples: SetSamples) -> list[PromptResult]:
@@ -266,4 +261,4 @@ class Evaluator:
         return report
 
 
-__all__ = ["EvalReport", "EvalSet", "EvalSetError", "Evaluator", "SetReport", "generate_samples", "load_eval_set", "score_set"]
+__all__ = ["EvalReport", "EvalSet", "EvalSetError", "Evaluator", "SetReport", "load_eval_set", "score_set"]

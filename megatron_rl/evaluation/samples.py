@@ -49,10 +49,14 @@ class SetSamples:
     """Episodes: agent/turns_mean, agent/tool_calls/<tool>, agent/cut_<reason>, ... of the set's episodes."""
 
 
-def single_turn_samples(engine: Any, eval_set: Any, tokenizer: Tokenizer) -> SetSamples:
-    """One engine call (runner.generate_samples): k completions of every prompt."""
-    from megatron_rl.evaluation.runner import generate_samples
+def generate_samples(engine: Any, eval_set: Any):
+    """The k samples of every prompt of a set (runner.EvalSet: Rollouts, prompt-major). Evaluation's one generation
+    call site."""
+    return engine.generate([p.token_ids for p in eval_set.prompts], eval_set.spec)
 
+
+def single_turn_samples(engine: Any, eval_set: Any, tokenizer: Tokenizer) -> SetSamples:
+    """One engine call (generate_samples): k completions of every prompt."""
     rollouts = generate_samples(engine, eval_set)
     responses = [tokenizer.decode(s.response_token_ids.tolist()) for s in rollouts]
     return SetSamples(

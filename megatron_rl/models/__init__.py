@@ -17,10 +17,10 @@ Names are imported on first use: the config parser (hf_config) needs no torch, s
 from importlib import import_module
 
 _EXPORTS = {
-    "ModelInfo": "build",
+    "ModelInfo": "info",
     "build_model": "build",
     "hf_to_transformer_config": "build",
-    "model_info": "build",
+    "model_info": "info",
     "resolve_dtype": "build",
     "use_transformer_engine": "build",
     "export_hf_state_dict": "export",

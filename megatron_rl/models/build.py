@@ -28,6 +28,7 @@ import torch
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import ModelConfig, ParallelConfig
 from megatron_rl.models.hf_config import HFArch, load_hf_config, padded_vocab_size, parse_hf_config
+from megatron_rl.models.info import ModelInfo, model_info  # noqa: F401  (model_info: named here for callers)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -198,20 +199,6 @@ def hf_to_transformer_config(
     return config_class(**fields)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelInfo:
-    """What export and loading need to know about a built model, attached to each chunk as `.hf_info`."""
-
-    arch: HFArch
-    """The validated HF description."""
-    hf_config: dict
-    """config.json as read."""
-    padded_vocab_size: int
-    """Rows of megatron's embedding/output layer (vocab padded to a multiple of 128 x TP)."""
-    use_te: bool
-    """Built with the Transformer Engine spec."""
-
-
 def build_model(
     model_cfg: ModelConfig,
     ctx,
@@ -321,15 +308,3 @@ def _wrap_ddp(chunks: list, config, ddp_config) -> list:
     config.no_sync_func = wrapped[0].no_sync if len(wrapped) == 1 else [m.no_sync for m in wrapped]
     config.finalize_model_grads_func = finalize_model_grads
     return wrapped
-
-
-def model_info(chunks: list) -> ModelInfo:
-    """The ModelInfo build_model attached to a model (through DDP wrappers)."""
-    for chunk in chunks:
-        module = chunk
-        while module is not None:
-            info = getattr(module, "hf_info", None)
-            if info is not None:
-                return info
-            module = getattr(module, "module", None)
-    raise ValueError("model chunks carry no hf_info: build them with megatron_rl.models.build_model")

@@ -34,7 +34,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.build import model_info
+from megatron_rl.models.info import model_info
 from megatron_rl.models.mapping import GlobalNamer, named_weights, VocabPadded, is_expert_param, mapping_for, unwrap_model
 
 

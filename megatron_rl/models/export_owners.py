@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.build import model_info
+from megatron_rl.models.info import model_info
 from megatron_rl.models.export import _buckets, _order_key, _replica_shards, shards_nbytes
 from megatron_rl.models.mapping import mapping_for
 

@@ -21,6 +21,7 @@ import torch
 
 from megatron_rl.models.hf_config import UnsupportedModelError, load_hf_config, parse_hf_config, refuse_quantized
 from megatron_rl.models.families import get_family
+from megatron_rl.models.info import model_info
 from megatron_rl.models.mapping import GlobalNamer, named_weights, Shard, check_split_dim, expected_hf_names, is_expert_param, mapping_for, unwrap_model
 
 # Buffers transformers sometimes saves that megatron recomputes.
@@ -127,8 +128,6 @@ def _shard(ctx, global_name: str, tp_dim: int | None) -> Shard:
 @torch.no_grad()
 def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike, ctx) -> None:
     """Copy the HF checkpoint in `hf_dir` into this rank's parameters (every parameter is written)."""
-    from megatron_rl.models.build import model_info
-
     hf_config = load_hf_config(hf_dir)
     refuse_quantized(hf_config, f"{hf_dir}/config.json")
     arch = parse_hf_config(hf_config, source=f"{hf_dir}/config.json")

@@ -25,12 +25,11 @@ Conditions (a PatchSite is applied when all of its conditions hold):
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import importlib.util
 from typing import Callable
 
 import torch
+
+from megatron_rl.config.transport import package_imports
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,50 +95,12 @@ def all_hold(conditions: tuple[str, ...], avail: Availability) -> bool:
     return all(condition_holds(c, avail) for c in conditions)
 
 
-def _imports(module: str) -> bool:
-    top = module.split(".")[0]
-    if importlib.util.find_spec(top) is None:
-        return False
-    try:
-        importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - missing, or built against another torch/CUDA: unusable either way
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def _package_imports(module: str) -> bool:
-    return _imports(module)
-
-
 def detect() -> Availability:
     """This process's Availability (package import results are cached; CUDA is asked each time)."""
     cuda = torch.cuda.is_available()
     return Availability(
         cuda=cuda,
-        transformer_engine=cuda and _package_imports("transformer_engine.pytorch"),
-        apex=cuda and _package_imports("apex.optimizers"),
-        grouped_gemm=cuda and _package_imports("grouped_gemm"),
+        transformer_engine=cuda and package_imports("transformer_engine.pytorch"),
+        apex=cuda and package_imports("apex.optimizers"),
+        grouped_gemm=cuda and package_imports("grouped_gemm"),
     )
-
-
-def transport_facts():
-    """What the weight push can use here (config.placement.TransportFacts): CUDA, NCCL, vLLM's registered trainer-side
-    weight-transfer engines and the nccl.m2n runtime. Imports vLLM's factory (not its engines) when vLLM is there."""
-    from megatron_rl.config.placement import TransportFacts
-
-    cuda = torch.cuda.is_available()
-    return TransportFacts(cuda=cuda, nccl=cuda and torch.distributed.is_nccl_available(),
-                          vllm_engines=_vllm_trainer_engines(), m2n_runtime=cuda and _package_imports("nccl.m2n"))
-
-
-@functools.lru_cache(maxsize=None)
-def _vllm_trainer_engines() -> frozenset[str]:
-    """The names vLLM's WeightTransferTrainerFactory registers (empty without vLLM, or a vLLM without the API)."""
-    if importlib.util.find_spec("vllm") is None:
-        return frozenset()
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    except Exception:  # noqa: BLE001 - an older vLLM, or one built for another torch: no engines to use
-        return frozenset()
-    return frozenset(WeightTransferTrainerFactory._registry)

@@ -53,7 +53,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from megatron_rl.config.placement import VLLM_ENGINE_OF, server_transport
+from megatron_rl.config.transport import VLLM_ENGINE_OF, server_transport
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.client_limits import HEALTH_FAILURES_TO_DEAD, health_interval_s, prompts_in_flight, start_timeout_s
@@ -261,7 +261,7 @@ class VLLMServerEngine(WeightSyncedEngine):
         if self.config.weight_transport in VLLM_ENGINE_OF:  # vLLM's own engines (weight_sync.vllm_transfer)
             self.weight_transport = self.config.weight_transport
         else:
-            self.weight_transport = "ipc" if colocated_ipc else server_transport(self.config)
+            self.weight_transport = "ipc" if colocated_ipc else server_transport(self.config.weight_transport)
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
         self._route_capture = False  # between start_route_capture and collect_route_capture
         self._wait_for_servers()

@@ -15,7 +15,7 @@ import torch
 
 def _vllm_cuda_reason() -> str | None:
     """Why vLLM's ipc engine cannot run here (None: it can)."""
-    from megatron_rl.parallel.availability import transport_facts
+    from megatron_rl.config.transport import transport_facts
 
     missing = transport_facts().missing_for("vllm_ipc")
     if missing:

@@ -194,10 +194,11 @@ SCRIPT_SUFFIXES = {"", ".sh", ".sbatch", ".py"}  # not the YAML presets a tree l
 
 
 def _scripts_run_directly() -> set[str]:
-    """Repository files that a command line in a README's code block runs by path (`launch/torchrun.sh ...`,
-    `sbatch ... launch/slurm.sbatch ...`): they must be executable for the command to work as written."""
+    """Repository files that a command line in a README's or a documentation page's code block runs by path
+    (`launch/torchrun.sh ...`, `sbatch ... launch/slurm.sbatch ...`): they must be executable for the command to
+    work as written."""
     found = set()
-    for readme in (REPO / "README.md", *REPO.glob("*/README.md")):
+    for readme in (REPO / "README.md", *REPO.glob("*/README.md"), *REPO.glob("docs/**/*.md")):
         in_block = False
         for line in readme.read_text().splitlines():
             if line.lstrip().startswith("```"):

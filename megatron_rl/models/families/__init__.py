@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 
 from megatron_rl.models.families.base import Family
-from megatron_rl.models.hf_config import fail
+from megatron_rl.models.arch import fail
 
 _MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from megatron_rl.models.hf_config import HFArch, fail, parse_rope, read_int
+from megatron_rl.models.arch import HFArch, fail, parse_rope, read_int
 
 DENSE_DEFAULTS: dict[str, Any] = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False}
 
@@ -239,7 +239,7 @@ class Family:
 
     def attention_mapping(self, arch: HFArch, hf: str, rest: str):
         """Mapping of one attention parameter (`rest` after decoder.layers.<i>.), or None."""
-        from megatron_rl.models.mapping import QKV, Direct
+        from megatron_rl.models.layer_maps import QKV, Direct
 
         attn = f"{hf}.self_attn"
         simple = {
@@ -257,7 +257,7 @@ class Family:
 
     def layer_mapping(self, arch: HFArch, layer: int, rest: str):
         """Mapping of one parameter of layer `layer` (`rest` after decoder.layers.<i>.), or None."""
-        from megatron_rl.models.mapping import Direct, GatedFC1, expert_mapping, grouped_mapping_for
+        from megatron_rl.models.layer_maps import Direct, GatedFC1, expert_mapping, grouped_mapping_for
 
         hf = f"model.layers.{layer}"
         moe = f"{hf}.{self.moe_block}"

@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron_rl.models.families.base import DENSE_DEFAULTS
 from megatron_rl.models.families.sigmoid_moe import SigmoidRouterMoE
-from megatron_rl.models.hf_config import HFArch, fail, read_int
+from megatron_rl.models.arch import HFArch, fail, read_int
 
 
 class DeepseekV3(SigmoidRouterMoE):
@@ -144,7 +144,7 @@ class DeepseekV3(SigmoidRouterMoE):
         return q + kv + [f"{a}.linear_proj.weight"]
 
     def attention_mapping(self, arch: HFArch, hf: str, rest: str):
-        from megatron_rl.models.mapping import Direct, RopeRows
+        from megatron_rl.models.layer_maps import Direct, RopeRows
 
         attn = f"{hf}.self_attn"
         rope, nope = arch.qk_rope_head_dim, arch.qk_nope_head_dim

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from megatron_rl.models.families.base import DENSE_DEFAULTS
 from megatron_rl.models.families.sigmoid_moe import SigmoidRouterMoE
-from megatron_rl.models.hf_config import HFArch
+from megatron_rl.models.arch import HFArch
 
 
 class Glm4Moe(SigmoidRouterMoE):

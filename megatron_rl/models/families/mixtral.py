@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_rl.models.families.base import DENSE_DEFAULTS, Family
-from megatron_rl.models.hf_config import fail, read_int
+from megatron_rl.models.arch import fail, read_int
 
 
 class Mixtral(Family):

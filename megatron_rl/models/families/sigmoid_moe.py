@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl.models.families.base import Family
-from megatron_rl.models.hf_config import HFArch, fail, read_int
+from megatron_rl.models.arch import HFArch, fail, read_int
 
 
 class SigmoidRouterMoE(Family):
