@@ -25,7 +25,9 @@ and attributed to a phase:
   final norm, schedule, metrics);
 * backward: the phase of the forward region that created the autograd node being
   run (`torch._C._current_autograd_node()` and its sequence number, recorded at
-  every region boundary), so backward ops land where their forward ran.
+  every region boundary), so backward ops land where their forward ran. Every
+  region megatron-core can recompute in backward (core attention, MoE layer,
+  transformer layer) is a labelled module, so a recomputation marks its nodes too.
 
 Per layer = (attention + router + permutation + experts + layer_other) /
 (layers x microbatches); logprobs and loss per microbatch; optimizer and batch per
@@ -61,8 +63,13 @@ MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 LENGTHS = (40, 23, 57, 31, 64, 18, 45, 27)
 PROMPT = 8
 TOKENS_PER_MICROBATCH = 128
+VARIANTS = {"recompute=moe": {"recompute": "moe"}, "recompute=full": {"recompute": "full"},
+            "token_dispatcher=allgather": {"token_dispatcher": "allgather"}}
+"""Settings measured beside the default (--variants): per-layer kernels of each."""
 LAYER_PHASES = ("attention", "router", "permutation", "experts", "layer_other")
 PHASES = (*LAYER_PHASES, "logprobs", "loss", "optimizer", "batch", "other")
+NOT_KERNELS = {"scalar_tensor", "promote_types", "result_type", "empty", "empty_like", "empty_strided", "lift_fresh"}
+"""Ops that launch no device work: a wrapped host scalar, dtype arithmetic, uninitialised allocations."""
 VIEW_OPS = {"detach", "alias", "lift_fresh", "_unsafe_view", "view", "reshape", "expand", "t", "transpose",
             "permute", "unsqueeze", "squeeze", "select", "slice", "split", "split_with_sizes", "unbind",
             "as_strided", "chunk", "narrow", "view_as", "_reshape_alias", "unfold", "diagonal", "movedim",
@@ -71,7 +78,7 @@ VIEW_OPS = {"detach", "alias", "lift_fresh", "_unsafe_view", "view", "reshape", 
 
 def _module_phase(name: str, module: torch.nn.Module) -> str | None:
     kind = type(module).__name__
-    if kind in ("SelfAttention",):
+    if kind in ("SelfAttention", "LocalCoreAttention", "DotProductAttention", "TEDotProductAttention"):
         return "attention"
     if kind in ("TopKRouter",):
         return "router"
@@ -137,8 +144,8 @@ class OpCounter(TorchDispatchMode):
         if self.stack:  # forward (or a recomputation in backward)
             return self.stack[-1]
         node = torch._C._current_autograd_node()
-        if node is None or not self.boundaries:
-            return "other"
+        if node is None or not self.boundaries or node.name().endswith("AccumulateGrad"):
+            return "other"  # a parameter's gradient accumulation (DDP's main_grad hooks) is no layer phase
         index = bisect.bisect_right(self.boundaries, node._sequence_nr()) - 1
         return self.boundary_phase[index] if index >= 0 else "other"
 
@@ -148,11 +155,11 @@ class OpCounter(TorchDispatchMode):
         if not self.paused:
             phase = self._phase_now()
             name = func._schema.name.removeprefix("aten::")
-            view = name in VIEW_OPS or func.is_view
+            launches = not (name in VIEW_OPS or name in NOT_KERNELS or func.is_view)
             self.counts[phase]["ops"] += 1
-            self.counts[phase]["kernels"] += 0 if view else 1
+            self.counts[phase]["kernels"] += launches
             self.counts[phase]["host_syncs"] += name == "_local_scalar_dense"
-            if not view:
+            if launches:
                 self.names[phase][name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -227,15 +234,16 @@ def _per_layer(counts: dict, layers: int, microbatches: int) -> dict:
     return out
 
 
-def measure(model_dir: str, *, recompute: str | None = None) -> dict:
-    """Op counts of one old-policy forward and one train step of a tiny actor (this process, world 1)."""
+def measure(model_dir: str, **model_settings) -> dict:
+    """Op counts of one old-policy forward and one train step of a tiny actor (this process, world 1);
+    model_settings: ModelConfig fields (e.g. recompute="moe")."""
     from megatron_rl.actor import Actor
     from megatron_rl.config import AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
     from megatron_rl.models import load_hf_config, model_shape
     from megatron_rl.parallel import destroy_parallel, init_parallel
 
     ctx = init_parallel(ParallelConfig(), shape=model_shape(load_hf_config(model_dir)))
-    model_cfg = ModelConfig(path=model_dir) if recompute is None else ModelConfig(path=model_dir, recompute=recompute)
+    model_cfg = ModelConfig(path=model_dir, **model_settings)
     actor = Actor(ctx, model=model_cfg, optimizer=OptimizerConfig(lr=1e-3),
                   train=TrainConfig(pack_sequences=True, max_tokens_per_microbatch=TOKENS_PER_MICROBATCH),
                   algorithm=AlgorithmConfig(loss="grpo"))
@@ -304,11 +312,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", choices=("before", "after"), default="after",
                         help="which entry of bench/results/op_count.json this run replaces")
+    parser.add_argument("--variants", action="store_true", help=f"also measure {', '.join(VARIANTS)}")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        result = measure(tiny_model(tmp))
-    print(f"{args.record}: {summary(result)}", flush=True)
+        model_dir = tiny_model(tmp)
+        result = measure(model_dir)
+        print(f"{args.record}: {summary(result)}", flush=True)
+        if args.variants:
+            result["variants"] = {}
+            for name, settings in VARIANTS.items():
+                variant = measure(model_dir, **settings)
+                result["variants"][name] = {"train_per_layer_per_microbatch": variant["train_step"]["per_layer_per_microbatch"],
+                                            "forward_per_layer_per_microbatch":
+                                                variant["old_policy_forward"]["per_layer_per_microbatch"]}
+                print(f"  {name}: {summary(variant)}", flush=True)
     previous = json.loads(OUT.read_text()) if OUT.exists() else {}
     out = {
         "what": "aten ops dispatched per transformer layer per microbatch (kernels = non-view ops) in the actor's "
