@@ -290,6 +290,31 @@ def measure(model_dir: str, **model_settings) -> dict:
     return result
 
 
+def batch_scaling(sequences=(4, 32), length: int = 40) -> dict:
+    """Kernels and scalar reads of building one packed microbatch's inputs (actor.step.microbatch_inputs,
+    loss inputs included) for a microbatch of n sequences: host work per sequence shows as growth with n."""
+    from megatron_rl.actor import TrainBatch
+    from megatron_rl.actor.plan import Microbatch
+    from megatron_rl.actor.step import microbatch_inputs
+
+    out = {}
+    for n in sequences:
+        g = torch.Generator().manual_seed(n)
+        lengths = torch.full((n,), length) - torch.randint(0, length // 2, (n,), generator=g)
+        positions = torch.arange(length)
+        mask = (positions[None] >= PROMPT) & (positions[None] < lengths[:, None])
+        batch = TrainBatch(tokens=torch.randint(0, 256, (n, length), generator=g), response_mask=mask,
+                           advantages=torch.randn(n, generator=g), sequence_lengths=lengths,
+                           old_logprobs=-torch.rand(n, length, generator=g), rollout_logprobs=-torch.rand(n, length, generator=g))
+        mb = Microbatch(tuple(range(n)), int(lengths.sum()), packed=True)
+        counter = OpCounter()
+        with counter:
+            microbatch_inputs(batch, mb, lengths, torch.device("cpu"), with_loss_inputs=True)
+        counts, _ = counter.take()
+        out[str(n)] = {key: sum(c[key] for c in counts.values()) for key in ("kernels", "host_syncs")}
+    return out
+
+
 def tiny_model(tmp: str) -> str:
     from megatron_rl.models.tiny import make_tiny_model_dir
 
@@ -318,7 +343,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model(tmp)
         result = measure(model_dir)
-        print(f"{args.record}: {summary(result)}", flush=True)
+        result["batch_inputs_by_sequences_per_microbatch"] = batch_scaling()
+        print(f"{args.record}: {summary(result)}; microbatch inputs by sequences: "
+              f"{result['batch_inputs_by_sequences_per_microbatch']}", flush=True)
         if args.variants:
             result["variants"] = {}
             for name, settings in VARIANTS.items():
