@@ -52,7 +52,7 @@ end padding of packed sequences) are routed like any token. megatron-core
 ANDs a [tokens, experts] map with a [tokens] mask: a shape error), so the hook
 on each router takes the padding positions' routes back out of that count, in
 the same forwards megatron counts in (gradients enabled: the training forward,
-or the recomputation in backward under recompute_activations, microbatches in
+or the recomputation in backward under model.recompute (moe, full), microbatches in
 order: a FIFO of padding masks per router).
 """
 
@@ -322,7 +322,7 @@ class RoutingControl:
             record_into.add(rows[keep] * record_into.batch_shape[1] + positions[keep], experts)
         for router in self.routers:
             if router.router_replay.router_replay_action == self._actions.REPLAY_FORWARD:
-                # Recomputation in backward (recompute_activations) pops this step's indices in order.
+                # Recomputation in backward (model.recompute) pops this step's indices in order.
                 router.router_replay.set_router_replay_action(self._actions.REPLAY_BACKWARD)
 
     def reset(self) -> None:
