@@ -66,3 +66,18 @@ def test_packed_layout_refuses_sequences_cp_cannot_split():
 
     with pytest.raises(ValueError, match="multiples of 2 x CP = 4"):
         packed_layout(Microbatch((0, 1), 12, packed=True), torch.tensor([5, 6]), multiple=2, cp_size=2, cp_rank=0)
+
+
+def test_logprobs_are_written_back_to_their_rows_up_to_each_length():
+    from megatron_rl.actor.actor import _write_rows
+
+    lengths = torch.tensor([5, 2, 7, 4])
+    values = torch.arange(1.0, 1.0 + 3 * 6).reshape(3, 6)  # microbatch rows (3, -1, 0), width 6
+    dest = torch.full((4, 7), -1.0)
+    _write_rows(dest, values, (3, -1, 0), lengths)
+    expected = torch.full((4, 7), -1.0)
+    for i, row in enumerate((3, -1, 0)):  # the definition, row by row
+        if row >= 0:
+            span = min(6, 7, int(lengths[row]))
+            expected[row, :span] = values[i, :span]
+    assert torch.equal(dest, expected)
