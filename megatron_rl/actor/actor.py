@@ -319,11 +319,7 @@ class Actor:
                     routing.reset()
             if self._is_logprob_owner():
                 for inputs, out in zip(items, outputs):
-                    values = out["logprobs"].float().cpu()
-                    for i, row in enumerate(inputs.mb.rows):
-                        if row >= 0:
-                            span = min(values.shape[1], batch.seq_len, int(lengths[row]))
-                            logprobs[row, :span] = values[i, :span]
+                    _write_rows(logprobs, out["logprobs"].float().cpu(), inputs.mb.rows, lengths)
         # Each row was written on one rank of its model-parallel group (last stage, TP rank 0).
         logprobs = self._assemble(batch, logprobs)
         routes = recorded.finish(routing.layer_ids) if recorded is not None else None
@@ -596,6 +592,19 @@ def _drop_accumulator_hooks(grad_accs: list) -> None:
         if hooks is not None:
             hooks.clear()
     grad_accs.clear()
+
+
+def _write_rows(dest: torch.Tensor, values: torch.Tensor, rows: tuple[int, ...], lengths: torch.Tensor) -> None:
+    """dest[rows[i], t] = values[i, t] for t below row rows[i]'s length (padding rows, -1, skipped): whole-tensor
+    ops, no per-row Python or scalar read."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    real = torch.nonzero(index >= 0).flatten()
+    if not real.numel():
+        return
+    width = min(values.shape[1], dest.shape[1])
+    target = index[real]
+    inside = torch.arange(width)[None] < lengths[target][:, None]
+    dest[target, :width] = torch.where(inside, values[real, :width], dest[target, :width])
 
 
 def layout_metrics(items: list, lengths: torch.Tensor, device) -> dict[str, torch.Tensor]:

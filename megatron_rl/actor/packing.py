@@ -64,10 +64,14 @@ def padded_layout(mb: Microbatch) -> TokenLayout:
 
 
 def packed_layout(mb: Microbatch, lengths: torch.Tensor, *, multiple: int, cp_size: int = 1, cp_rank: int = 0) -> TokenLayout:
-    """The THD layout of a packed microbatch on this CP rank (see the module docstring)."""
-    from megatron_rl.models.attention import cp_chunk_indices, packed_seq_params
+    """The THD layout of a packed microbatch on this CP rank (see the module docstring).
 
-    seq_lengths = [int(lengths[r]) for r in mb.rows]
+    Built with a few whole-microbatch tensor ops (no per-sequence tensor work, no per-sequence
+    scalar reads): the host cost of a microbatch does not grow with the number of its sequences.
+    """
+    from megatron_rl.models.attention import packed_seq_params
+
+    seq_lengths = lengths[list(mb.rows)].tolist() if mb.rows else []
     padded = [_round_up(n, multiple) for n in seq_lengths]
     if not seq_lengths:  # an empty microbatch (a DP rank with fewer): one inert sequence of padding
         seq_lengths, padded = [1], [mb.width]
@@ -75,21 +79,31 @@ def packed_layout(mb: Microbatch, lengths: torch.Tensor, *, multiple: int, cp_si
     if extra < 0 or extra % multiple:
         raise ValueError(f"packed microbatch width {mb.width} cannot hold sequences padded to {padded} (multiple {multiple})")
     padded[-1] += extra  # a common width across DP ranks: the last sequence's padding grows
+    if cp_size > 1 and any(n % (2 * cp_size) for n in padded):
+        raise ValueError(
+            f"sequence lengths {padded} are not all multiples of 2 x CP = {2 * cp_size}: pad each sequence to a multiple "
+            f"of {2 * cp_size} (packed_seq_params(lengths, multiple={2 * cp_size}))"
+        )
     params = packed_seq_params(seq_lengths, multiple=1)
     cu_padded = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = cu_padded
     params.max_seqlen_q = params.max_seqlen_kv = max(padded)
-    rows, positions, position_ids = [], [], []
-    row_ids = list(mb.rows) if mb.rows else [-1]
-    for row, real_length, length in zip(row_ids, seq_lengths, padded):
-        local = cp_chunk_indices(length, cp_size, cp_rank)  # this CP rank's positions of the sequence
-        rows.append(torch.where(local < real_length, row, -1))
-        positions.append(torch.where((local < real_length) & (row >= 0), local, -1))
-        position_ids.append(local)
+    # Per input position of this rank: its sequence's row, real length, and index j within the rank's share.
+    local_sizes = torch.tensor(padded, dtype=torch.int64) // cp_size
+    row = torch.repeat_interleave(torch.tensor(list(mb.rows) if mb.rows else [-1], dtype=torch.int64), local_sizes)
+    real_length = torch.repeat_interleave(torch.tensor(seq_lengths, dtype=torch.int64), local_sizes)
+    starts = local_sizes.cumsum(0) - local_sizes
+    j = torch.arange(int(local_sizes.sum())) - torch.repeat_interleave(starts, local_sizes)
+    if cp_size > 1:  # models.attention.cp_chunk_indices: chunks cp_rank and 2 CP - 1 - cp_rank of each sequence
+        chunk = torch.repeat_interleave(local_sizes // 2, local_sizes)
+        local = torch.where(j < chunk, cp_rank * chunk + j, (2 * cp_size - 1 - cp_rank) * chunk + j - chunk)
+    else:
+        local = j
+    inside = local < real_length
     return TokenLayout(
-        rows=torch.cat(rows).unsqueeze(0),
-        positions=torch.cat(positions).unsqueeze(0),
-        position_ids=torch.cat(position_ids).unsqueeze(0),
+        rows=torch.where(inside, row, -1).unsqueeze(0),
+        positions=torch.where(inside & (row >= 0), local, -1).unsqueeze(0),
+        position_ids=local.unsqueeze(0),
         packed_seq_params=params,
     )
 
@@ -118,14 +132,19 @@ def unpack_index(layout: TokenLayout, mb: Microbatch, lengths: torch.Tensor, wid
     """
     num_rows = max(1, len(mb.rows))
     flat_rows, flat_pos = layout.rows.reshape(-1), layout.positions.reshape(-1)
-    slot_of = {r: i for i, r in enumerate(mb.rows)}
     index = torch.zeros(num_rows, width + 1, dtype=torch.int64)
     valid = torch.zeros(num_rows, width + 1, dtype=torch.bool)
     here = torch.nonzero(flat_rows >= 0).flatten()
     if here.numel():
-        slots = torch.tensor([slot_of[int(r)] for r in flat_rows[here].tolist()], dtype=torch.int64)
+        # slot of each batch row in mb.rows, looked up as a tensor (padding rows, -1, are never looked up)
+        mb_rows = torch.tensor(list(mb.rows), dtype=torch.int64)
+        slot_of = torch.zeros(int(flat_rows.max()) + 1, dtype=torch.int64)
+        real_slots = torch.nonzero(mb_rows >= 0).flatten()
+        slot_of[mb_rows[real_slots]] = real_slots
+        rows_here = flat_rows[here]
+        slots = slot_of[rows_here]
         targets = flat_pos[here] + 1  # the token this position predicts
-        keep = (targets <= width - 1) & (targets < lengths[flat_rows[here]])
+        keep = (targets <= width - 1) & (targets < lengths[rows_here])
         index[slots[keep], targets[keep]] = here[keep]
         valid[slots[keep], targets[keep]] = True
     return index[:, :width], valid[:, :width]

@@ -52,7 +52,7 @@ end padding of packed sequences) are routed like any token. megatron-core
 ANDs a [tokens, experts] map with a [tokens] mask: a shape error), so the hook
 on each router takes the padding positions' routes back out of that count, in
 the same forwards megatron counts in (gradients enabled: the training forward,
-or the recomputation in backward under recompute_activations, microbatches in
+or the recomputation in backward under model.recompute (moe, full), microbatches in
 order: a FIFO of padding masks per router).
 """
 
@@ -77,6 +77,15 @@ def local_tokens(x: torch.Tensor, *, tp_rank: int, tp_size: int, sequence_parall
             raise ValueError(f"microbatch width {x.shape[0]} is not divisible by TP={tp_size} (sequence parallelism)")
         x = x.chunk(tp_size, dim=0)[tp_rank]
     return x.reshape(-1, *x.shape[2:])
+
+
+def set_differs(routing_map: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the set of experts routing_map marks ([N, E] bool) differs from reference ([N, K] distinct ids).
+
+    Top-k routing marks K experts per token (at most K with capacity dropping), so the sets are equal iff every
+    reference expert is marked: one gather instead of building and comparing a second [N, E] map.
+    """
+    return ~routing_map.gather(1, reference).all(dim=1)
 
 
 def _layout(x) -> TokenLayout:
@@ -210,6 +219,10 @@ class RoutingControl:
         self._counted: torch.Tensor | None = None
         # per MoE layer: [used differs, own differs, counted] (on the device: no host sync per forward)
         self.counts = torch.zeros(max(self.num_moe_layers, 1), 3, dtype=torch.float64, device=ctx.device)
+        self._layer_index = torch.tensor(self.layer_ids, dtype=torch.int64, device=ctx.device)
+        # This forward's per-token drift flags of each local router ([N_local] bool: used, own), summed once per
+        # microbatch in end_microbatch rather than once per layer.
+        self._flags: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.routers)
 
     # -- conversion -------------------------------------------------------------------------------
 
@@ -297,6 +310,7 @@ class RoutingControl:
         self._active = False
         if not self.routers:
             return
+        self._add_drift_counts()
         if record_into is not None and layout is not None:
             layout = _layout(layout)
             rows, positions = self._local(layout.rows), self._local(layout.positions)
@@ -304,17 +318,18 @@ class RoutingControl:
             recorded = [router.router_replay.get_recorded_indices() for router in self.routers]
             if any(r is None for r in recorded):
                 raise RuntimeError("a router recorded no indices: is moe_router_fusion on (it bypasses RouterReplay)?")
-            experts = torch.stack([r.cpu()[keep] for r in recorded], dim=1)  # [N_keep, L_local, K]
+            experts = torch.stack(recorded, dim=1).cpu()[keep]  # [N_keep, L_local, K]: one copy to the host per microbatch
             record_into.add(rows[keep] * record_into.batch_shape[1] + positions[keep], experts)
         for router in self.routers:
             if router.router_replay.router_replay_action == self._actions.REPLAY_FORWARD:
-                # Recomputation in backward (recompute_activations) pops this step's indices in order.
+                # Recomputation in backward (model.recompute) pops this step's indices in order.
                 router.router_replay.set_router_replay_action(self._actions.REPLAY_BACKWARD)
 
     def reset(self) -> None:
         """Clear actions and indices of every local router (after each forward_backward call)."""
         self._active = False
         self._reference = None
+        self._flags = [None] * len(self.routers)
         for queue in self._padding:
             queue.clear()
         for router in self.routers:
@@ -368,6 +383,8 @@ class RoutingControl:
             router.local_tokens_per_expert -= padded_routes.to(router.local_tokens_per_expert.dtype)
 
     def _make_hook(self, index: int):
+        replaying = (self._actions.REPLAY_FORWARD, self._actions.REPLAY_BACKWARD)
+
         def hook(router, args, output):
             self._uncount_padding(index, router, output[1])
             if not self._active or self._reference is None:
@@ -375,15 +392,27 @@ class RoutingControl:
             with torch.no_grad():
                 routing_map = output[1]  # [N_local, E] bool: the experts this forward used
                 reference = self._reference[index]
-                counted = self._counted[:, self.layer_ids[index]]
-                ref_map = torch.zeros_like(routing_map).scatter_(1, reference, True)
-                used_differs = (routing_map != ref_map).any(dim=1) & counted
-                own_map = torch.zeros_like(routing_map).scatter_(1, self._own_topk(router, args[0]), True)
-                own_differs = (own_map != ref_map).any(dim=1) & counted
-                row = self.counts[self.layer_ids[index]]
-                row += torch.stack([used_differs.sum(), own_differs.sum(), counted.sum()]).double()
+                used_differs = set_differs(routing_map, reference)
+                if router.router_replay.router_replay_action in replaying:
+                    own_map = torch.zeros_like(routing_map).scatter_(1, self._own_topk(router, args[0]), True)
+                    own_differs = set_differs(own_map, reference)
+                else:  # without replay the router used its own top-k
+                    own_differs = used_differs
+                self._flags[index] = (used_differs, own_differs)
 
         return hook
+
+    def _add_drift_counts(self) -> None:
+        """Add this forward's drift flags to `counts`: a few ops per microbatch, whatever the number of layers."""
+        flags, self._flags = self._flags, [None] * len(self.routers)
+        if self._counted is None or any(f is None for f in flags):
+            return
+        with torch.no_grad():
+            counted = self._counted.index_select(1, self._layer_index).t()  # [R, N_local]
+            used = torch.stack([f[0] for f in flags])
+            own = used if all(f[0] is f[1] for f in flags) else torch.stack([f[1] for f in flags])
+            sums = torch.stack([(used & counted).sum(1), (own & counted).sum(1), counted.sum(1)], dim=1)
+            self.counts.index_add_(0, self._layer_index, sums.to(self.counts.dtype))
 
     def take_drift_metrics(self, prefix: str, *, own_prefix: str | None = None) -> dict[str, float]:
         """All-reduce (world) and reset the drift counts; per layer and overall fractions.
@@ -411,4 +440,5 @@ class RoutingControl:
         return out
 
 
-__all__ = ["RankRoutes", "RouteRecorder", "RoutingControl", "local_tokens", "microbatch_positions", "microbatch_routes"]
+__all__ = ["RankRoutes", "RouteRecorder", "RoutingControl", "local_tokens", "microbatch_positions", "microbatch_routes",
+           "set_differs"]

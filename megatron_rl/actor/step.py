@@ -96,17 +96,16 @@ def take_rows(values: torch.Tensor | None, mb: Microbatch, *, per_token: bool, f
         return None
     num_rows, width = len(mb.rows), mb.width
     tail = values.shape[2:] if per_token else values.shape[1:]
-    shape = (num_rows, width, *tail) if per_token else (num_rows, *tail)
-    out = torch.full(shape, fill, dtype=values.dtype)
-    real = [i for i, r in enumerate(mb.rows) if r >= 0]
-    if real:
-        rows = torch.tensor([mb.rows[i] for i in real])
-        if per_token:
-            span = min(width, values.shape[1])
-            out[real, :span] = values[rows, :span]
-        else:
-            out[real] = values[rows]
-    return out
+    rows = torch.tensor(mb.rows, dtype=torch.int64)
+    real = rows >= 0
+    picked = values[rows.clamp(min=0)]  # every slot at once; padding slots are overwritten with `fill` below
+    if per_token:
+        span = min(width, values.shape[1])
+        picked = picked[:, :span]
+        if span < width:
+            picked = torch.cat([picked, picked.new_full((num_rows, width - span, *tail), fill)], dim=1)
+    mask = real.reshape(num_rows, *([1] * (picked.dim() - 1)))
+    return torch.where(mask, picked, torch.as_tensor(fill, dtype=values.dtype))
 
 
 def microbatch_inputs(
@@ -127,7 +126,7 @@ def microbatch_inputs(
     targets = gather_positions(batch.tokens, following, real & (layout.positions + 1 < row_len))
     row_mb, row_index, row_valid = mb, None, None
     if mb.packed:
-        row_mb = Microbatch(mb.rows or (-1,), max([int(lengths[r]) for r in mb.rows], default=1))
+        row_mb = Microbatch(mb.rows or (-1,), int(lengths[list(mb.rows)].max()) if mb.rows else 1)
         row_index, row_valid = unpack_index(layout, row_mb, lengths, row_mb.width)
     sequence_mask = take_rows(batch.response_mask, row_mb, per_token=True, fill=False)
     token_staleness = stale = None

@@ -55,6 +55,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from megatron_rl.algorithms._finite import finite
 from megatron_rl.algorithms._registry import Registry
 from megatron_rl.algorithms.kl import MAX_LOG_RATIO, kl_penalty
 from megatron_rl.algorithms.metrics import Metrics, fraction_metric, max_metric, mean_metric, min_metric
@@ -177,7 +178,7 @@ def is_correction_params(cfg: Any) -> ISParams:
 
 
 def _pair_valid(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    return response_mask & torch.isfinite(old_logprobs) & torch.isfinite(rollout_logprobs)
+    return response_mask & finite(old_logprobs) & finite(rollout_logprobs)
 
 
 def importance_weights(cfg: Any, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, valid: torch.Tensor) -> ISWeights:
@@ -262,8 +263,8 @@ def rollout_mismatch_metrics(
     """
     old = old_logprobs.detach()
     rollout = rollout_logprobs.detach()
-    finite_rollout = torch.isfinite(rollout)
-    valid = response_mask & torch.isfinite(old) & finite_rollout
+    finite_rollout = finite(rollout)
+    valid = response_mask & finite(old) & finite_rollout
     old = torch.where(valid, old, 0.0)
     rollout = torch.where(valid, rollout, 0.0)
     diff = (old - rollout).abs()

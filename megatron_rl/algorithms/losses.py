@@ -66,6 +66,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_rl.algorithms._finite import finite
 from megatron_rl.algorithms._registry import Registry
 from megatron_rl.algorithms.importance import get_is_correction, importance_metrics, importance_weights, rollout_mismatch_metrics
 from megatron_rl.algorithms.kl import MAX_LOG_RATIO, kl_estimate
@@ -187,7 +188,7 @@ class _SanitisedLogRatio(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logprobs, old_logprobs, response_mask, extra_valid):
         diff = logprobs - old_logprobs  # non-finite iff either is
-        valid = response_mask & torch.isfinite(diff)
+        valid = response_mask & finite(diff)
         if extra_valid is not None:
             valid &= extra_valid
         log_ratio = torch.where(valid, diff, 0.0)
@@ -213,7 +214,7 @@ class _Batch:
 
     valid: torch.Tensor  # [B, T] bool: response token with finite inputs
     valid_weight: torch.Tensor  # [B, T] valid as 0.0/1.0 in the logprobs' dtype (one conversion, reused by multiplies)
-    num_valid: torch.Tensor  # scalar int64: valid.sum()
+    num_valid: torch.Tensor  # scalar float64: valid.sum()
     log_ratio: torch.Tensor  # [B, T] d_t = log pi_theta - sg[log pi_old], 0 where not valid, clamped
     token_advantages: torch.Tensor  # [B, 1] (per sequence) or [B, T] (0 where not valid); finite
     sequence_advantages: torch.Tensor  # [B], 0 for rows without valid tokens
@@ -277,17 +278,17 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
     extra_valid = None
     for used, tensor in ((cfg.beta > 0, ref_logprobs), (cfg.tis_mode != "none", rollout_logprobs), (bool(cfg.entropy_coeff), entropy)):
         if used:
-            finite = torch.isfinite(tensor)
-            extra_valid = finite if extra_valid is None else extra_valid & finite
+            tensor_finite = finite(tensor)
+            extra_valid = tensor_finite if extra_valid is None else extra_valid & tensor_finite
     is_weights = num_finite = None
     if cfg.tis_mode != "none":
         # Ratios over the tokens with finite inputs; the correction's drops then leave `valid` as well.
-        finite_valid = response_mask & torch.isfinite(logprobs.detach() - old) & extra_valid
+        finite_valid = response_mask & finite(logprobs.detach() - old) & extra_valid
         is_weights = importance_weights(cfg, old, rollout_logprobs.detach().to(logprobs.dtype), finite_valid)
-        num_finite = finite_valid.sum()
+        num_finite = finite_valid.sum(dtype=torch.float64)
         extra_valid = extra_valid & is_weights.keep
     log_ratio, valid = _SanitisedLogRatio.apply(logprobs, old, response_mask, extra_valid)
-    num_valid = valid.sum()
+    num_valid = valid.sum(dtype=torch.float64)  # float64: every count and mean metric takes it as is
     valid_weight = valid.to(logprobs.dtype)
     row_tokens = valid.sum(dim=-1)
     # |y_i| over the whole sequence: under context parallelism a row holds a part of its tokens.
@@ -303,9 +304,9 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
         token_adv = torch.where(valid, advantages, 0.0)
 
     metrics: Metrics = {
-        "tokens/sum": num_valid.to(torch.float64),
-        "nonfinite_tokens/sum": (response_mask.sum() - (num_valid if num_finite is None else num_finite)).to(torch.float64),
-        "sequences/sum": count_once(has_tokens.sum().to(torch.float64), denom),
+        "tokens/sum": num_valid,
+        "nonfinite_tokens/sum": response_mask.sum(dtype=torch.float64) - (num_valid if num_finite is None else num_finite),
+        "sequences/sum": count_once(has_tokens.sum(dtype=torch.float64), denom),
     }
     is_weight = None
     if is_weights is not None:
@@ -319,7 +320,7 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
         kl = kl_estimate(torch.where(valid, ref_logprobs.detach() - logprobs, 0.0), cfg.kl_estimator)
         metrics["kl"] = mean_metric(kl, valid_weight, num_valid)
     elif ref_logprobs is not None:  # metric only
-        ref_valid = valid & torch.isfinite(ref_logprobs)
+        ref_valid = valid & finite(ref_logprobs)
         log_r = torch.where(ref_valid, ref_logprobs.detach() - logprobs.detach(), 0.0)
         metrics["kl"] = mean_metric(kl_estimate(log_r, cfg.kl_estimator), ref_valid)
     entropy_s = None
@@ -327,7 +328,7 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
         entropy_s = torch.where(valid, entropy, 0.0)
         metrics["entropy"] = mean_metric(entropy_s, valid_weight, num_valid)
     elif entropy is not None:  # metric only
-        entropy_valid = valid & torch.isfinite(entropy)
+        entropy_valid = valid & finite(entropy)
         metrics["entropy"] = mean_metric(torch.where(entropy_valid, entropy.detach(), 0.0), entropy_valid)
     return _Batch(valid, valid_weight, num_valid, log_ratio, token_adv, sequence_advantages, lengths, has_tokens, row_tokens, is_weight,
                   kl, entropy_s, metrics)
@@ -379,7 +380,7 @@ def _clip_metrics(b: _Batch, low: torch.Tensor, high: torch.Tensor, dual: torch.
     count every valid token of the sequence.
     """
     def hits(flags: torch.Tensor) -> torch.Tensor:
-        return (flags & b.valid).sum() if flags.dim() == 2 else (flags * b.row_tokens).sum()
+        return (flags & b.valid).sum(dtype=torch.float64) if flags.dim() == 2 else (flags * b.row_tokens).sum(dtype=torch.float64)
 
     metrics = {"clipfrac_low": fraction_metric(hits(low), b.num_valid), "clipfrac_high": fraction_metric(hits(high), b.num_valid)}
     if dual is not None:

@@ -48,17 +48,18 @@ def mean_metric(values: torch.Tensor, mask: torch.Tensor | None = None, count: t
     ``mask`` is bool or a 0/1 tensor of the values' dtype (cheaper to multiply by).
 
     `values` must be finite everywhere (the loss sanitises first; masking is a
-    multiply, cheaper than where()). The sum runs in the values' dtype (no
-    float64 copy of a [B, T] tensor); pass ``count`` (= mask.sum()) when known.
+    multiply, cheaper than where()). The sum accumulates in float64 as it reads
+    the values (no float64 copy of a [B, T] tensor); pass ``count`` (= mask.sum(),
+    float64 best: then nothing is converted) when known.
     """
     values = values.detach()
     if mask is None:
-        total = values.sum()
-        count = torch.tensor(values.numel(), device=values.device)
+        total = values.sum(dtype=torch.float64)
+        count = torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device)
     else:
-        total = (values * mask).sum()  # values are finite where masked out too (see above)
-        count = mask.sum() if count is None else count
-    return torch.stack([total.to(torch.float64), count.to(torch.float64)])
+        total = (values * mask).sum(dtype=torch.float64)  # values are finite where masked out too (see above)
+        count = mask.sum(dtype=torch.float64) if count is None else count
+    return torch.stack([total, count.to(torch.float64)])
 
 
 def fraction_metric(hits: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ def fraction_metric(hits: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 def sum_metric(value: torch.Tensor) -> torch.Tensor:
     """A detached float64 scalar that adds up over microbatches and ranks."""
-    return value.detach().sum().to(torch.float64)
+    return value.detach().sum(dtype=torch.float64)
 
 
 def min_metric(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -97,8 +97,15 @@ class ModelConfig:
     moe_permute_fusion: bool = False
     """Transformer Engine's fused token permute / unpermute in the MoE dispatcher (megatron's moe_permute_fusion);
     needs Transformer Engine."""
+    recompute: Literal["none", "selective", "moe", "full"] = "none"
+    """Activation recomputation in backward (megatron-core's recompute settings), compute traded for memory:
+    none = keep every activation; selective = each layer's core attention softmax(QK^T)V (recompute_modules
+    core_attn: frees the softmax statistics, or the score matrix of a non-flash kernel); moe = also each layer's
+    MLP block, the whole MoE layer (router, dispatch, experts, combine, shared experts) or a dense MLP (core_attn,
+    moe, mlp: the MoE layer's k copies of each token are the largest activations of a sparse model); full = every transformer layer, keeping only its input (granularity full, uniform, 1 layer).
+    `megatron-rl plan` estimates the activation memory of each choice."""
     recompute_activations: bool = False
-    """Recompute each transformer layer in backward (full, uniform) to save activation memory."""
+    """Replaced by `recompute` (true = recompute=full); only false is accepted."""
     init_seed: int = 1234
     """Seed for random initialisation when no weights are loaded."""
     load_weights: bool = True
@@ -111,6 +118,13 @@ class ModelConfig:
     make_tiny: bool = False
     """Build the tiny random model (family `make_tiny_if_missing`, qwen3_moe when empty) at a missing `path` even
     when `path` is not the preset's own, e.g. `model.path=outputs/tiny-b model.make_tiny=true`."""
+
+    def validate(self) -> None:
+        if self.recompute_activations:
+            raise ConfigError(
+                "model.recompute_activations=true was replaced by model.recompute: set model.recompute=full (or moe, "
+                "selective) and remove model.recompute_activations"
+            )
 
 
 @dataclass(kw_only=True)

@@ -107,6 +107,27 @@ def expert_settings(model_cfg: ModelConfig, choice) -> dict[str, bool]:
     return dict(moe_grouped_gemm=choice.moe_grouped_gemm, moe_permute_fusion=model_cfg.moe_permute_fusion)
 
 
+RECOMPUTE_MODULES: dict[str, list[str]] = {
+    "selective": ["core_attn"],
+    "moe": ["core_attn", "moe", "mlp"],
+}
+"""megatron-core's recompute_modules of each selective model.recompute choice (see ModelConfig.recompute). Not
+"layernorm" nor "moe_act": megatron-core 0.16.1 runs them through CheckpointWithoutOutput, which reads Transformer
+Engine's FP8GlobalStateManager whatever the precision (a NameError without TE)."""
+
+
+def recompute_settings(model_cfg: ModelConfig) -> dict[str, Any]:
+    """TransformerConfig recompute fields for model.recompute."""
+    model_cfg.validate()
+    if model_cfg.recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if model_cfg.recompute in RECOMPUTE_MODULES:
+        return dict(recompute_granularity="selective", recompute_modules=list(RECOMPUTE_MODULES[model_cfg.recompute]))
+    if model_cfg.recompute != "none":
+        raise ConfigError(f"model.recompute={model_cfg.recompute!r}: choose none, selective, moe or full")
+    return {}
+
+
 def kernel_choice(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, arch: HFArch, *, dtype: torch.dtype, kernels=None,
                   data_parallel: int = 1):
     """The kernels this build uses (models.kernels; `kernels` fakes the machine in tests)."""
@@ -164,9 +185,7 @@ def hf_to_transformer_config(
             moe_router_fusion=choice.fusions["moe_router_fusion"],
         )
     fusions = {k: v for k, v in choice.fusions.items() if k != "moe_router_fusion"}
-    recompute: dict[str, Any] = {}
-    if model_cfg.recompute_activations:
-        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recompute = recompute_settings(model_cfg)
     fields = dict(
         **family.transformer_fields(arch),
         hidden_dropout=0.0,

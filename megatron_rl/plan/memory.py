@@ -12,7 +12,8 @@ Sources for each term:
   Large Transformer Models" (arXiv 2205.05198), section 4: a layer stores
   s b h (34 / t) bytes with tensor + sequence parallelism and the attention
   scores recomputed (flash attention never stores them), and only its input,
-  2 s b h / t bytes, under full recomputation. Their 34 counts a GPT layer
+  2 s b h / t bytes, under full recomputation; model.recompute=moe keeps the
+  attention's part and rematerialises the MLP block (`layer_activations`). Their 34 counts a GPT layer
   (MHA, 4h GeLU MLP, dropout); `layer_activation_bytes` recounts the same
   stored tensors for GQA, SwiGLU, RMSNorm, q/k norms, no dropout, and routed
   experts (each token's k copies). With 1F1B pipelining the first stage
@@ -148,42 +149,82 @@ def stage_params(spec: ModelSpec, cfg: RLConfig, stage: int) -> tuple[float, flo
     return dense, expert
 
 
-def layer_activation_bytes(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> float:
-    """Bytes one layer stores per token for backward (Korthikanti et al. 2022, sec. 4.1, recounted).
+@dataclass(kw_only=True, frozen=True)
+class LayerActivations:
+    """Bytes per token of one layer's activations under model.recompute."""
+
+    kept: float
+    """Stored from the layer's forward until its backward."""
+    recomputed: float
+    """Rematerialised in the layer's backward (alive for one layer at a time)."""
+
+
+def layer_activations(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> LayerActivations:
+    """Bytes one layer stores per token for backward (Korthikanti et al. 2022, sec. 4.1, recounted), by part.
 
     Elements per token, with t = TP, u = t if sequence parallel else 1 (the
     norm/linear inputs live in the sequence-parallel region, the rest is split
     over heads or the MLP width):
-      attention: norm input h + qkv input h                      -> 2h / u
+      attention: norm input h                                    -> h / u
+                 norm output (the qkv input) h                   -> h / u
                  Q (a d), K and V (g d each), attention output   -> (2 a d + 2 g d) / t
                  q/k before their norms (Qwen3)                  -> (a d + g d) / t
                  softmax statistics (fp32, one per head)         -> 4 a / t bytes
-      dense MLP: norm input h + fc1 input h                      -> 2h / u
-                 gate, up (2f) and down-projection input (f)     -> 3f / t
-      MoE:       norm input h + router/dispatch input h          -> 2h / u
-                 router logits and probabilities, fp32           -> 8 E / u bytes
+      MLP block: norm input h                                    -> h / u
+                 norm output (the router / fc1 input) h          -> h / u
+        dense:   gate, up (2f) and down-projection input (f)     -> 3f / t
+        MoE:     router logits and probabilities, fp32           -> 8 E / u bytes
                  per routed copy (k per token, gathered over the
                  expert-TP group e): fc1 input h, gate+up 2f_e/e,
                  down input f_e/e, output h                      -> k (2h e + 3 f_e) / u
                  shared expert: 3 f_s / t + output h / u
+    model.recompute (megatron-core's recompute of those parts; models.build.RECOMPUTE_MODULES):
+      none:      everything kept;
+      selective: the core attention is recomputed: its inputs Q, K, V are kept (the checkpoint's
+                 inputs) and the attention output too (the output projection's input), so with a
+                 flash kernel only the softmax statistics go (a non-flash kernel's score matrix,
+                 which this count never includes, would go too);
+      moe:       also the whole MLP block: kept = the norms' inputs and outputs (the MLP
+                 block's input among them), Q, K, V, attention output and q/k norm inputs;
+                 the MLP block's inside is rematerialised in backward;
+      full:      the layer's input h / u is kept, the whole layer rematerialised in backward.
     """
+    norm, attention, statistics, mlp = _layer_parts(spec, moe, cfg, act)
+    everything = 4 * norm + attention + statistics + mlp
+    mode = cfg.model.recompute
+    if mode == "selective":
+        return LayerActivations(kept=everything - statistics, recomputed=statistics)
+    if mode == "moe":
+        return LayerActivations(kept=4 * norm + attention, recomputed=mlp)
+    if mode == "full":
+        return LayerActivations(kept=norm, recomputed=everything)
+    return LayerActivations(kept=everything, recomputed=0.0)
+
+
+def _layer_parts(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> tuple[float, float, float, float]:
+    """Bytes per token of (one norm's input or output, Q/K/V/attention output/q-k norm inputs, softmax
+    statistics, the MLP block's inside) of one layer (see `layer_activations`)."""
     par = cfg.parallel
     t = par.tensor_parallel
     u = t if par.use_sequence_parallel() else 1
     h, q, kv = spec.hidden_size, spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    elements = 2 * h / u + (2 * q + 2 * kv) / t
-    if spec.qk_norm:
-        elements += (q + kv) / t
-    extra_bytes = 4 * spec.num_attention_heads / t
+    norm = h / u * act
+    attention = ((2 * q + 2 * kv) / t + ((q + kv) / t if spec.qk_norm else 0.0)) * act
+    statistics = 4 * spec.num_attention_heads / t
     if moe:
         e = par.expert_tensor_parallel
-        elements += 2 * h / u + spec.experts_per_token * (2 * h * e + 3 * spec.moe_ffn_hidden_size) / u
+        mlp = spec.experts_per_token * (2 * h * e + 3 * spec.moe_ffn_hidden_size) / u * act + 8 * spec.num_experts / u
         if spec.shared_expert_ffn_hidden_size:
-            elements += 3 * spec.shared_expert_ffn_hidden_size / t + h / u
-        extra_bytes += 8 * spec.num_experts / u
+            mlp += (3 * spec.shared_expert_ffn_hidden_size / t + h / u) * act
     else:
-        elements += 2 * h / u + 3 * spec.ffn_hidden_size / t
-    return elements * act + extra_bytes
+        mlp = 3 * spec.ffn_hidden_size / t * act
+    return norm, attention, statistics, mlp
+
+
+def layer_activation_bytes(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> float:
+    """Bytes one layer stores per token for backward without recomputation (`layer_activations`)."""
+    norm, attention, statistics, mlp = _layer_parts(spec, moe, cfg, act)
+    return 4 * norm + attention + statistics + mlp
 
 
 def batch_share_bytes(spec: ModelSpec, cfg: RLConfig, dp: int, stage_moe_layers: int | None = None) -> float:
@@ -229,13 +270,9 @@ def stage_memory(spec: ModelSpec, cfg: RLConfig, world: int, microbatches: int, 
     tokens = tokens_per_microbatch(cfg)
     layers = stage_layers(spec, pp, stage)
     in_flight = max(1, min(pp - stage, microbatches))
-    full = [layer_activation_bytes(spec, spec.moe_layers[i], cfg, prec.activation) for i in layers]
-    if cfg.model.recompute_activations:
-        u = tp if par.use_sequence_parallel() else 1
-        stored = len(full) * spec.hidden_size * prec.activation / u  # each layer's input only
-        activations = tokens * (in_flight * stored + max(full))  # + one layer rematerialised in backward
-    else:
-        activations = tokens * in_flight * sum(full)
+    per_layer = [layer_activations(spec, spec.moe_layers[i], cfg, prec.activation) for i in layers]
+    # Kept parts of every microbatch in flight, + the largest part rematerialised in one layer's backward.
+    activations = tokens * (in_flight * sum(a.kept for a in per_layer) + max((a.recomputed for a in per_layer), default=0.0))
     logits = 0.0
     if stage == pp - 1:
         logits = LOGITS_FACTOR * tokens * spec.padded_vocab(tp) / tp * prec.activation

@@ -135,8 +135,9 @@ def _hint(plan: Plan) -> str:
             "spread the weights over more devices (raise parallel.expert_parallel, pipeline_parallel or "
             "tensor_parallel), keep optimizer.use_distributed_optimizer=true, or add nodes"
         )
-    if not cfg.model.recompute_activations:
-        return "set model.recompute_activations=true, or lower train.max_tokens_per_microbatch / micro_batch_size"
+    if cfg.model.recompute != "full":
+        better = "full" if cfg.model.recompute == "moe" else "moe (or full)"
+        return f"set model.recompute={better}, or lower train.max_tokens_per_microbatch / micro_batch_size"
     return "lower train.max_tokens_per_microbatch or micro_batch_size, or raise tensor_parallel / context_parallel"
 
 

@@ -145,8 +145,8 @@ def render(p: Plan, console=None) -> None:
     memory.add_row("gradients", _gib(s.grads), "fp32 gradient buffer")
     sharded = "sharded over DP / expert-DP" if cfg.optimizer.use_distributed_optimizer else "not sharded"
     memory.add_row("optimizer state", _gib(s.optimizer), f"{cfg.optimizer.name}: fp32 main copy + moments, {sharded}")
-    recompute = "full recompute" if cfg.model.recompute_activations else "no recompute"
-    memory.add_row("activations", _gib(s.activations), f"{recompute}, Korthikanti et al. 2022 per-layer count")
+    memory.add_row("activations", _gib(s.activations), f"model.recompute={cfg.model.recompute}, Korthikanti et al. 2022 "
+                   "per-layer count")
     memory.add_row("logits", _gib(s.logits), "last stage: vocab-parallel logits + grad + log-softmax")
     if s.reference:
         memory.add_row("reference model", _gib(s.reference), "algorithm.beta > 0")

@@ -10,7 +10,7 @@ A batch of 4 rows padded to 24 tokens (38 of the 96 positions are padding) is
 trained for one step on two ranks, twice: DP2 with padded rows (each rank counts
 its rows, megatron sums the counts), and TP2 (sequence parallel: each rank
 counts its half of the tokens) with packed sequences, each padded to an even
-length, in 3 microbatches, with activation recomputation (megatron counts in the
+length, in 3 microbatches, with the MoE layers recomputed (model.recompute=moe: megatron counts in the
 recomputed forward of backward). The expected update is worked out here from
 transformers' model: each row run alone at its own length (no padding), its
 routers' top-k experts counted per MoE layer. The same count over the padded
@@ -48,7 +48,7 @@ CASES = {  # name -> (layout, train settings, model settings)
     "TP2/packed/recompute": (
         {"tensor_parallel": 2, "expert_tensor_parallel": 2},
         {"pack_sequences": True, "max_tokens_per_microbatch": 26},
-        {"recompute_activations": True},
+        {"recompute": "moe"},
     ),
 }
 

@@ -81,3 +81,20 @@ def test_rank_routes_are_keyed_by_row_and_position_whatever_the_microbatch_order
     whole = routes.gather([])
     assert whole.shape == (B, T, L, K) and whole[2, 1, 3].tolist() == [4, 5] and whole[0, 3, 1].tolist() == [6, 7]
     assert int((whole >= 0).all(dim=-1).sum()) == 3 * 2
+
+
+def test_set_differs_matches_comparing_whole_expert_maps():
+    from megatron_rl.actor.routing import set_differs
+
+    g = torch.Generator().manual_seed(0)
+    N, E, K = 200, 8, 3
+    used = torch.rand(N, E, generator=g).topk(K, dim=1).indices
+    reference = torch.where(torch.rand(N, 1, generator=g) < 0.5, used.flip(1), torch.rand(N, E, generator=g).topk(K, dim=1).indices)
+    routing_map = torch.zeros(N, E, dtype=torch.bool).scatter_(1, used, True)
+    dropped = routing_map.clone()
+    dropped[::7, used[::7, 0]] = False  # capacity dropping: fewer than K experts used
+    for marked in (routing_map, dropped):
+        # the definition: the [N, E] maps of both sets differ somewhere
+        expected = (marked != torch.zeros(N, E, dtype=torch.bool).scatter_(1, reference, True)).any(dim=1)
+        assert torch.equal(set_differs(marked, reference), expected)
+    assert 0 < int(set_differs(routing_map, reference).sum()) < N

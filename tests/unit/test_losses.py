@@ -514,3 +514,13 @@ def test_fused_surrogate_matches_autograd_of_the_plain_formula(dual_clip_c):
     assert torch.equal(low, low2) and torch.equal(high, high2)
     assert (dual is None) == (dual2 is None) and (dual is None or torch.equal(dual, dual2))
     assert low.any() and high.any() and not ratio.requires_grad
+
+
+def test_finite_mask_equals_torch_isfinite():
+    from megatron_rl.algorithms._finite import finite
+
+    special = [0.0, -0.0, 1.0, -3.5, float("inf"), float("-inf"), float("nan"), 3.4e38, -3.4e38, 1e-45, 1e308]
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        values = torch.tensor(special, dtype=torch.float64).to(dtype)
+        assert torch.equal(finite(values), torch.isfinite(values)), dtype
+    assert finite(torch.tensor([3, -1])).all()

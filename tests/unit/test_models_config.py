@@ -194,7 +194,7 @@ def test_transformer_config_per_family():
     assert shared.moe_shared_expert_intermediate_size == 96 and shared.moe_shared_expert_gate and shared.add_qkv_bias
     assert not _transformer_config("mixtral").moe_router_pre_softmax
     assert _transformer_config("qwen3_moe").moe_router_load_balancing_type == "none"  # no aux loss by default
-    assert _transformer_config("llama", ModelConfig(recompute_activations=True)).recompute_granularity == "full"
+    assert _transformer_config("llama", ModelConfig(recompute="full")).recompute_granularity == "full"
 
 
 def test_top1_routing_is_built_or_refused_in_the_config_s_own_terms():

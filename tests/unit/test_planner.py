@@ -156,6 +156,32 @@ def test_activation_count_of_a_dense_layer_by_hand():
     assert layer_activation_bytes(spec, False, tp2, 2) == pytest.approx(expected / 2)
 
 
+def test_activation_memory_of_each_recompute_choice_by_hand():
+    spec = spec_from_hf_config(TINY_MOE)  # layers: MoE, dense, MoE; q/k norms
+    base = ["model.path=x", "cluster.gpus_per_node=8", "train.max_tokens_per_microbatch=32"]
+    # bf16 bytes per token, t = u = 1: a norm's input (or output) 2h = 32; Q, K, V, attention output and the
+    # q/k norm inputs 2 (2q + 2kv + q + kv) = 2 (64 + 32 + 48) = 288; softmax statistics 4a = 16;
+    # MoE block 2 k (2h + 3 f_e) + 8E = 2 x 2 x (32 + 36) + 48 = 320; dense block 2 x 3f = 240.
+    norm, attention, stats, moe_block, dense_block = 32, 288, 16, 320, 240
+    moe_layer = 4 * norm + attention + stats + moe_block  # 752
+    dense_layer = 4 * norm + attention + stats + dense_block  # 672
+    expected = {  # (kept over the 3 layers, the largest part rematerialised in one layer's backward)
+        "none": (2 * moe_layer + dense_layer, 0),  # 2176
+        "selective": (2 * moe_layer + dense_layer - 3 * stats, stats),  # 2128 + 16: the core attention's statistics
+        "moe": (3 * (4 * norm + attention), moe_block),  # 1248 + 320: the norms and the attention's part kept
+        "full": (3 * norm, moe_layer),  # 96 + 752: each layer's input kept
+    }
+    for mode, (kept, recomputed) in expected.items():
+        mem = stage_memory(spec, _cfg(base + [f"model.recompute={mode}"]), world=1, microbatches=1, stage=0)
+        assert mem.activations == 32 * (kept + recomputed), mode
+    assert [32 * sum(v) for v in expected.values()] == [69632, 68608, 50176, 27136]
+
+
+def test_recompute_activations_was_replaced_by_recompute():
+    with pytest.raises(ConfigError, match="set model.recompute=full"):
+        _cfg(["model.path=x", "model.recompute_activations=true"])
+
+
 def test_optimizer_state_shards_over_dp_and_expert_dp():
     spec = _spec("qwen3-30b-a3b")
     cfg = load_config(RLConfig, CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml")
@@ -177,7 +203,7 @@ def test_recompute_and_pipeline_in_flight_microbatches():
     last = stage_memory(spec, _cfg(base), world=8, microbatches=8, stage=3).activations
     assert plain == pytest.approx(2 * few)  # 1F1B: the first stage holds min(PP, microbatches) microbatches
     assert plain == pytest.approx(4 * last)  # ... and the last stage one
-    recompute = stage_memory(spec, _cfg(base + ["model.recompute_activations=true"]), world=8, microbatches=8, stage=0)
+    recompute = stage_memory(spec, _cfg(base + ["model.recompute=full"]), world=8, microbatches=8, stage=0)
     inputs = 4 * (48 // 4) * 4096 * 2048 * 2  # 4 microbatches x 12 layers x each layer's bf16 input
     one_layer = plain / 4 / 12  # plus one layer rematerialised in backward
     assert recompute.activations == pytest.approx(inputs + one_layer)
