@@ -61,6 +61,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+SECTIONS = ("tests", "logprobs", "speed", "vocab_logprobs")
 FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {"init_std": 0.1}, "glm4_moe": {"init_std": 0.1}}
 SPEC_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("A100", 312.0))
 LOGPROB_TOL, PACKED_TOL = 1e-5, 1e-5  # fp32 logprobs vs transformers on the same device: measured 1.4e-6 on an H200
@@ -391,7 +392,7 @@ def transformers_speed(device: torch.device, hf: dict, rows: int, length: int, b
             "forward_s": fwd_s, "forward_tokens_per_s": n / fwd_s, "peak_memory_bytes": peak}
 
 
-def speed(suite: Suite, ctx, tiny: bool) -> dict:
+def speed(suite: Suite, ctx, tiny: bool, *, with_ablations: bool = True) -> dict:
     shape, vocab = (TINY_SPEED_MODEL, TINY_VOCAB) if tiny else (SPEED_MODEL, SPEED_VOCAB)
     rows, length, budget = (TINY_ROWS, TINY_LEN, TINY_BUDGET) if tiny else (SPEED_ROWS, SPEED_LEN, SPEED_BUDGET)
     from megatron_rl.models.tiny import tiny_hf_config
@@ -439,8 +440,11 @@ def speed(suite: Suite, ctx, tiny: bool) -> dict:
         print("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in phases.get("phases_s", {}).items())
               + (f", host overhead {phases['host_overhead_s']:.3f} s" if phases.get("host_overhead_s") is not None else ""),
               flush=True)
+        for kernel in phases.get("top_kernels", [])[:12]:
+            print(f"kernel {kernel['seconds']:.4f} s x{kernel['launches']}: {kernel['kernel']}", flush=True)
         suite.save("speed", out)
-        out["ablations"] = ablations(suite, ctx, hf, rows, length, budget, ours)
+    if "train_tokens_per_s" in out.get("megatron_rl", {}) and with_ablations:
+        out["ablations"] = ablations(suite, ctx, hf, rows, length, budget, out["megatron_rl"])
         suite.check("ablations", all("train_tokens_per_s" in r for r in out["ablations"].values()),
                     f"{len(out['ablations'])} kernel ablations measured")
     if tiny:  # the FLOP count's parameter arithmetic against the model's own parameters
@@ -492,7 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, any device (CPU included); checks its own numbers")
     parser.add_argument("--out", help="JSON path (default bench/results/gpu-<device>.json; --tiny: a temporary file)")
     parser.add_argument("--tests-timeout", type=int, default=240, help="seconds for the pytest section (default 240)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run (default all: {','.join(SECTIONS)}), e.g. speed alone in a fresh process")
+    parser.add_argument("--no-ablations", action="store_true", help="speed without the kernel ablations")
     args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        parser.error(f"--sections {args.sections}: each must be one of {', '.join(SECTIONS)}")
     if not args.tiny and not torch.cuda.is_available():
         print("bench/gpu_suite.py: no CUDA device here; run it on a GPU, or with --tiny", file=sys.stderr)
         return 2
@@ -505,20 +515,24 @@ def main(argv: list[str] | None = None) -> int:
     suite = Suite(out, args.tiny)
     suite.save("environment", environment(device))
     paths = ("tests/unit/test_placement.py",) if args.tiny else ("tests/unit", "tests/gpu")
-    suite.save("tests", run_tests(suite, args.tests_timeout, paths))
+    if "tests" in sections:
+        suite.save("tests", run_tests(suite, args.tests_timeout, paths))
     ctx = init_parallel(ParallelConfig())
     try:
         with tempfile.TemporaryDirectory(prefix="gpu-suite-") as tmp:
+            families_run = FAMILIES if "logprobs" in sections else {}
             families = {}
-            for family, overrides in FAMILIES.items():
+            for family, overrides in families_run.items():
                 try:
                     families[family] = family_logprobs(suite, ctx, family, overrides, Path(tmp))
                 except Exception as err:  # noqa: BLE001 - recorded; the other families and sections still run
                     families[family] = {"error": f"{type(err).__name__}: {err}"[:2000]}
                     suite.check(f"logprobs/{family}", False, families[family]["error"][:300])
                 suite.save("logprobs", families)
-        suite.save("speed", speed(suite, ctx, args.tiny))
-        suite.save("vocab_logprobs", vocab_logprobs(suite, ctx.device, args.tiny))
+        if "speed" in sections:
+            suite.save("speed", speed(suite, ctx, args.tiny, with_ablations=not args.no_ablations))
+        if "vocab_logprobs" in sections:
+            suite.save("vocab_logprobs", vocab_logprobs(suite, ctx.device, args.tiny))
     finally:
         destroy_parallel(ctx)
     suite.save("failed_checks", suite.failed)

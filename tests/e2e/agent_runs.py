@@ -6,7 +6,7 @@ The demo's model (tiny Qwen3-MoE) after the lookup episode's format warm-up
 (megatron_rl.demo.warm_up_format(agent=True): the tool call and an answer
 letter drawn independently of the tool's value), then GSPO with
 configs/tiny-gspo-agent.yaml until the last 10 steps average TARGET (at most
-LEARN_STEPS): once synchronously (OUT/sync), once with max_staleness=1
+LEARN_STEPS) synchronously (OUT/sync), then STALE_STEPS steps with max_staleness=1
 (OUT/staleness_1; pushes land between engine calls, so between two turns of an episode). Each run's episodes trace is in its
 directory (episodes.jsonl).
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LEARN_STEPS, TARGET, WARM_UP_STEPS = 150, 0.8, 200
+STALE_STEPS = 8  # the max_staleness=1 run shows the mechanics (pushes between turns, staleness 1), not learning again
 
 
 def agent_config(model_dir: Path, out: Path, *overrides: str):
@@ -45,7 +46,8 @@ def main(out: Path) -> None:
     engine = make_engine(model_dir, agent_config(model_dir, out).rollout)
     wall = {}
     try:
-        for name, extra in (("sync", ()), ("staleness_1", ("train.max_staleness=1", "algorithm.tis_mode=token"))):
+        stale = ("train.max_staleness=1", "algorithm.tis_mode=token", f"train.steps={STALE_STEPS}", "train.stop_at_reward=0")
+        for name, extra in (("sync", ()), ("staleness_1", stale)):
             start = time.perf_counter()
             run(agent_config(model_dir, out / name, *extra), engine=engine)
             wall[name] = time.perf_counter() - start
