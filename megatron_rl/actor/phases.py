@@ -145,7 +145,7 @@ def phase_breakdown(averages, events, *, wall_s: float, cuda: bool) -> dict:
     if cuda:
         from torch.autograd import DeviceType
 
-        busy = sum(evt.time_range.elapsed_us() for evt in events if evt.device_type == DeviceType.CUDA) / 1e6
+        busy = sum(evt.time_range.elapsed_us() for evt in events if _is_kernel(evt, DeviceType)) / 1e6
     else:
         busy = min(wall_s, sum(total(evt) for evt in events if evt.cpu_parent is None))  # top-level ops, ranges included
     named = sum(phases.values())
@@ -161,13 +161,19 @@ def phase_breakdown(averages, events, *, wall_s: float, cuda: bool) -> dict:
     }
 
 
+def _is_kernel(evt, device_types) -> bool:
+    """A device kernel or copy, not a labelled range's projection onto the GPU timeline (phase::..., Optimizer.step#...)."""
+    return evt.device_type == device_types.CUDA and not getattr(evt, "is_user_annotation", False) and not (
+        evt.name.startswith("phase::") or "#" in evt.name)
+
+
 def top_kernels(events, count: int = 20) -> list[dict]:
     """The device kernels that took the most time in the step: name (cut to 100 characters), seconds, launches."""
     from torch.autograd import DeviceType
 
     totals: dict[str, list] = {}
     for evt in events:
-        if evt.device_type == DeviceType.CUDA:
+        if _is_kernel(evt, DeviceType):
             entry = totals.setdefault(evt.name[:100], [0.0, 0])
             entry[0] += evt.time_range.elapsed_us() / 1e6
             entry[1] += 1

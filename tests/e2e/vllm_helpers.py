@@ -30,10 +30,10 @@ def build_models(root: Path) -> dict[str, Path]:
 
 
 @functools.lru_cache(maxsize=8)
-def hf_model(model_dir: str):
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -46,9 +46,10 @@ def hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def hf_sampled_logprobs(model_dir: str | Path, rollouts, temperature: float) -> list[torch.Tensor]:
-    """Per sample: log_softmax(logits / T) of each response token, from an HF forward of prompt + response."""
-    model = hf_model(str(model_dir))
+def hf_sampled_logprobs(model_dir: str | Path, rollouts, temperature: float, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Per sample: log_softmax(logits / T) of each response token, from an HF forward of prompt + response (the
+    model's weights in `dtype`; the softmax in fp32)."""
+    model = hf_model(str(model_dir), dtype)
     out = []
     for s in rollouts.samples:
         logits = model(s.token_ids[None]).logits[0].float() / temperature
