@@ -98,6 +98,15 @@ def run_token(token_file: str = "") -> str:
     return configured_token(token_file) or secrets.token_urlsafe(32)
 
 
+def token_of(servers: list, token_file: str = "") -> str | None:
+    """The token of the servers this process started (VLLMServer objects among `servers`: one for all), else the
+    configured one (URLs of servers started elsewhere)."""
+    tokens = {s.token for s in servers if not isinstance(s, str)}
+    if len(tokens) > 1:
+        raise ServerTokenError("the VLLMServers given to one VLLMServerEngine hold different tokens: give them one")
+    return tokens.pop() if tokens else configured_token(token_file)
+
+
 def auth_headers(token: str | None) -> dict[str, str]:
     """What every request to the servers carries (nothing for servers without a token)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
@@ -130,6 +139,24 @@ def refused_message(url: str, token: str | None) -> str:
         f"{url}: the vLLM server {sent} (HTTP 401): give this process the servers' token with "
         f"rollout.server_token_file=FILE (mode 600), {TOKEN_FILE_ENV}=FILE or {TOKEN_ENV}"
     )
+
+
+def weight_sync_client(url: str, timeout_s: float, token: str | None) -> Any:
+    """vLLM's HTTPVLLMWeightSyncClient (the /init_weight_transfer_engine, /update_weights, ... routes), its requests
+    carrying the token (it sends no headers of its own)."""
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    headers = auth_headers(token)
+
+    class TokenWeightSyncClient(HTTPVLLMWeightSyncClient):
+        def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+            response = requests.post(f"{self.base_url}/{path}", json=json, timeout=self.timeout, headers=headers)
+            if refused(response.status_code):
+                raise ServerTokenError(refused_message(self.base_url, token))
+            response.raise_for_status()
+
+    return TokenWeightSyncClient(url, timeout=timeout_s)
 
 
 class BearerTokenMiddleware:

@@ -72,8 +72,9 @@ from megatron_rl.rollout.common import (
 from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
-from megatron_rl.rollout.server_auth import MIDDLEWARE, auth_headers, configured_token, refused, refused_message, run_token, server_env
-from megatron_rl.rollout.server_auth import ServerTokenError
+from megatron_rl.rollout.server_auth import (
+    MIDDLEWARE, ServerTokenError, auth_headers, refused, refused_message, run_token, server_env, token_of, weight_sync_client,
+)
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
 from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightSyncedEngine
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
@@ -277,7 +278,7 @@ class VLLMServerEngine(WeightSyncedEngine):
         self.urls = [s.url if isinstance(s, VLLMServer) else str(s).rstrip("/") for s in servers]
         self.model_dir = model_dir or next((s.model_dir for s in servers if isinstance(s, VLLMServer)), None)
         self.relay = relay
-        self.token = token or _token_of(servers, self.config.server_token_file)
+        self.token = token or token_of(servers, self.config.server_token_file)
         self.auth_headers = auth_headers(self.token)
         """Headers every request to the servers carries (the token's); for other clients of the same servers."""
         colocated_ipc = relay is not None and self.config.weight_transport == "ipc"
@@ -423,7 +424,7 @@ class VLLMServerEngine(WeightSyncedEngine):
     def weight_sync_clients(self) -> list[Any]:
         """vLLM's HTTP client of each server's weight-transfer routes (open with VLLM_SERVER_DEV_MODE=1), sending the
         token."""
-        return [_token_weight_sync_client(url, self.config.request_timeout_s, self.auth_headers) for url in self.urls]
+        return [weight_sync_client(url, self.config.request_timeout_s, self.token) for url in self.urls]
 
     def _broadcast_sender(self) -> BroadcastSender:
         from urllib.parse import urlparse
@@ -621,25 +622,3 @@ class VLLMServerEngine(WeightSyncedEngine):
                 if server is not None:
                     server.stop()
 
-
-def _token_of(servers: list, token_file: str) -> str | None:
-    """The token of the VLLMServers among `servers` (one for all), else the configured one."""
-    tokens = {s.token for s in servers if isinstance(s, VLLMServer)}
-    if len(tokens) > 1:
-        raise ServerTokenError("the VLLMServers given to one VLLMServerEngine hold different tokens: give them one")
-    return tokens.pop() if tokens else configured_token(token_file)
-
-
-def _token_weight_sync_client(url: str, timeout_s: float, headers: dict[str, str]) -> Any:
-    """vLLM's HTTPVLLMWeightSyncClient, its requests carrying `headers` (it sends none of its own)."""
-    import requests
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-    class TokenWeightSyncClient(HTTPVLLMWeightSyncClient):
-        def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
-            response = requests.post(f"{self.base_url}/{path}", json=json, timeout=self.timeout, headers=headers)
-            if refused(response.status_code):
-                raise ServerTokenError(refused_message(self.base_url, headers.get("Authorization")))
-            response.raise_for_status()
-
-    return TokenWeightSyncClient(url, timeout=timeout_s)
