@@ -117,10 +117,18 @@ def test_without_the_token_every_route_is_refused_and_changes_nothing(server_eng
     assert {key: code for key, code in answers.items() if code != 401} == {("GET", "/health", v): 200 for v in range(3)}
     assert len(answers) > 100
 
+    # with the token, a bucket whose tensor is of another kind of dtype than the checkpoint's is refused by the
+    # worker before it touches the model (the right name and shape, integers for a float weight)
+    from megatron_rl.weight_sync.buckets import bucket_to_b64
+
+    norm = hf_state_dict(models["moe0"])["model.norm.weight"]
+    server_engine._rpc(url, "mrl_begin_push", "31")
+    with pytest.raises(Exception, match="'model.norm.weight' comes as int32 but the engine's checkpoint holds F32"):
+        server_engine._rpc(url, "mrl_stage_weights", bucket_to_b64([("model.norm.weight", norm.to(torch.int32))]))
     authed = httpx.Client(timeout=30, headers=server_engine.auth_headers)
     assert authed.get(f"{url}/is_sleeping").json()["is_sleeping"] is False
     assert authed.get(f"{url}/is_paused").json()["is_paused"] is False
-    assert server_engine._rpc(url, "mrl_weight_version") == 30
+    assert int(server_engine._rpc(url, "mrl_weight_version")) == 30
     authed.close()
     rollouts = server_engine.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=10, seed=3, temperature=0.9))
     assert rollouts.weight_version == 30 and max_logprob_error(models["moe1"], rollouts, 0.9) < TOL
