@@ -39,15 +39,17 @@ _DCP_GLOBALS = {
         "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType",
+    },
     "torch.serialization": {"_get_layout"},
     "torch": {"Size", "device", *(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "slice", "complex"},
 }
-"""What a torch distributed checkpoint's .metadata pickle is made of (torch 2.x): its dataclasses, torch's sizes
-and dtypes, paths."""
+"""What a torch distributed checkpoint's .metadata pickle is made of (torch 2.x): its dataclasses (megatron's saves
+keep the save plans there too), torch's sizes and dtypes, paths."""
 
 
 class PickledCodeError(RuntimeError):
