@@ -108,7 +108,7 @@ def plain(engine, prompts: list[list[int]], lengths: list[int]) -> None:
 
     import httpx
 
-    with httpx.Client(timeout=300) as client, ThreadPoolExecutor(max_workers=engine.max_num_seqs[0]) as pool:
+    with httpx.Client(timeout=300, headers=engine.auth_headers) as client, ThreadPoolExecutor(max_workers=engine.max_num_seqs[0]) as pool:
         bodies = [{"model": engine.model_name, "prompt": p, "max_tokens": n, "seed": k, "return_token_ids": True, **params}
                   for k, (p, n) in enumerate(zip(prompts, lengths))]
         for response in pool.map(lambda b: client.post(f"{engine.urls[0]}/v1/completions", json=b), bodies):

@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
         "worker extension for weight pushes and routed experts, the preset's rollout settings",
     )
     _add_config_args(serve)
-    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    serve.add_argument(
+        "--host", default="0.0.0.0",
+        help="address to listen on (default 0.0.0.0); one other hosts can reach needs the run's token "
+        "(rollout.server_token_file=FILE or MEGATRON_RL_SERVER_TOKEN)",
+    )
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--dry-run", action="store_true", help="print the environment and the command, run nothing")
     doctor = sub.add_parser("doctor", help="check this machine (under torchrun/srun: every rank) for a preset; see megatron_rl.doctor")
@@ -156,24 +160,56 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"megatron-rl serve: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    from megatron_rl.rollout import server_auth
     from megatron_rl.rollout.engine import EngineStartError
     from megatron_rl.rollout.server_engine import VLLMServer
 
-    server = VLLMServer(cfg.model.path, cfg.rollout, host=args.host, port=args.port, seed=cfg.train.seed)
+    try:
+        token = server_auth.configured_token(cfg.rollout.server_token_file)
+    except server_auth.ServerTokenError as err:
+        print(f"megatron-rl serve: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if token is None and not server_auth.is_loopback(args.host):
+        print(
+            f"megatron-rl serve: --host {args.host} lets other hosts reach the server, and no token is set: "
+            f"set rollout.server_token_file=FILE (mode 600), {server_auth.TOKEN_FILE_ENV}=FILE or "
+            f"{server_auth.TOKEN_ENV}, or listen on --host 127.0.0.1", file=sys.stderr,
+        )
+        return EXIT_CONFIG_ERROR
+    server = VLLMServer(cfg.model.path, cfg.rollout, host=args.host, port=args.port, seed=cfg.train.seed,
+                        token=token, open_control_plane=token is None)
     try:
         server.check_model_dir()
     except EngineStartError as err:
         print(f"megatron-rl serve: model.path={cfg.model.path!r}: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     command, env = server.command(), server.environment()
+    if token is None:
+        print(f"megatron-rl serve: no token: every user of this host can drive the server on {args.host}:{args.port}",
+              file=sys.stderr)
     if args.dry_run:
-        for name, value in env.items():
-            print(f"export {name}={shlex.quote(value)}")
+        secret = set(server_auth.server_env(""))
+        for name, value in env.items():  # the token never printed: the line reads it where it came from
+            print(f"export {name}={_token_source(cfg.rollout.server_token_file) if name in secret else shlex.quote(value)}")
         print(shlex.join(command))
         return 0
     sys.stdout.flush()
     os.execvpe(command[0], command, {**os.environ, **env})
     return 0  # not reached
+
+
+def _token_source(token_file: str) -> str:
+    """Shell text that reads the token from where `serve` found it (rollout.server_auth.configured_token)."""
+    import os
+    import shlex
+
+    from megatron_rl.rollout.server_auth import TOKEN_ENV, TOKEN_FILE_ENV
+
+    if token_file:
+        return f'"$(cat {shlex.quote(token_file)})"'
+    if os.environ.get(TOKEN_FILE_ENV):
+        return f'"$(cat "${TOKEN_FILE_ENV}")"'
+    return f'"${TOKEN_ENV}"'
 
 
 def main(argv: list[str] | None = None) -> int:

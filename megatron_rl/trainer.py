@@ -353,6 +353,7 @@ class Trainer:
             self._vllm = start_for_run(rollout.weight_transport, rollout, ctx, self.actor.model,
                                        engines=self._placement.engines, clients=clients, host=host,
                                        share=lambda obj: broadcast_object(obj, ctx))
+            self._check_vllm_push(version)
         error: PushBrokenError | None = None
         try:
             if self.engine is not None:
@@ -366,6 +367,24 @@ class Trainer:
             self._vllm = None
             raise error or PushBrokenError(f"weight push v{version} by {rollout.weight_transport} broke on another "
                                            "rank", [])
+
+    def _check_vllm_push(self, version: int) -> None:
+        """Every rank: refuse a push by vLLM's engines whose tensors do not fit the engines' manifest (checked on rank
+        0, which holds it), before any tensor moves: vLLM's own routes do not check names, shapes or dtypes."""
+        from megatron_rl.weight_sync.manifest import WeightPushError
+        from megatron_rl.weight_sync.push import _any_rank
+        from megatron_rl.weight_sync.stream import check_announced
+
+        refused: WeightPushError | None = None
+        if self.engine is not None:
+            try:
+                check_announced(self.engine.manifest, self._vllm.entries)
+            except WeightPushError as error:
+                refused = error
+        if _any_rank(refused is not None, self.ctx.world_group):
+            self._vllm.shutdown()
+            self._vllm = None
+            raise refused or WeightPushError(f"weight push v{version} refused by the engines' manifest (see rank 0)")
 
     def _owner_push(self, version: int, bucket_bytes: int) -> None:
         """Every owner rank broadcasts its own buckets (rollout.weight_senders=owners; weight_sync.parallel), made

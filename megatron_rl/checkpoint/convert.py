@@ -393,6 +393,12 @@ def resolve_mcore_dir(ckpt_dir: str | os.PathLike) -> Path:
     if not (path / "metadata.json").is_file() or not (path / ".metadata").is_file():
         missing = "metadata.json" if not (path / "metadata.json").is_file() else ".metadata"
         raise ConversionError(f"{str(path)!r} has no {missing}: it is not a (complete) megatron dist checkpoint")
+    from megatron_rl.checkpoint.no_code import PickledCodeError, check_dcp_metadata
+
+    try:  # torch unpickles .metadata as it is: nothing but metadata classes may be in it
+        check_dcp_metadata(path)
+    except PickledCodeError as error:
+        raise ConversionError(str(error)) from None
     return path
 
 

@@ -4,7 +4,8 @@ Layout under `checkpoint.dir`:
 
     step_00000010/            one complete checkpoint
         metadata.json, ...    megatron dist checkpoint (model + optimizer, any layout)
-        rank_00000.pt ...     per-rank state: RNG states (torch, python, numpy, megatron's tracker)
+        rank_00000.pt ...     per-rank state: RNG states (torch, python, numpy, megatron's tracker), tensors and
+                              plain values only: loaded with weights_only=True (checkpoint.no_code)
         trainer_state.json    step, weight version, data position, scheduler, config
     latest                    text file naming the newest complete checkpoint
 
@@ -29,6 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_rl.checkpoint.no_code import (
+    PickledCodeError, RankFileError, check_dcp_metadata, load_rank_file, numpy_state_from_tensors, numpy_state_to_tensors,
+)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
@@ -76,7 +81,7 @@ def capture_rng_state() -> dict[str, Any]:
 
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": numpy_state_to_tensors(np.random.get_state()),
         "torch": torch.get_rng_state(),
         "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -89,7 +94,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(numpy_state_from_tensors(state["numpy"]))
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
     if "cuda" in state and torch.cuda.is_available():
@@ -234,19 +239,18 @@ def load_checkpoint(
 
     check_complete(path)
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    rank_file = path / f"rank_{_rank():05d}.pt"
+    try:  # nothing that could run code is unpickled (checkpoint.no_code)
+        check_dcp_metadata(path)
+        rank_state: dict[str, Any] = load_rank_file(rank_file) if rank_file.is_file() else {}
+    except (PickledCodeError, RankFileError) as err:
+        raise CheckpointError(str(err)) from None
     try:
         state = dist_checkpointing.load(sharded_state_dict, str(path))
     except Exception as err:  # noqa: BLE001 - name the checkpoint whatever megatron raised
         raise CheckpointError(f"cannot load the model/optimizer state from {str(path)!r}: {err}") from err
-    rank_file = path / f"rank_{_rank():05d}.pt"
-    rank_state: dict[str, Any] = {}
-    if rank_file.is_file():
-        try:
-            rank_state = torch.load(rank_file, weights_only=False)
-        except Exception as err:  # noqa: BLE001
-            raise CheckpointError(f"cannot read {rank_file}: {err}; the checkpoint is damaged, resume from an older one") from err
-        if restore_rng:
-            restore_rng_state(rank_state.pop("rng"))
+    if rank_state and restore_rng:
+        restore_rng_state(rank_state.pop("rng"))
     return state, trainer_state, rank_state
 
 

@@ -291,6 +291,10 @@ class RolloutConfig:
     server_urls: list[str] = field(default_factory=list)
     """Base URLs of running vLLM servers (engine=vllm_server); launch/slurm.sbatch fills it in for the servers it
     starts on the nodes cluster.rollout_gpus sets aside."""
+    server_token_file: str = ""
+    """File (mode 600) holding the token every request to the vLLM servers carries (rollout.server_auth);
+    `megatron-rl serve` and the trainer read it. Empty: the file $MEGATRON_RL_SERVER_TOKEN_FILE names, else
+    $MEGATRON_RL_SERVER_TOKEN, else servers the trainer starts itself get a random token per run."""
     engines: int = 0
     """Colocated engines (engine=vllm) the trainer starts; 0 = one per tensor_parallel x pipeline_parallel of the
     trainer's GPUs, one on CPU. With more than one, each runs as a vLLM server hosted by a trainer rank on that

@@ -39,6 +39,7 @@ from megatron_rl.config.core import replace
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.config.placement import host_ranks, worker_ranks
 from megatron_rl.rollout.engine import EngineStartError
+from megatron_rl.rollout.server_auth import ServerTokenError, run_token
 from megatron_rl.rollout.server_engine import VLLMServer, VLLMServerEngine
 from megatron_rl.weight_sync.broadcast import host_address
 from megatron_rl.weight_sync.ipc import IpcRelay
@@ -112,6 +113,8 @@ class ColocatedServers:
     owner_relay: OwnerIpcRelay | None = None
     """rollout.weight_transport=ipc with weight_senders=owners: this rank's part in pushes where every owner sends
     its own buckets to the workers' devices (weight_sync.owner_ipc; every rank has one)."""
+    token: str | None = None
+    """The servers' token (rollout.server_auth): rank 0's, the same on every rank."""
 
     def engine(self, rollout: RolloutConfig) -> VLLMServerEngine:
         """Rank 0's engine over every server (its own restarted by the engine, the others by their hosts)."""
@@ -119,7 +122,7 @@ class ColocatedServers:
 
         # the transport and backend colocated servers get (config.placement: gloo, engine 0 shares rank 0's GPU)
         rollout = resolve_placement(replace(rollout, engines=len(self.urls))).rollout_config(rollout)
-        return VLLMServerEngine([self.server, *self.urls[1:]], rollout, relay=self.relay)
+        return VLLMServerEngine([self.server, *self.urls[1:]], rollout, relay=self.relay, token=self.token)
 
     def stop(self) -> None:
         if self.supervisor is not None:
@@ -144,6 +147,7 @@ def start_colocated_servers(
     names: list[Any] = [None] * world_size
     dist.all_gather_object(names, socket.gethostname(), group=group)
     address = "127.0.0.1" if len(set(names)) == 1 else host_address()
+    token = _shared_token(rollout, rank, group)
     server, outcome = None, ("none", "")
     if rank in hosts:
         engine_index = hosts.index(rank)
@@ -153,7 +157,8 @@ def start_colocated_servers(
             if torch.cuda.is_available():
                 size = rollout.tensor_parallel * rollout.pipeline_parallel
                 env["CUDA_VISIBLE_DEVICES"] = engine_devices(local_rank, size, visible_devices())
-            server = VLLMServer(model_dir, rollout, host=address, seed=seed + engine_index, log_path=log_path, env=env)
+            server = VLLMServer(model_dir, rollout, host=address, seed=seed + engine_index, log_path=log_path, env=env,
+                                token=token)
             server.start()
             outcome = ("ok", server.url)
         except (EngineStartError, OSError) as error:
@@ -175,7 +180,22 @@ def start_colocated_servers(
         if rollout.weight_senders == "owners":
             owner_relay = OwnerIpcRelay(rank=rank, engine_ranks=worker_ranks(engines, workers, world_size), group=group,
                                         object_group=object_group, timeout_s=rollout.request_timeout_s)
-    return ColocatedServers(urls=urls, server=server, supervisor=supervisor, relay=relay, owner_relay=owner_relay)
+    return ColocatedServers(urls=urls, server=server, supervisor=supervisor, relay=relay, owner_relay=owner_relay,
+                            token=token)
+
+
+def _shared_token(rollout: RolloutConfig, rank: int, group: Any) -> str:
+    """Collective: rank 0's token for the run's servers (rollout.server_auth) on every rank, or its error."""
+    shared: list[Any] = [None]
+    if rank == 0:
+        try:
+            shared[0] = run_token(rollout.server_token_file)
+        except ServerTokenError as error:
+            shared[0] = error
+    dist.broadcast_object_list(shared, src=0, group=group)
+    if isinstance(shared[0], ServerTokenError):
+        raise shared[0]
+    return shared[0]
 
 
 def ipc_relay(engines: int, workers: int, *, rank: int, world_size: int, group: Any = None,

@@ -9,6 +9,9 @@ Servers run `python -m vllm.entrypoints.openai.api_server` with
 VLLM_SERVER_DEV_MODE=1 (enables POST /collective_rpc and /reset_prefix_cache)
 and `--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension`,
 `--logprobs-mode processed_logprobs`; VLLMServer builds that command line.
+Every route but /health needs the run's token (rollout.server_auth): a server
+gets it in its environment and checks it in `--middleware`; every request of
+this engine carries it.
 
 Generation: prompt i goes to server i mod S (round-robin), each server given
 max(1, max_num_seqs // n) prompts at once (rollout.client_limits), one completions
@@ -69,6 +72,9 @@ from megatron_rl.rollout.common import (
 from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
+from megatron_rl.rollout.server_auth import (
+    MIDDLEWARE, ServerTokenError, auth_headers, refused, refused_message, run_token, server_env, token_of, weight_sync_client,
+)
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
 from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightSyncedEngine
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
@@ -108,7 +114,12 @@ class VLLMServer:
         log_path: str | os.PathLike | None = None,
         extra_args: Iterable[str] = (),
         env: dict[str, str] | None = None,
+        token: str | None = None,
+        open_control_plane: bool = False,
     ):
+        """token: what every request must carry (rollout.server_auth); None: rollout.server_token_file, else
+        $MEGATRON_RL_SERVER_TOKEN_FILE / $MEGATRON_RL_SERVER_TOKEN, else a new random one.
+        open_control_plane: no token at all (`megatron-rl serve` on a loopback address without one)."""
         self.model_dir = Path(model_dir)
         self.config = config or RolloutConfig()
         self.host = host
@@ -117,6 +128,7 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
+        self.token = None if open_control_plane else (token or run_token(self.config.server_token_file))
         self.process: subprocess.Popen | None = None
         self.start_seconds = 0.0
 
@@ -149,6 +161,8 @@ class VLLMServer:
             cmd.append("--no-enable-prefix-caching")
         if cfg.sleep_level and sleep_mode_available():  # vLLM refuses the flag where the platform has none (CPU)
             cmd.append("--enable-sleep-mode")
+        if self.token:  # the token itself goes in the environment: a command line is every user's to read
+            cmd += ["--middleware", MIDDLEWARE]
         return cmd + vllm_transfer.server_args(cfg.weight_transport) + self.extra_args
 
     def check_model_dir(self) -> None:
@@ -166,13 +180,16 @@ class VLLMServer:
         env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path}
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))
-        return {**env, **vllm_transfer.server_env(self.config.weight_transport), **self.env}
+        token = server_env(self.token) if self.token else {}
+        return {**env, **vllm_transfer.server_env(self.config.weight_transport), **self.env, **token}
 
     def start(self) -> "VLLMServer":
         """Start the server and wait until /health answers (EngineStartError with the log tail if it dies)."""
         self.check_model_dir()
-        # the server's whole output goes to its log file: not to the trainer's vLLM log (megatron_rl.console)
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_CONFIG_PATH"}
+        # the server's whole output goes to its log file: not to the trainer's vLLM log (megatron_rl.console);
+        # a server without a token must not take one from this process's environment
+        dropped = {"VLLM_LOGGING_CONFIG_PATH", *server_env("")}
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
         env.update(self.environment())
         if self.log_path is None:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-server-{self.port}.log"
@@ -244,10 +261,14 @@ class VLLMServerEngine(WeightSyncedEngine):
         reexport_fn: Callable[[], Iterable[Bucket]] | None = None,
         model_dir: str | os.PathLike | None = None,
         relay: IpcRelay | None = None,
+        token: str | None = None,
     ):
         """model_dir: the servers' model (sizes the start-up timeout); by default that of a VLLMServer given.
         relay: servers colocated on the trainer's GPUs, rollout.weight_transport=ipc: what shares each bucket on
-        every rank with a worker on its GPU (rollout.colocated)."""
+        every rank with a worker on its GPU (rollout.colocated).
+        token: the servers' token (rollout.server_auth); by default that of the VLLMServers given, else
+        rollout.server_token_file / $MEGATRON_RL_SERVER_TOKEN_FILE / $MEGATRON_RL_SERVER_TOKEN (None: servers
+        without one)."""
         if not servers:
             raise ValueError("VLLMServerEngine needs at least one server URL or VLLMServer")
         import httpx
@@ -257,12 +278,15 @@ class VLLMServerEngine(WeightSyncedEngine):
         self.urls = [s.url if isinstance(s, VLLMServer) else str(s).rstrip("/") for s in servers]
         self.model_dir = model_dir or next((s.model_dir for s in servers if isinstance(s, VLLMServer)), None)
         self.relay = relay
+        self.token = token or token_of(servers, self.config.server_token_file)
+        self.auth_headers = auth_headers(self.token)
+        """Headers every request to the servers carries (the token's); for other clients of the same servers."""
         colocated_ipc = relay is not None and self.config.weight_transport == "ipc"
         if self.config.weight_transport in VLLM_ENGINE_OF:  # vLLM's own engines (weight_sync.vllm_transfer)
             self.weight_transport = self.config.weight_transport
         else:
             self.weight_transport = "ipc" if colocated_ipc else server_transport(self.config.weight_transport)
-        self._http = httpx.Client(timeout=self.config.request_timeout_s)
+        self._http = httpx.Client(timeout=self.config.request_timeout_s, headers=self.auth_headers)
         self._route_capture = False  # between start_route_capture and collect_route_capture
         self._wait_for_servers()
         self._describe()
@@ -275,6 +299,8 @@ class VLLMServerEngine(WeightSyncedEngine):
             response = (client or self._http).post(f"{url}{path}", json=body)
         except httpx.HTTPError as error:
             raise ServerDeadError(f"{url}{path}: {type(error).__name__}: {error}") from error
+        if refused(response.status_code):
+            raise ServerTokenError(refused_message(url, self.token))
         if response.status_code >= 500:
             raise ServerDeadError(f"{url}{path}: HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code >= 400:
@@ -330,7 +356,10 @@ class VLLMServerEngine(WeightSyncedEngine):
         """Per server: started with vLLM's sleep mode (--enable-sleep-mode), so /sleep releases its memory."""
         self.platform_sleep_mode = [bool(i.get("platform_sleep_mode")) for i in infos]
         try:
-            models = self._http.get(f"{self.urls[0]}/v1/models").json()["data"]
+            answer = self._http.get(f"{self.urls[0]}/v1/models")
+            if refused(answer.status_code):
+                raise ServerTokenError(refused_message(self.urls[0], self.token))
+            models = answer.json()["data"]
         except httpx.HTTPError as error:
             raise ServerDeadError(f"{self.urls[0]}/v1/models: {error}") from error
         self.model_name = models[0]["id"]
@@ -393,10 +422,9 @@ class VLLMServerEngine(WeightSyncedEngine):
         return [target(url) for url in self.urls]
 
     def weight_sync_clients(self) -> list[Any]:
-        """vLLM's HTTP client of each server's weight-transfer routes (open with VLLM_SERVER_DEV_MODE=1)."""
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-        return [HTTPVLLMWeightSyncClient(url, timeout=self.config.request_timeout_s) for url in self.urls]
+        """vLLM's HTTP client of each server's weight-transfer routes (open with VLLM_SERVER_DEV_MODE=1), sending the
+        token."""
+        return [weight_sync_client(url, self.config.request_timeout_s, self.token) for url in self.urls]
 
     def _broadcast_sender(self) -> BroadcastSender:
         from urllib.parse import urlparse
@@ -496,7 +524,7 @@ class VLLMServerEngine(WeightSyncedEngine):
         """
         import httpx
 
-        client = httpx.Client(timeout=httpx.Timeout(self.config.request_timeout_s, read=None))
+        client = httpx.Client(timeout=httpx.Timeout(self.config.request_timeout_s, read=None), headers=self.auth_headers)
         shares = self.prompts_in_flight(sampling.n)
         pools = [ThreadPoolExecutor(max_workers=share, thread_name_prefix="rollout-request") for share in shares]
         futures: list[Future] = []
@@ -593,3 +621,4 @@ class VLLMServerEngine(WeightSyncedEngine):
             for server in self.servers:
                 if server is not None:
                     server.stop()
+

@@ -67,8 +67,8 @@ import torch
 
 from megatron_rl.rollout.routing import RequestCapture, encode_captures
 from megatron_rl.weight_sync.broadcast import (
-    BroadcastError, backend_device, broadcast_from_root, check_not_same_gpu, close_group, open_group, start_broadcast,
-    unpack_bucket, wait_work,
+    BroadcastError, backend_device, broadcast_from_root, check_layout, check_not_same_gpu, close_group, open_group,
+    start_broadcast, unpack_bucket, wait_work,
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
 from megatron_rl.weight_sync.delta import DeltaHolder
@@ -310,6 +310,12 @@ class RolloutWorkerExtension:
         if state is None:
             raise BroadcastError("mrl_broadcast_receive before mrl_broadcast_join: this worker is in no broadcast group")
         layout = json.loads(layout) if isinstance(layout, str) else layout
+        try:
+            check_layout(layout)  # before any buffer is allocated
+        except BaseException:
+            self.mrl_broadcast_leave()  # the trainer's broadcast of this bucket finds no receiver: the group goes
+            self.mrl_abort_push()
+            raise
         flat = torch.empty(int(layout["nbytes"]), dtype=torch.uint8, device=state["device"])
         try:
             broadcast_from_root(state["group"], flat, timeout_s=state["timeout_s"])
@@ -360,6 +366,8 @@ class RolloutWorkerExtension:
         parts = (json.loads(message) if isinstance(message, str) else message)["parts"]
         flats, deadline = [], time.monotonic() + state["timeout_s"]
         try:
+            for part in parts:
+                check_layout(part["layout"])  # before any buffer is allocated
             works = []
             for part in parts:
                 flats.append(torch.empty(int(part["layout"]["nbytes"]), dtype=torch.uint8, device=state["device"]))

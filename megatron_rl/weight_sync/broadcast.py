@@ -80,6 +80,30 @@ def describe_bucket(bucket: Bucket) -> dict:
     return {"nbytes": offset, "tensors": entries}
 
 
+def check_layout(layout: dict) -> None:
+    """Refuse (WeightPushError) a layout that is not what describe_bucket makes of its own entries: every dtype a
+    torch dtype, every dimension >= 0, each tensor at the aligned end of the one before, nbytes the aligned end of
+    the last. Run by an engine worker before it allocates or reads the bucket (the layout came over HTTP)."""
+    offset = 0
+    for entry in layout["tensors"]:
+        name = entry.get("name")
+        dtype = getattr(torch, str(entry["dtype"]), None)
+        shape = [int(d) for d in entry["shape"]]
+        if not isinstance(dtype, torch.dtype) or any(d < 0 for d in shape):
+            raise WeightPushError(f"weight push refused: tensor {name!r} of a packed bucket has dtype {entry['dtype']!r} "
+                                  f"and shape {shape}: not a tensor. Nothing was loaded.")
+        if int(entry["offset"]) != offset:
+            raise WeightPushError(f"weight push refused: tensor {name!r} starts at byte {entry['offset']} of its packed "
+                                  f"bucket, where the tensors before it end at {offset}. Nothing was loaded.")
+        numel = 1
+        for d in shape:
+            numel *= d
+        offset = _aligned(offset + numel * torch.empty(0, dtype=dtype).element_size())
+    if int(layout["nbytes"]) != offset:
+        raise WeightPushError(f"weight push refused: a packed bucket says {layout['nbytes']} bytes, its tensors take "
+                              f"{offset}. Nothing was loaded.")
+
+
 def pack_bucket(bucket: Bucket, layout: dict, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """The bucket's bytes in one uint8 tensor on `device`, laid out as `layout` (describe_bucket) says.
 
@@ -105,11 +129,10 @@ def unpack_bucket(layout: dict, flat: torch.Tensor) -> Bucket:
         raise BroadcastError(
             f"packed bucket holds {flat.numel()} {flat.dtype} elements; its layout says {layout['nbytes']} bytes"
         )
+    check_layout(layout)
     bucket: Bucket = []
     for entry in layout["tensors"]:
-        dtype = getattr(torch, entry["dtype"], None)
-        if not isinstance(dtype, torch.dtype):
-            raise BroadcastError(f"tensor {entry['name']!r}: unknown dtype {entry['dtype']!r} in a packed bucket")
+        dtype = getattr(torch, entry["dtype"])
         shape = [int(d) for d in entry["shape"]]
         numel = 1
         for d in shape:

@@ -6,7 +6,9 @@ exactly what `export_hf_weights` yields. A push is checked against it before
 any engine weight is touched:
 
 1. every name is in the manifest (a typo or a wrong mapping names the tensor);
-2. every shape equals the checkpoint's (dtype may differ: the engine casts);
+2. every shape equals the checkpoint's; the dtype may differ (the engine
+   casts between floating-point dtypes) but not its kind: a floating-point
+   weight comes as floating point, an integer one as integers;
 3. no name comes twice;
 4. the push is complete: every manifest tensor is in it. vLLM reloads a
    layer only once all of its fused parameters (qkv_proj, gate_up_proj,
@@ -22,6 +24,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+
+
+_FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+"""safetensors' codes of floating-point dtypes."""
 
 
 class WeightPushError(ValueError):
@@ -85,6 +91,19 @@ class WeightManifest:
             )
 
 
+    def check_dtype(self, name: str, dtype: object) -> None:
+        """Raise WeightPushError when a torch dtype is not of the kind (floating point or not) of the checkpoint's."""
+        code = self.dtypes.get(name)
+        is_float = getattr(dtype, "is_floating_point", None)
+        if code is None or is_float is None or (code in _FLOAT_CODES) == bool(is_float):
+            return
+        raise WeightPushError(
+            f"weight push refused: tensor {name!r} comes as {str(dtype).removeprefix('torch.')} but the engine's "
+            f"checkpoint holds {code}: the kind of dtype must match (the engine casts between float dtypes only). "
+            "Nothing was loaded."
+        )
+
+
 class PushValidator:
     """Checks a push bucket by bucket, then its completeness (see the module docstring)."""
 
@@ -97,6 +116,7 @@ class PushValidator:
         for name, tensor in bucket:
             shape = tuple(tensor.shape)
             self.manifest.check_tensor(name, shape)
+            self.manifest.check_dtype(name, getattr(tensor, "dtype", None))
             if name in self.seen:
                 raise WeightPushError(f"weight push refused: tensor {name!r} appears twice in one push. Nothing was loaded.")
             self.seen.add(name)

@@ -270,6 +270,9 @@ class VllmTransfer:
 
     transport: str
     engines: list[Any]
+    entries: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)
+    """(HF name, full shape, wire dtype) of every tensor a push sends: what the engines' manifest is checked against
+    (weight_sync.stream.check_announced) before the first push."""
 
     def send(self, version: int) -> None:
         """One push, on every trainer rank (a collective); PushBrokenError names the transport and the fallback."""
@@ -299,9 +302,12 @@ def start_transfer(transport: str, make_source: Callable[[], Any], init_infos: l
     from megatron_rl.rollout.engine import EngineStartError  # here: rollout imports this module
 
     engines: list[Any] = []
+    entries: list[tuple[str, tuple[int, ...], str]] = []
     try:
         for init_info, client in zip(init_infos, clients, strict=True):
-            engines.append(WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=make_source()))
+            source = make_source()
+            entries = entries or [(m.name, tuple(m.shape), str(m.dtype).removeprefix("torch.")) for m in source.metadata()]
+            engines.append(WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source))
     except Exception as error:  # noqa: BLE001 - vLLM's rendezvous raises many types
         VllmTransfer(transport, engines).shutdown()
         raise EngineStartError(
@@ -310,7 +316,7 @@ def start_transfer(transport: str, make_source: Callable[[], Any], init_infos: l
             "(megatron_rl's own transport) or auto"
         ) from error
     logger.info("weight push by vLLM's %s engine (%d engine(s))", VLLM_ENGINE_OF[transport], len(engines))
-    return VllmTransfer(transport, engines)
+    return VllmTransfer(transport, engines, entries)
 
 
 def wire_dtype(engine_dtype: str, device: torch.device) -> torch.dtype | None:

@@ -154,7 +154,25 @@ def corpus(tmp_path_factory) -> Path:
     arch = {"num_layers": 4, "hidden_size": 4096}  # another model's architecture, as a save records it
     (foreign / "trainer_state.json").write_text(json.dumps({"step": 1, "model_architecture": arch}))
     (ckpts / "foreign" / "latest").write_text("step_00000001\n")
+    pickled = ckpts / "pickled" / "step_00000001"  # a checkpoint from elsewhere whose rank file would run code
+    pickled.mkdir(parents=True)
+    (pickled / "metadata.json").write_text("{}")
+    (pickled / "trainer_state.json").write_text(json.dumps({"step": 1}))
+    torch.save({"rng": {}, "extra": RunsCode(pickled / "code_ran")}, pickled / "rank_00000.pt")
+    (ckpts / "pickled" / "latest").write_text("step_00000001\n")
+    (root / "token_644").write_text("a-token-of-the-bad-input-corpus-0123\n")
+    (root / "token_644").chmod(0o644)
     return root
+
+
+class RunsCode:
+    """Unpickling it writes `marker` (a checkpoint file that would run code)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
 
 
 CASES = [
@@ -225,6 +243,16 @@ CASES = [
     Case(name="resume_missing_dir", argv=_train("checkpoint.resume={root}/ckpts/gone"), code=2, culprit=["ckpts/gone", "checkpoint.resume"]),
     Case(name="resume_another_model", argv=_train("checkpoint.dir={root}/ckpts/foreign", "checkpoint.resume=auto"), code=2,
          culprit=["foreign/step_00000001", "another model", "model.path=", "hidden_size"], untouched=["ckpts/foreign"]),
+    Case(name="resume_pickled_code", argv=_train("checkpoint.dir={root}/ckpts/pickled", "checkpoint.resume=auto"), code=2,
+         culprit=["pickled/step_00000001/rank_00000.pt", "unpickling can run code", "tools/convert_rank_state.py"],
+         untouched=["ckpts/pickled"]),  # no code_ran file appears
+    # -- rollout servers: `serve` where other hosts reach it needs the run's token
+    Case(name="serve_other_hosts_without_token", argv=_raw("serve", "--dry-run", "--config", PRESET, "model.path={root}/model",
+                                                           "--host", "0.0.0.0"), code=2,
+         culprit=["--host 0.0.0.0", "rollout.server_token_file", "MEGATRON_RL_SERVER_TOKEN"]),
+    Case(name="server_token_file_others_can_read", argv=_raw("serve", "--dry-run", "--config", PRESET, "model.path={root}/model",
+                                                             "rollout.server_token_file={root}/token_644"), code=2,
+         culprit=["token_644", "mode 644", "chmod 600"]),
     # -- the engine (one that cannot start runs as a process of its own below: a vLLM start that fails in a process
     # leaves vLLM's process-group state behind, which would break every later engine of this test process)
     # (a run that gets past the start-up checks: they said where it writes and the free space there)

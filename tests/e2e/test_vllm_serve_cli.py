@@ -1,4 +1,5 @@
-"""`megatron-rl serve` starts a server the trainer's engine can use: it waits for it, pushes, samples.
+"""`megatron-rl serve` starts a server the trainer's engine can use: it waits for it, pushes, samples, with the
+token of rollout.server_token_file; a client without it is refused in one line.
 
 One server start (~30-60 s on 2 cores).
 """
@@ -11,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the extra, without vLLM; a broken install fails)
 
 from megatron_rl.config import RolloutConfig
@@ -22,22 +25,34 @@ from tests.e2e.vllm_helpers import build_models, hf_state_dict, max_logprob_erro
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_served_model_takes_pushes_and_samples(tmp_path):
+def test_served_model_takes_pushes_and_samples(tmp_path, monkeypatch):
+    import secrets
+
+    from megatron_rl.rollout.server_auth import ServerTokenError
+
     models = build_models(tmp_path / "models")
+    token_file = tmp_path / "server-token"
+    token_file.write_text(secrets.token_urlsafe(32) + "\n")
+    token_file.chmod(0o600)
+    for name in ("MEGATRON_RL_SERVER_TOKEN", "MEGATRON_RL_SERVER_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "megatron_rl.cli", "serve", "--config", "configs/tiny-gspo.yaml",
          f"model.path={models['moe0']}", "--host", "127.0.0.1", "--port", str(port),
-         "rollout.kv_cache_gib=0.25", "rollout.max_model_len=128"],
+         "rollout.kv_cache_gib=0.25", "rollout.max_model_len=128", f"rollout.server_token_file={token_file}"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
     )
     engine = None
     try:
         # the engine is made while the server is still loading: it waits for /health
-        engine = VLLMServerEngine([f"http://127.0.0.1:{port}"], RolloutConfig(max_model_len=128, server_start_timeout_s=300))
+        config = RolloutConfig(max_model_len=128, server_start_timeout_s=300, server_token_file=str(token_file))
+        engine = VLLMServerEngine([f"http://127.0.0.1:{port}"], config)
         assert engine.max_model_len == 128 and engine.weight_transport == "broadcast"
+        with pytest.raises(ServerTokenError, match="needs a token and this process has none"):
+            VLLMServerEngine([f"http://127.0.0.1:{port}"], RolloutConfig(max_model_len=128))
         push_weights(engine, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=2)
         rollouts = engine.generate([[1, 5, 6, 7, 8], [1, 9, 10]], SamplingSpec(n=2, max_new_tokens=10, seed=2))
         assert rollouts.weight_version == 2

@@ -1,7 +1,8 @@
 """A vLLM OpenAI server on 127.0.0.1 passes the weight-push checks of the in-process engine.
 
 Pushes go by gloo broadcast (the default for servers) and as base64 bytes over
-HTTP; a killed server is restarted and gets the pushed weights again. One
+HTTP; a killed server is restarted and gets the pushed weights again; without
+the run's token every route but /health is refused and changes nothing. One
 server start (~30-60 s on 2 cores) for the module, one more for the restart.
 """
 
@@ -81,6 +82,67 @@ def test_server_weight_push(server_engine, models):
     check_episode_routes(server_engine, models["moe1"], PROMPTS, seed=5)
 
 
+def test_without_the_token_every_route_is_refused_and_changes_nothing(server_engine, models, monkeypatch):
+    """Every route the server has (its OpenAPI list), asked without the token or with a wrong one: 401, except GET
+    /health. Then the weights, their version, the sleep and pause states are as the trainer left them."""
+    import httpx
+
+    from megatron_rl.rollout.server_auth import ServerTokenError
+
+    url, token = server_engine.urls[0], server_engine.token
+    assert token and len(token) >= 32  # a VLLMServer gets a random one unless given one
+    push_weights(server_engine, bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10), version=30)
+    routes = httpx.get(f"{url}/openapi.json", headers=server_engine.auth_headers, timeout=30).json()["paths"]
+    assert {"/collective_rpc", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/pause", "/update_weights",
+            "/v1/completions", "/v1/models", "/tokenize"} <= set(routes)
+    routes.update({path: {"get": {}} for path in ("/openapi.json", "/docs", "/metrics")})  # not in its own list
+    answers = {}
+    with httpx.Client(timeout=30) as anyone:
+        for path, methods in routes.items():
+            for method in methods:
+                for variant, headers in enumerate(({}, {"Authorization": "Bearer not-the-token-0123456789"},
+                                                   {"Authorization": token})):
+                    request = anyone.build_request(method.upper(), url + path.replace("{", "").replace("}", ""),
+                                                   json=None if method == "get" else {}, headers=headers)
+                    answers[(method.upper(), path, variant)] = anyone.send(request).status_code
+        # what an attacker would send: a weight push, a new version, sleep, pause, a generation
+        attacks = [("/collective_rpc", {"method": "mrl_set_version", "args": ["77"]}),
+                   ("/collective_rpc", {"method": "mrl_begin_push", "args": ["78"]}),
+                   ("/sleep?level=1", None), ("/pause", None), ("/reset_prefix_cache", None),
+                   ("/v1/completions", {"model": server_engine.model_name, "prompt": [1, 5], "max_tokens": 2})]
+        for path, body in attacks:
+            answers[("POST", path, 0)] = anyone.post(url + path, json=body).status_code
+        health = anyone.get(f"{url}/health")
+    assert health.status_code == 200
+    assert {key: code for key, code in answers.items() if code != 401} == {("GET", "/health", v): 200 for v in range(3)}
+    assert len(answers) > 100
+
+    # with the token, a bucket whose tensor is of another kind of dtype than the checkpoint's is refused by the
+    # worker before it touches the model (the right name and shape, integers for a float weight)
+    from megatron_rl.weight_sync.buckets import bucket_to_b64
+
+    norm = hf_state_dict(models["moe0"])["model.norm.weight"]
+    server_engine._rpc(url, "mrl_begin_push", "31")
+    with pytest.raises(Exception, match="'model.norm.weight' comes as int32 but the engine's checkpoint holds F32"):
+        server_engine._rpc(url, "mrl_stage_weights", bucket_to_b64([("model.norm.weight", norm.to(torch.int32))]))
+    authed = httpx.Client(timeout=30, headers=server_engine.auth_headers)
+    assert authed.get(f"{url}/is_sleeping").json()["is_sleeping"] is False
+    assert authed.get(f"{url}/is_paused").json()["is_paused"] is False
+    assert int(server_engine._rpc(url, "mrl_weight_version")) == 30
+    authed.close()
+    rollouts = server_engine.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=10, seed=3, temperature=0.9))
+    assert rollouts.weight_version == 30 and max_logprob_error(models["moe1"], rollouts, 0.9) < TOL
+
+    # a client without the token stops at once, in one line naming where the token goes
+    for name in ("MEGATRON_RL_SERVER_TOKEN", "MEGATRON_RL_SERVER_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ServerTokenError) as refused:
+        VLLMServerEngine([url], server_engine.config)
+    assert "HTTP 401" in str(refused.value) and "rollout.server_token_file" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert token not in server_engine.servers[0].log_path.read_text()  # never logged
+
+
 def test_in_flight_prompts_follow_the_server_and_a_long_request_is_slow_not_dead(server_engine, models):
     # the server runs at most 6 sequences at once; a prompt of n=2 samples takes 2 of them
     assert server_engine.max_num_seqs == [6] and server_engine.prompts_in_flight(2) == [3]
@@ -89,7 +151,7 @@ def test_in_flight_prompts_follow_the_server_and_a_long_request_is_slow_not_dead
     reference = server_engine.generate(PROMPTS, spec)
     elapsed = time.perf_counter() - start
     # the same batch with a control-call timeout far below the time its requests take: still no restart
-    client = VLLMServerEngine([server_engine.urls[0]], server_engine.config)
+    client = VLLMServerEngine([server_engine.urls[0]], server_engine.config, token=server_engine.token)
     config = client.config = replace(server_engine.config, request_timeout_s=max(0.05, elapsed / 6))
     try:
         rollouts = client.generate(PROMPTS, spec)
@@ -101,7 +163,7 @@ def test_in_flight_prompts_follow_the_server_and_a_long_request_is_slow_not_dead
 
 def test_server_weight_push_as_bytes_over_http(server_engine, models):
     config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, weight_transport="rpc")
-    engine = VLLMServerEngine([server_engine.urls[0]], config)  # a second client of the same server
+    engine = VLLMServerEngine([server_engine.urls[0]], config, token=server_engine.token)  # a second client
     try:
         assert engine.weight_transport == "rpc"
         push_weights(engine, bucketize(hf_state_dict(models["moe0"]).items(), 64 << 10), version=7)
@@ -142,7 +204,8 @@ def test_supervised_server_comes_back_for_an_engine_that_did_not_start_it(server
     server = server_engine.servers[0]
     supervisor = ServerSupervisor(server, poll_s=0.2)
     client = VLLMServerEngine(
-        [server.url], server_engine.config, reexport_fn=lambda: bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10)
+        [server.url], server_engine.config, reexport_fn=lambda: bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10),
+        token=server_engine.token,
     )
     try:
         assert client.servers == [None]  # an external server to this engine: it waits, never restarts
@@ -171,9 +234,9 @@ def test_servers_sleep_through_vllms_endpoints_and_vllm_cpu_says_it_frees_nothin
     url = server_engine.urls[0]
 
     def sleeping() -> bool:
-        return httpx.get(f"{url}/is_sleeping", timeout=10).json()["is_sleeping"]
+        return httpx.get(f"{url}/is_sleeping", timeout=10, headers=server_engine.auth_headers).json()["is_sleeping"]
 
-    client = VLLMServerEngine([url], replace(server_engine.config, sleep_level=2))
+    client = VLLMServerEngine([url], replace(server_engine.config, sleep_level=2), token=server_engine.token)
     try:
         assert (client.sleep_mode, client.platform_sleep_mode) == ([False], [False])
         with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.push"):
@@ -207,7 +270,7 @@ def test_episode_turns_stay_on_their_server_and_new_episodes_go_to_the_least_loa
     from tests.e2e.vllm_helpers import hf_model
 
     url = server_engine.urls[0]
-    pusher = VLLMServerEngine([url], replace(server_engine.config, weight_transport="rpc"))  # known weights: moe0's
+    pusher = VLLMServerEngine([url], replace(server_engine.config, weight_transport="rpc"), token=server_engine.token)
     try:
         push_weights(pusher, bucketize(hf_state_dict(models["moe0"]).items(), 1 << 20), version=20)
     finally:
@@ -223,7 +286,7 @@ def test_episode_turns_stay_on_their_server_and_new_episodes_go_to_the_least_loa
         def step(self, turn):
             return StepResult(observation=[7, 8, 9], done=turn.index >= 2)
 
-    engine = Recording([url, url], server_engine.config)
+    engine = Recording([url, url], server_engine.config, token=server_engine.token)
     tokenizer = load_tokenizer(models["moe0"])
     # distinct prompts: an episode's requests are known by its prompt
     prompts = [SimpleNamespace(token_ids=[1, 40 + i, 50 + i, 60], text="", answer="", index=i, row={}) for i in range(6)]

@@ -79,3 +79,87 @@ def test_a_full_disk_during_a_save_names_the_directory_and_keeps_the_last_checkp
     monkeypatch.setattr(dist_checkpointing, "save", lambda state, path: (_ for _ in ()).throw(ValueError("a bug")))
     with pytest.raises(ValueError, match="a bug"):  # anything else is not reported as a full disk
         save_checkpoint(tmp_path, 2, {}, {"weight_version": 2})
+
+
+class RunsCode:
+    """A pickle whose loading writes `marker`: what a checkpoint from elsewhere could hold."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_pickle_that_would_run_code_is_refused_at_resume_and_nothing_runs(tmp_path):
+    import pickle
+
+    import torch
+
+    from megatron_rl.checkpoint.state import load_checkpoint
+
+    pickle.loads(pickle.dumps(RunsCode(tmp_path / "proof")))  # the payload is live: plain unpickling runs it
+    assert (tmp_path / "proof").read_text() == "ran"
+
+    marker = tmp_path / "ran"
+    ckpt = _complete(tmp_path, 3)
+    torch.save({"rng": {"torch": torch.get_rng_state()}, "extra": RunsCode(marker)}, ckpt / "rank_00000.pt")
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(ckpt, {})
+    message = str(raised.value)
+    assert str(ckpt / "rank_00000.pt") in message and "unpickling can run code" in message
+    assert f"python tools/convert_rank_state.py {ckpt}" in message
+    assert not marker.exists()
+
+    # torch's distributed checkpoint metadata is a plain pickle: checked before megatron unpickles it
+    (ckpt / "rank_00000.pt").unlink()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata asks to load builtins\.exec when unpickled"):
+        load_checkpoint(ckpt, {})
+    assert not marker.exists()
+
+
+def test_older_rank_files_load_and_restore_the_random_streams_and_numpy_values_are_converted_once(tmp_path):
+    """Rank files saved with numpy's state as an array load (megatron-core allow-lists numpy arrays) and restore
+    the streams that followed the save (drawn here before and after); one holding other numpy values is refused,
+    naming the conversion, and loads after it."""
+    import random
+    import subprocess
+    import sys
+
+    import megatron.core  # noqa: F401  (registers its allow-list, as in every process that resumes)
+    import numpy as np
+    import torch
+
+    from megatron_rl.checkpoint.no_code import load_rank_file
+    from megatron_rl.checkpoint.state import capture_rng_state, load_checkpoint, restore_rng_state
+
+    ckpt = _complete(tmp_path, 4)
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    old = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "megatron_tracker": {}}
+    after_save = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    torch.save({"rng": old}, ckpt / "rank_00000.pt")  # as the older save wrote it
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    restore_rng_state(load_rank_file(ckpt / "rank_00000.pt")["rng"])
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == after_save
+
+    torch.save({"rng": old, "consumed": np.int64(12)}, ckpt / "rank_00000.pt")  # a numpy scalar: not allow-listed
+    with pytest.raises(CheckpointError, match=f"rank_00000.pt holds pickled Python objects.*convert_rank_state.py {ckpt}"):
+        load_checkpoint(ckpt, {})
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(repo / "tools" / "convert_rank_state.py"), str(ckpt)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "1 rank file(s) converted" in done.stdout, done.stderr
+    state = load_rank_file(ckpt / "rank_00000.pt")  # weights_only=True
+    assert state["consumed"] == 12 and type(state["consumed"]) is int
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    restore_rng_state(state["rng"])
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == after_save
+
+    # what a save writes now holds tensors and plain values only, and round-trips too
+    torch.save({"rng": capture_rng_state()}, ckpt / "rank_00000.pt")
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(ckpt / "rank_00000.pt") == []
+    following = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    restore_rng_state(load_rank_file(ckpt / "rank_00000.pt")["rng"])
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == following

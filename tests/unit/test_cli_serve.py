@@ -5,29 +5,54 @@ The server itself runs in tests/e2e/test_vllm_serve_cli.py.
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def serve(*args: str) -> subprocess.CompletedProcess:
+TOKEN = "k3Rq0-token-of-this-test-9xZ"
+
+
+def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_SERVER_TOKEN")}
     return subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "serve", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "megatron_rl.cli", "serve", *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**clean, **(env or {})},
     )
 
 
-def test_dry_run_prints_the_server_command_of_the_preset(tmp_path):
+def _model(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
+    return model
+
+
+def _token_file(tmp_path, mode=0o600):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_dry_run_prints_the_server_command_of_the_preset(tmp_path):
+    model = _model(tmp_path)
+    token_file = _token_file(tmp_path)
     result = serve("--dry-run", "--config", "configs/tiny-gspo.yaml", f"model.path={model}", "--port", "8123",
-                   "rollout.max_model_len=96", "rollout.tensor_parallel=2")
+                   "rollout.max_model_len=96", "rollout.tensor_parallel=2", f"rollout.server_token_file={token_file}")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "export VLLM_SERVER_DEV_MODE=1" in lines  # POST /collective_rpc, /reset_prefix_cache
+    # the token reaches the server in its environment, read from the file by the printed line; never printed
+    assert f'export MEGATRON_RL_SERVER_TOKEN="$(cat {token_file})"' in lines
+    assert f'export VLLM_API_KEY="$(cat {token_file})"' in lines
+    assert TOKEN not in result.stdout + result.stderr
     command = shlex.split(lines[-1])
     assert command[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
@@ -40,10 +65,48 @@ def test_dry_run_prints_the_server_command_of_the_preset(tmp_path):
     assert value("--logprobs-mode") == "processed_logprobs"  # what the trainer's logprobs are compared with
     assert value("--max-model-len") == "96" and value("--tensor-parallel-size") == "2"
     assert value("--seed") == "42"  # train.seed's default
+    assert value("--middleware") == "megatron_rl.rollout.server_auth.BearerTokenMiddleware"
+    assert "--api-key" not in command  # a command line is every user's to read (ps)
+
+
+def test_serving_other_hosts_without_a_token_is_refused_in_one_line(tmp_path):
+    model = _model(tmp_path)
+    result = serve("--config", "configs/tiny-gspo.yaml", f"model.path={model}", "--host", "0.0.0.0")  # no --dry-run
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "--host 0.0.0.0" in result.stderr and "rollout.server_token_file" in result.stderr
+    assert "MEGATRON_RL_SERVER_TOKEN" in result.stderr
+    # with the token in the environment it binds as asked
+    result = serve("--dry-run", "--config", "configs/tiny-gspo.yaml", f"model.path={model}", "--host", "0.0.0.0",
+                   env={"MEGATRON_RL_SERVER_TOKEN": TOKEN})
+    assert result.returncode == 0, result.stderr
+    assert 'export VLLM_API_KEY="$MEGATRON_RL_SERVER_TOKEN"' in result.stdout.splitlines()
+    # on loopback without a token: open to this host's users, said on stderr
+    result = serve("--dry-run", "--config", "configs/tiny-gspo.yaml", f"model.path={model}", "--host", "127.0.0.1")
+    assert result.returncode == 0, result.stderr
+    assert "--middleware" not in result.stdout and "VLLM_API_KEY" not in result.stdout
+    assert "no token: every user of this host can drive the server" in result.stderr
+
+
+@pytest.mark.parametrize("mode, content, message", [
+    (0o644, TOKEN, "has mode 644: other users could read or change the token; run chmod 600"),
+    (0o600, "short", "at least 16 characters"),
+    (None, TOKEN, "cannot read it (No such file or directory)"),
+])
+def test_a_bad_token_file_is_named(tmp_path, mode, content, message):
+    path = tmp_path / "token"
+    if mode is not None:
+        path.write_text(content)
+        path.chmod(mode)
+    result = serve("--dry-run", "--config", "configs/tiny-gspo.yaml", f"model.path={_model(tmp_path)}",
+                   f"rollout.server_token_file={path}")
+    assert result.returncode == 2
+    assert f"rollout.server_token_file='{path}'" in result.stderr and message in result.stderr
+    assert content not in result.stderr
 
 
 def test_a_model_path_without_config_json_is_named(tmp_path):
-    result = serve("--dry-run", "--config", "configs/tiny-gspo.yaml", f"model.path={tmp_path}")
+    result = serve("--dry-run", "--config", "configs/tiny-gspo.yaml", f"model.path={tmp_path}", "--host", "127.0.0.1")
     assert result.returncode == 2
     assert f"model.path='{tmp_path}'" in result.stderr and "no config.json" in result.stderr
 

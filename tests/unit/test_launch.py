@@ -137,10 +137,15 @@ def test_slurm_dry_run_starts_rollout_servers_on_the_nodes_set_aside():
     torchrun = f"--nnodes=3 --nproc-per-node=8 --master-addr=node1 --master-port=29500 -m megatron_rl.cli train {config} {urls}"
     serve = f"{sys.executable} -m megatron_rl.cli serve {config}"
     lines = result.stdout.splitlines()
-    assert lines[:2] == [
+    token_file = REPO / ".megatron-rl" / "server-token.dry-run"
+    assert lines[:3] == [
         "# 3 node(s) x 8 trainer process(es), master node1:29500",
         "# 1 rollout node(s) x 2 vLLM server(s) of 4 GPU(s), ports from 8000",
+        f"# the servers' token: a new random one in {token_file} (mode 600)",
     ]
+    assert lines[3:8] == [*ENV_LINES, f"export MEGATRON_RL_SERVER_TOKEN_FILE={token_file}"]  # both sides read it
+    assert not token_file.exists()  # a dry run makes nothing
+    lines = lines[:2] + lines[3:7] + lines[8:]  # the checks below as before the token's lines
     assert lines[6].startswith("srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=node4 bash -c ")
     assert lines[6].endswith(f" serve 2 4 8000 {serve} &")
     assert lines[7].startswith("srun --nodes=3 --ntasks=3 --ntasks-per-node=1 --nodelist=node1,node2,node3 ")
@@ -152,6 +157,26 @@ def test_slurm_dry_run_starts_rollout_servers_on_the_nodes_set_aside():
     ]
     assert lines[11:] == [line for rank in range(3) for line in (
         f"# on node{rank + 1} (node rank {rank}):", f"torchrun --node-rank={rank} {torchrun}")]
+
+
+def test_the_servers_token_file_is_the_owners_only_and_gone_after_the_run(tmp_path):
+    """A real (not dry) run inside a fake allocation: srun and scontrol are scripts that record what the servers'
+    and the trainer's tasks see; the token file exists with mode 600 while they run, and not after."""
+    seen = tmp_path / "seen"
+    for name, body in (("scontrol", 'printf "node%d\\n" 1 2 3 4\n'),
+                       ("srun", f'f=$MEGATRON_RL_SERVER_TOKEN_FILE; echo "$f $(stat -c %a "$f") $(wc -c <"$f")" >>{seen}\n')):
+        (tmp_path / name).write_text(f"#!/usr/bin/env bash\n{body}")
+        (tmp_path / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "NPROC_", "MASTER_", "MEGATRON_RL_"))}
+    env.update(PYTHON=sys.executable, PATH=f"{tmp_path}:{env['PATH']}", SLURM_JOB_NODELIST="node[1-4]", SLURM_JOB_ID="4242",
+               PYTHONPATH=f"{REPO}:{env.get('PYTHONPATH', '')}")
+    result = subprocess.run(["bash", str(SLURM), str(REPO / DISAGGREGATED[0]), *DISAGGREGATED[1:]], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    token_file = tmp_path / ".megatron-rl" / "server-token.4242"
+    # the servers' task and the trainer's: the same file, mode 600, one token of 43 characters and a newline
+    assert seen.read_text().splitlines() == [f"{token_file} 600 44"] * 2
+    assert not token_file.exists()
 
 
 def test_rollout_node_runs_the_printed_servers(tmp_path):

@@ -70,6 +70,49 @@ def test_unpack_rejects_a_buffer_of_the_wrong_size():
         unpack_bucket(layout, torch.zeros(255, dtype=torch.uint8))
 
 
+def test_a_layout_that_is_not_its_entries_arithmetic_is_refused_before_any_byte_is_read():
+    """A layout comes over HTTP: an engine worker re-derives every offset and the size from the entries (hand-worked
+    in test_layout_offsets_are_64_byte_aligned) before it allocates or views anything."""
+    import copy
+
+    from megatron_rl.weight_sync.broadcast import check_layout
+    from megatron_rl.weight_sync.manifest import WeightPushError
+
+    layout = describe_bucket(_bucket())
+    check_layout(layout)
+    tampered = []
+    for change in (lambda t: t["tensors"][1].update(offset=8),  # overlaps the first tensor
+                   lambda t: t["tensors"][4].update(offset=-64),  # before the buffer
+                   lambda t: t.update(nbytes=1 << 40),  # a buffer far larger than its tensors
+                   lambda t: t["tensors"][0].update(shape=[-3]),
+                   lambda t: t["tensors"][2].update(dtype="Tensor")):
+        bad = copy.deepcopy(layout)
+        change(bad)
+        tampered.append(bad)
+    messages = []
+    for bad in tampered:
+        with pytest.raises(WeightPushError) as refused:
+            check_layout(bad)
+        messages.append(str(refused.value))
+    assert "tensor 'b' starts at byte 8 of its packed bucket, where the tensors before it end at 64" in messages[0]
+    assert "tensor 'e' starts at byte -64" in messages[1]
+    assert f"says {1 << 40} bytes, its tensors take 256" in messages[2]
+    assert "tensor 'a'" in messages[3] and "tensor 'c'" in messages[4]
+    with pytest.raises(WeightPushError, match="starts at byte 8"):
+        unpack_bucket(tampered[0], torch.zeros(256, dtype=torch.uint8))
+
+
+def test_a_weight_of_another_kind_of_dtype_is_refused_by_the_worker_side_check():
+    from megatron_rl.weight_sync.manifest import PushValidator, WeightManifest, WeightPushError
+
+    manifest = WeightManifest(shapes={"w": (2, 3), "steps": (1,)}, dtypes={"w": "F32", "steps": "I64"})
+    PushValidator(manifest).check_bucket([("w", torch.zeros(2, 3, dtype=torch.bfloat16)), ("steps", torch.zeros(1, dtype=torch.int64))])
+    with pytest.raises(WeightPushError, match=r"'w' comes as int32 but the engine's checkpoint holds F32"):
+        PushValidator(manifest).check_bucket([("w", torch.zeros(2, 3, dtype=torch.int32))])
+    with pytest.raises(WeightPushError, match=r"'steps' comes as float32 but the engine's checkpoint holds I64"):
+        PushValidator(manifest).check_bucket([("steps", torch.zeros(1))])
+
+
 def test_backend_names_are_checked():
     assert resolve_backend("gloo") == "gloo"
     assert resolve_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")

@@ -172,7 +172,8 @@ class _ServerTurns(_Turns):
         import httpx
 
         engine = self.engine
-        self._client = httpx.Client(timeout=httpx.Timeout(engine.config.request_timeout_s, read=None))
+        self._client = httpx.Client(timeout=httpx.Timeout(engine.config.request_timeout_s, read=None),
+                                    headers=engine.auth_headers)
         self.capacity = [int(s) for s in engine.max_num_seqs]
         self._pools = [ThreadPoolExecutor(max_workers=c, thread_name_prefix="episode-turn") for c in self.capacity]
         self.home: dict[Hashable, int] = {}
