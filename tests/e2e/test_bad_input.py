@@ -404,7 +404,7 @@ def test_debug_prints_the_traceback_the_log_file_always_has_it_and_bugs_keep_the
 
     from megatron_rl import trainer
 
-    def bug(config_path, overrides):
+    def bug(config_path, overrides, **kwargs):
         return {}["no such key"]
 
     monkeypatch.setattr(trainer, "main", bug)
