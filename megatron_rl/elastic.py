@@ -64,7 +64,7 @@ def failure_lines(failures: dict) -> tuple[list[str], int]:
     lines = []
     for rank, (text, _) in by_rank.items():
         if rank != last_rank and text != last and text not in lines:
-            lines.append(text if text.startswith("rank ") else f"rank {rank}: {text}")
+            lines.append(text if f"rank {rank}" in text else f"rank {rank}: {text}")
     return [*lines, last], code
 
 

@@ -120,14 +120,13 @@ class PhaseWatch:
     def describe(self, error: BaseException) -> str:
         here = f"{self.step} {self.name}"
         silent = {rank: where for rank, where in self.others().items() if where != here}
-        how = "waited past parallel.timeout_s=%g s" % self.timeout_s if "imeout" in str(error) or "timed out" in str(error) \
-            else "lost its connection"
+        timed_out = "imeout" in str(error) or "timed out" in str(error)
+        how = f"waited past parallel.timeout_s={self.timeout_s:g} s" if timed_out else "lost its connection"
         if silent:
-            named = ", ".join(f"rank {r} (last seen in step {w.replace(' ', ', phase ')})" if w != "?" else f"rank {r} (never seen)"
-                              for r, w in sorted(silent.items()))
-            who = f"{named} did not answer"
+            who = "; ".join(f"rank {r} (never seen)" if w == "?" else f"rank {r} (last seen in step {w.replace(' ', ', phase ')})"
+                            for r, w in sorted(silent.items())) + " did not answer"
         else:
-            who = "every other rank was last seen in the same phase (one of them died or hangs inside it)"
-        return (f"rank {self.rank}: a collective of step {self.step}, phase {self.name}, {how}: {who}; the job stops "
-                f"(under torchrun with cluster.max_restarts > 0 it starts again from the newest checkpoint); the failed "
-                f"rank's own log is <logging.dir>/logs/error.rankN.log")
+            who = "every other rank was last seen in this phase: one of them died or hangs in it"
+        return (f"rank {self.rank}: a collective of step {self.step}, phase {self.name}, {how}: {who} (each rank's "
+                "error: <logging.dir>/logs/error[.rankN].log); with cluster.max_restarts > 0 torchrun restarts the job "
+                "from the newest checkpoint")
