@@ -58,6 +58,11 @@ def failure_lines(failures: dict) -> tuple[list[str], int]:
         code = failure.exitcode if failure.exitcode > 0 else EXIT_RUNTIME_FAILURE
         return str(message).strip() or f"rank {rank} exited with code {failure.exitcode}", code
 
+    def stopped_by_torchrun(failure) -> bool:  # torchrun's own SIGTERM to the others once one rank failed
+        return failure.exitcode == -signal.SIGTERM
+
+    if any(not stopped_by_torchrun(f) for f in failures.values()):
+        failures = {rank: f for rank, f in failures.items() if not stopped_by_torchrun(f)}
     by_rank = {rank: line(rank, failure) for rank, failure in sorted(failures.items())}
     last_rank = 0 if 0 in by_rank else min(by_rank)
     last, code = by_rank[last_rank]

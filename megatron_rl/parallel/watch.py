@@ -120,7 +120,7 @@ class PhaseWatch:
     def describe(self, error: BaseException) -> str:
         here = f"{self.step} {self.name}"
         silent = {rank: where for rank, where in self.others().items() if where != here}
-        timed_out = "imeout" in str(error) or "timed out" in str(error)
+        timed_out = any(mark in str(error).lower() for mark in ("timed out", "timeout"))
         how = f"waited past parallel.timeout_s={self.timeout_s:g} s" if timed_out else "lost its connection"
         if silent:
             who = "; ".join(f"rank {r} (never seen)" if w == "?" else f"rank {r} (last seen in step {w.replace(' ', ', phase ')})"

@@ -340,9 +340,9 @@ def test_torchrun_ends_in_rank0s_line_when_the_reward_raises(corpus, tmp_path):
     lines = [line for line in text.splitlines() if line.strip()]
     assert lines[-1].startswith("megatron-rl train: error: ") and "rewards_mod:always_raises" in lines[-1], text[-4000:]
     assert text.count("rewards_mod:always_raises") == 1, text[-4000:]
-    assert "Traceback" not in text and "[rank" not in text and "FAILED" not in text, text[-4000:]
-    summary = log.read_text()  # torchrun's own account: both ranks of the last attempt exited 2
-    assert "FAILED" in summary and summary.count("exitcode  : 2") == 2, summary[-4000:]
+    assert "Traceback" not in text and "[rank" not in text and "FAILED" not in text and "killed" not in text, text[-4000:]
+    summary = log.read_text()  # torchrun's own account, ending in the restarted attempt's replayed verdict
+    assert "FAILED" in summary and "exitcode  : 2" in summary and "rewards_mod:always_raises" in summary, summary[-4000:]
     assert not (tmp_path / "ckpt" / "step_00000001").exists()
     assert seconds < 240
 

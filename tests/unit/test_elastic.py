@@ -53,6 +53,8 @@ def test_error_files_the_launcher_lines_and_a_replayed_bad_input(monkeypatch, tm
     assert code == 1 and len(lines) == 1 and lines[0].startswith("rank 1 (pid 4321 on ") and "killed by SIGKILL" in lines[0]
     lines, _ = failure_lines({0: ProcessFailure(0, 1234, 2, str(rank0)), 1: ProcessFailure(1, 4321, 2, str(rank0))})
     assert lines == [first["message"]]  # the same line from every rank: printed once
+    stopped = ProcessFailure(local_rank=1, pid=4321, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none.json"))
+    assert failure_lines({0: ProcessFailure(0, 1234, 2, str(rank0)), 1: stopped}) == ([first["message"]], 2)  # torchrun's own stop
 
     # the restarted attempt: no work, the first attempt's verdict, this rank's error file written again
     replay = _attempt(monkeypatch, tmp_path, 1, 1)
