@@ -79,3 +79,22 @@ def test_a_full_disk_during_a_save_names_the_directory_and_keeps_the_last_checkp
     monkeypatch.setattr(dist_checkpointing, "save", lambda state, path: (_ for _ in ()).throw(ValueError("a bug")))
     with pytest.raises(ValueError, match="a bug"):  # anything else is not reported as a full disk
         save_checkpoint(tmp_path, 2, {}, {"weight_version": 2})
+
+
+def test_a_short_write_of_torch_save_is_a_full_disk_naming_the_directory(tmp_path, monkeypatch):
+    """torch.save's zip writer reports a full disk without an errno ('unexpected pos N vs M'), wrapped by megatron or
+    not: the save still ends in StorageFullError naming checkpoint.dir, with the unfinished save removed."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.checkpoint.state import StorageFullError, save_checkpoint
+
+    def short_write(state, path):
+        (Path(path) / "common.pt").write_bytes(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dist_checkpointing, "save", short_write)
+    with pytest.raises(StorageFullError) as raised:
+        save_checkpoint(tmp_path, 3, {}, {"weight_version": 3})
+    message = str(raised.value)
+    assert f"checkpoint.dir={str(tmp_path)!r}" in message and "step 3" in message and "GiB free" in message
+    assert "no earlier checkpoint" in message and not (tmp_path / ".step_00000003.partial").exists()
