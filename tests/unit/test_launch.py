@@ -240,3 +240,32 @@ def test_scripts_the_readme_runs_directly_are_executable():
         assert git_modes.get(script) == "100755", f"{script}: git mode {git_modes.get(script)}; run git update-index --chmod=+x {script}"
         assert os.stat(REPO / script).st_mode & 0o111 == 0o111, f"{script} is not executable here: chmod +x {script}"
         assert (REPO / script).read_text().startswith("#!"), f"{script} has no #! line"
+
+
+def test_slurm_warning_signal_stops_the_trainer_and_requeues_the_job(tmp_path):
+    """Slurm's warning before the time limit (USR1 to the batch shell, --signal=B:USR1@...) reaches srun, whose trainer
+    saves and exits 3 (EXIT_PREEMPTED); the script then requeues the job and exits 3 too. srun and scontrol are
+    stand-ins that record what they are given."""
+    import signal
+    import time
+
+    log = tmp_path / "calls.log"
+    (tmp_path / "srun").write_text('#!/usr/bin/env bash\necho "srun" >> "$CALLS"\n'
+                                   'trap \'echo "srun got USR1" >> "$CALLS"; exit 3\' USR1\nwhile :; do sleep 0.05; done\n')
+    (tmp_path / "scontrol").write_text('#!/usr/bin/env bash\nif [[ $1 == show ]]; then echo node1; else echo "scontrol $*" >> "$CALLS"; fi\n')
+    for tool in ("srun", "scontrol"):
+        (tmp_path / tool).chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "NPROC_", "MASTER_"))}
+    env = {**clean, "PYTHON": sys.executable, "PATH": f"{tmp_path}:{os.environ['PATH']}", "CALLS": str(log),
+           "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "77"}
+    proc = subprocess.Popen(["bash", str(SLURM), "configs/tiny-gspo-1x8h100.yaml"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (log.is_file() and "srun" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3, err
+    assert log.read_text().splitlines() == ["srun", "srun got USR1", "scontrol requeue 77"]
+    assert "requeueing job 77" in err
