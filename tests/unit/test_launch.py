@@ -242,10 +242,11 @@ def test_scripts_the_readme_runs_directly_are_executable():
         assert (REPO / script).read_text().startswith("#!"), f"{script} has no #! line"
 
 
-def test_slurm_warning_signal_stops_the_trainer_and_requeues_the_job(tmp_path):
+@pytest.mark.parametrize("sent, requeued", [("SIGUSR1", True), ("SIGTERM", False)])
+def test_slurm_warning_signal_stops_the_trainer_and_requeues_the_job(tmp_path, sent, requeued):
     """Slurm's warning before the time limit (USR1 to the batch shell, --signal=B:USR1@...) reaches srun, whose trainer
-    saves and exits 3 (EXIT_PREEMPTED); the script then requeues the job and exits 3 too. srun and scontrol are
-    stand-ins that record what they are given."""
+    saves and exits 3 (EXIT_PREEMPTED); the script then requeues the job and exits 3 too. A TERM (scancel) also makes
+    the trainer save, but the job is not requeued. srun and scontrol are stand-ins that record what they are given."""
     import signal
     import time
 
@@ -264,8 +265,8 @@ def test_slurm_warning_signal_stops_the_trainer_and_requeues_the_job(tmp_path):
     while not (log.is_file() and "srun" in log.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)
+    proc.send_signal(getattr(signal, sent))
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 3, err
-    assert log.read_text().splitlines() == ["srun", "srun got USR1", "scontrol requeue 77"]
-    assert "requeueing job 77" in err
+    assert log.read_text().splitlines() == ["srun", "srun got USR1", *(["scontrol requeue 77"] if requeued else [])]
+    assert ("requeueing job 77" in err) == requeued
