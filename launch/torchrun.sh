@@ -4,18 +4,22 @@
 #   launch/torchrun.sh [--dry-run] CONFIG [key=value ...]
 #
 # CONFIG is a preset (configs/*.yaml); key=value overrides go to the trainer as they are.
-# This script holds no hyperparameters: the number of processes comes from the preset's
-# cluster section (trainer processes per node), as `megatron-rl plan --launch-env` reads it.
+# This script holds no hyperparameters: the number of processes and torchrun's restarts come
+# from the preset's cluster section, as `megatron-rl plan --launch-env` reads it.
+# A rank that dies is restarted (cluster.max_restarts) and resumes from the newest complete
+# checkpoint (checkpoint.resume=auto, passed before your overrides); SIGTERM saves at the next
+# step boundary and exits 3. torchrun's own log: <logging.dir>/logs/torchrun.log.
 #
 # Environment:
 #   NPROC_PER_NODE  processes to start (default: from the preset)
 #   PYTHON          python with megatron_rl installed (default: python3)
-#   TORCHRUN        torchrun command (default: torchrun)
+#   TORCHRUN        torchrun command (default: $PYTHON -m megatron_rl.elastic, torchrun with
+#                   its log in a file and each failed rank's one line at the end)
 #   DRY_RUN=1       print the environment and the command line instead of running them
 set -euo pipefail
 
 usage() {
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -60,6 +64,8 @@ if [[ $nnodes != 1 ]]; then
     exit 2
 fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(sed -n 's/^NPROC_PER_NODE=//p' <<<"$launch_env")}
+max_restarts=$(sed -n 's/^MAX_RESTARTS=//p' <<<"$launch_env")
+log_dir=$(sed -n 's/^LOG_DIR=//p' <<<"$launch_env")
 
 # Fail fast instead of hanging: NCCL errors abort the process group; one connection per
 # device keeps megatron's tensor/sequence-parallel communication ordered.
@@ -69,10 +75,14 @@ env_vars=(
     "NCCL_DEBUG=${NCCL_DEBUG:-WARN}"
     "PYTHONUNBUFFERED=1"
 )
-read -r -a torchrun <<<"${TORCHRUN:-torchrun}"
+if [[ -n ${TORCHRUN:-} ]]; then
+    read -r -a torchrun <<<"$TORCHRUN"
+else
+    torchrun=("$python" -m megatron_rl.elastic "--log-file=$log_dir/logs/torchrun.log")
+fi
 cmd=(
-    "${torchrun[@]}" --standalone --nnodes=1 "--nproc-per-node=$NPROC_PER_NODE"
-    -m megatron_rl.cli train --config "$config" "$@"
+    "${torchrun[@]}" --standalone --nnodes=1 "--nproc-per-node=$NPROC_PER_NODE" "--max-restarts=$max_restarts"
+    -m megatron_rl.cli train --config "$config" checkpoint.resume=auto "$@"
 )
 
 if [[ $dry_run == 1 ]]; then

@@ -94,16 +94,25 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megatron_rl import trainer
-    from megatron_rl.errors import report_error
+    from megatron_rl.errors import replay_bad_input, report_error
 
+    code = replay_bad_input()  # a restart of a job that stopped on bad input ends the same way, at once
+    if code is not None:
+        return code
+    from megatron_rl import trainer
+    from megatron_rl.parallel.watch import StopSignals
+
+    stop = StopSignals()  # SIGTERM / SIGUSR1: save at the next step boundary; until the error, if any, is reported
+    stop.install()
     try:
-        trainer.main(args.config, list(args.overrides))
+        trainer.main(args.config, list(args.overrides), stop=stop)
     except Exception as error:  # bad input: one line naming the value and the fix (megatron_rl.errors)
         code = report_error("megatron-rl train", error, debug=args.debug, log_dir=_run_log_dir(args))
         if code is None:
             raise  # a bug: its full traceback
         return code
+    finally:
+        stop.restore()
     return 0
 
 

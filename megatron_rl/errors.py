@@ -21,11 +21,19 @@ config, data and model, so they all fail alike; N copies say nothing more). The
 traceback of a reported error goes to `<logging.dir>/logs/error[.rankN].log`, and
 to the console too with `--debug`.
 
+Under torchrun each rank also writes its one line into torchrun's error file
+(TORCHELASTIC_ERROR_FILE), so torchrun's summary shows the line instead of a
+traceback; under the launch scripts' torchrun (megatron_rl.elastic) the ranks
+print nothing themselves and the launcher prints each failed rank's line at the
+end, rank 0's last. Bad input ends a job that torchrun would restart: the ranks
+of a restarted attempt find the first attempt's verdict and exit with it at once.
+
 Exception types are matched by qualified name, so this module imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -33,6 +41,11 @@ import traceback
 from pathlib import Path
 
 EXIT_RUNTIME_FAILURE = 1
+EXIT_PREEMPTED = 3
+"""A stop asked by SIGTERM / SIGUSR1 (pre-emption, a time limit): a checkpoint was saved; launch again to resume."""
+LAUNCHER_ENV = "MEGATRON_RL_LAUNCHER"
+"""Set by megatron_rl.elastic for its ranks: they leave the console to it."""
+BAD_INPUT_VERDICT = "bad_input.json"
 OTHER_RANKS_WAIT_S = 3.0
 """How long a rank other than 0 waits before exiting on a reported error: torchrun stops every rank when one
 exits, and rank 0, which prints the message, must get to print it."""
@@ -58,13 +71,19 @@ RUNTIME_FAILURES = frozenset({
     "megatron_rl.algorithms.validation.NonFiniteLogprobsError",
     "megatron_rl.actor.batch.BatchError",  # e.g. NaN/inf logprobs returned by the engine, named by sample and position
     "megatron_rl.algorithms.dynamic_sampling.DynamicSamplingExhausted",
+    "megatron_rl.parallel.watch.CollectiveError",
 })
 """Failures of a run with good input that the project detects and explains: exit code 1."""
 
 
+PREEMPTED = frozenset({"megatron_rl.trainer.StoppedBySignal"})
+
+
 def exit_code_for(error: BaseException) -> int | None:
-    """EXIT_BAD_INPUT, EXIT_RUNTIME_FAILURE, or None for an unexpected exception (a bug)."""
+    """EXIT_BAD_INPUT, EXIT_RUNTIME_FAILURE, EXIT_PREEMPTED, or None for an unexpected exception (a bug)."""
     names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(error).__mro__}
+    if names & PREEMPTED:
+        return EXIT_PREEMPTED
     if names & BAD_INPUT:
         return EXIT_BAD_INPUT
     if names & RUNTIME_FAILURES:
@@ -101,12 +120,67 @@ def report_error(command: str, error: BaseException, *, debug: bool = False, log
     code = exit_code_for(error)
     if code is None:
         return None
-    write_traceback(error, log_dir)
-    if is_rank0():
+    line = f"{command}: {'' if code == EXIT_PREEMPTED else 'error: '}{one_line(error)}"
+    if code != EXIT_PREEMPTED:  # a stop that was asked for is no error
+        write_traceback(error, log_dir)
+    write_error_file(line, code, "".join(traceback.format_exception(error)))
+    if os.environ.get(LAUNCHER_ENV):  # megatron_rl.elastic prints every rank's line at the end
         if debug:
             traceback.print_exception(error, file=sys.stderr)
-        print(f"{command}: error: {one_line(error)}", file=sys.stderr)
+    elif is_rank0():
+        if debug:
+            traceback.print_exception(error, file=sys.stderr)
+        print(line, file=sys.stderr)
         sys.stderr.flush()
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(OTHER_RANKS_WAIT_S)
     return code
+
+
+def write_error_file(line: str, code: int, trace: str = "") -> None:
+    """torchrun's error file of this rank (TORCHELASTIC_ERROR_FILE): the one line, its exit code and the traceback
+    (the file, not the console). Bad input also leaves the verdict for the ranks of a restarted attempt."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": line, "exitcode": code, "timestamp": int(time.time()), "traceback": trace}
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data))
+        if code == EXIT_BAD_INPUT:
+            Path(path).parents[2].joinpath(BAD_INPUT_VERDICT).write_text(json.dumps(data))
+    except OSError:
+        pass
+
+
+def replay_bad_input() -> int | None:
+    """In an attempt torchrun restarted: the first attempt's bad-input verdict, written again to this rank's error file
+    (nothing printed, no work done), and its exit code; None when there is none."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+        return None
+    verdict = Path(path).parents[2] / BAD_INPUT_VERDICT
+    try:
+        data = json.loads(verdict.read_text())
+    except (OSError, ValueError):
+        return None
+    write_error_file(data["message"], int(data["exitcode"]))
+    if not os.environ.get(LAUNCHER_ENV) and is_rank0():
+        print(data["message"], file=sys.stderr)
+    return int(data["exitcode"])
+
+
+def previous_attempt_failures() -> list[str]:
+    """Under torchrun after a restart: the one-line messages the ranks of this node left in the attempt before."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not path or attempt == 0:
+        return []
+    before = Path(path).parents[2] / f"attempt_{attempt - 1}"
+    found = []
+    for error_file in sorted(before.glob("*/error.json")):
+        try:
+            found.append(f"local rank {error_file.parent.name}: {json.loads(error_file.read_text())['message']}")
+        except (OSError, ValueError, KeyError):
+            continue
+    return found

@@ -18,6 +18,13 @@ rollout.engines > 1); every rank holds its shard of the actor. One step:
    pushes them into the engine (version = step + 1);
 5. metrics (rank 0), evaluation, checkpoint.
 
+On a cluster (megatron_rl.parallel.watch): SIGTERM or SIGUSR1 (pre-emption, a
+time limit) makes every rank save at the next step boundary and stop
+(StoppedBySignal, exit code 3); a collective that fails or waits past
+parallel.timeout_s names the ranks that did not answer and the phase
+(generate, train, push, save); a run torchrun restarts resumes from the newest
+complete checkpoint and says why it restarted.
+
 With train.off_policy_lag=1, generation of step k+1 runs on a background
 thread while step k trains, using the weights before step k's update; the
 algorithm's importance-sampling correction (algorithm.tis_mode) then
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,18 +56,25 @@ from megatron_rl.console import LibraryLogs, library_logs
 logger = logging.getLogger(__name__)
 
 
-def main(config_path: str | None = None, overrides: Sequence[str] = ()) -> dict[str, float]:
-    """Entry point of `megatron-rl train`: load the config, start the parallel context, run."""
+class StoppedBySignal(Exception):
+    """SIGTERM / SIGUSR1 asked the run to stop: every rank saved at the step boundary (megatron_rl.errors: exit 3)."""
+
+
+def main(config_path: str | None = None, overrides: Sequence[str] = (), *, stop=None) -> dict[str, float]:
+    """Entry point of `megatron-rl train`: load the config, start the parallel context, run.
+
+    stop: the command's StopSignals (megatron_rl.parallel.watch), installed for its whole life so that a SIGTERM
+    arriving while a failed run cleans up does not kill it before it reports; None: the run installs its own."""
     from megatron_rl.config.core import replace
     from megatron_rl.models.tiny import preset_model_path, tiny_family_to_build
 
     cfg = load_config(RLConfig, config_path, list(overrides))
     if tiny_family_to_build(cfg.model, preset_model_path(config_path)):  # the preset's own tiny model, first use
         cfg = replace(cfg, model=replace(cfg.model, make_tiny=True))
-    return run(cfg)
+    return run(cfg, stop=stop)
 
 
-def run(cfg: RLConfig, engine=None) -> dict[str, float]:
+def run(cfg: RLConfig, engine=None, *, stop=None) -> dict[str, float]:
     """Train with `cfg` in this process (one rank of a torchrun job, or alone); returns the last metrics.
 
     engine: a rollout engine already started on cfg.model.path (one process only), which the run
@@ -82,7 +97,7 @@ def run(cfg: RLConfig, engine=None) -> dict[str, float]:
         ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
         trainer = None
         try:
-            trainer = Trainer(cfg, ctx, logs=logs, engine=engine)
+            trainer = Trainer(cfg, ctx, logs=logs, engine=engine, stop=stop)
             return trainer.fit()
         finally:
             if trainer is not None:
@@ -93,9 +108,10 @@ def run(cfg: RLConfig, engine=None) -> dict[str, float]:
 class Trainer:
     """State of one run on this rank: data, actor, engine (rank 0), logger, step counters."""
 
-    def __init__(self, cfg: RLConfig, ctx, logs: LibraryLogs | None = None, engine=None):
+    def __init__(self, cfg: RLConfig, ctx, logs: LibraryLogs | None = None, engine=None, stop=None):
         """logs: where vLLM's start-up output goes (megatron_rl.console); None leaves it on the console.
-        engine: an engine already started on cfg.model.path, used and left running (see `run`)."""
+        engine: an engine already started on cfg.model.path, used and left running (see `run`).
+        stop: StopSignals installed by the caller (kept after the run); None: the trainer's own, removed by close()."""
         from megatron_rl.actor import Actor
         from megatron_rl.actor.offload import ActorOffload
         from megatron_rl.data.dataset import PromptDataset
@@ -137,6 +153,12 @@ class Trainer:
 
             self.agent = EpisodeRunner(load_agent(cfg.rollout.agent), self.tokenizer, self.reward_fn, cfg.rollout)
         self.actor = Actor.from_config(cfg, ctx)
+        from megatron_rl.parallel.watch import PhaseWatch, StopSignals
+
+        self._watch = PhaseWatch(ctx.rank, ctx.world_size, cfg.parallel.timeout_s)
+        self._own_stop = stop is None
+        self._stop = StopSignals() if stop is None else stop
+        self._stop.install()  # a stop asked while the engine starts is acted on at the first step boundary
         self._offload = ActorOffload(self.actor.model, self.actor.optimizer, cfg.train.offload)
         self.step, self.weight_version = 0, 0
         resumed = self._maybe_resume()
@@ -162,7 +184,8 @@ class Trainer:
             logger.warning("%d prompts longer than rollout.max_prompt_tokens=%d were dropped", self.dataset.num_dropped_long, cfg.rollout.max_prompt_tokens)
         self._stream = None  # asynchronous rollout (train.max_staleness > 0), on rank 0
         # The engine serves exactly the trainer's weights from the first step on (also after a resume).
-        self._sync_weights(self.weight_version)
+        with self._watch.phase(self.step, "push"):
+            self._sync_weights(self.weight_version)
         self._offload.to_host()  # until the first step's old-policy forward (train.offload)
         self._executor = ThreadPoolExecutor(max_workers=1) if cfg.train.off_policy_lag else None
         self._pending: tuple[Future, dict] | None = None
@@ -177,6 +200,7 @@ class Trainer:
         cfg, metrics = self.cfg, {}
         if cfg.train.eval_before_train and self.step == 0:
             self.evaluate()
+        self._stop.install()  # again: the engine's start may have set handlers of its own
         while self.step < cfg.train.steps:
             start = time.perf_counter()
             metrics = self.train_one_step(self.step)
@@ -184,13 +208,28 @@ class Trainer:
             metrics["time/step_s"] = time.perf_counter() - start
             self.logger.log(self.step - 1, metrics)
             done = self.step == cfg.train.steps or self._reached_target(metrics)
+            saved = None
             if (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0) or done:
-                self.save()
+                saved = self.save()
             if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
                 self.evaluate()
             if done:
                 break
+            self._stop_if_signalled(saved)
         return metrics
+
+    def _stop_if_signalled(self, saved: Path | None) -> None:
+        """Every rank agrees at the step boundary whether one of them received SIGTERM / SIGUSR1; if so they save
+        (unless this step just did) and stop with StoppedBySignal."""
+        with self._watch.phase(self.step, "save"):
+            signal = self._stop.agreed(self.ctx.host_group)
+            if signal is None:
+                return
+            path = saved or self.save()
+        raise StoppedBySignal(
+            f"stopped by {signal.name} after step {self.step} of {self.cfg.train.steps}: checkpoint {path} is complete; "
+            "launch the same command again with checkpoint.resume=auto (the launch scripts pass it) to continue from it"
+        )
 
     def _reached_target(self, metrics: dict[str, float]) -> bool:
         """train.stop_at_reward: the mean reward of the last 10 steps reached the target (decided on rank 0)."""
@@ -210,16 +249,18 @@ class Trainer:
         engine's KV cache wakes."""
         from megatron_rl.actor import train_batch_from_rollouts
 
-        experience = self._experience(step)  # rank 0 only
+        with self._watch.phase(step, "generate"):
+            experience = self._experience(step)  # rank 0 only
         sleep_metrics = self._sleep_engine()
         self._offload.to_device()  # the actor's memory back from the host (train.offload)
         whole = None
         if experience is not None:
             whole = train_batch_from_rollouts(experience.rollouts, experience.advantages, policy_version=self.weight_version)
-        batch = self.actor.distribute(whole)  # this rank's rows only
-        del whole
-        batch, metrics = self.actor.prepare_batch(batch)
-        metrics = {**(experience.metrics if experience is not None else {}), **metrics, **self.actor.train_step(batch), **sleep_metrics}
+        with self._watch.phase(step, "train"):
+            batch = self.actor.distribute(whole)  # this rank's rows only
+            del whole
+            batch, metrics = self.actor.prepare_batch(batch)
+            metrics = {**(experience.metrics if experience is not None else {}), **metrics, **self.actor.train_step(batch), **sleep_metrics}
         metrics["batch/share_bytes"] = float(self.actor.last_share_bytes)
         del batch  # the push phase holds no rows of the step
         if self._pending is not None:  # the next step's generation must finish on the old weights
@@ -228,7 +269,8 @@ class Trainer:
         offloaded = self._offload.to_host(["optimizer", "grads"])  # before the push: only the parameters stay
         offload_s = time.perf_counter() - start
         start = time.perf_counter()
-        self._sync_weights(step + 1)
+        with self._watch.phase(step, "push"):
+            self._sync_weights(step + 1)
         metrics["time/weight_sync_s"] = time.perf_counter() - start
         if getattr(self, "_owner_last", None) is not None:  # rollout.weight_senders=owners: what this rank sent
             last = self._owner_last
@@ -514,16 +556,30 @@ class Trainer:
             "config": to_dict(self.cfg),
             "model_architecture": model_architecture(load_hf_config(self.cfg.model.path)),  # compared at resume
         }
-        with self._offload.on_device():
+        with self._offload.on_device(), self._watch.phase(self.step, "save"):
             return save_checkpoint(
                 self.cfg.checkpoint.dir, self.step, self.actor.state_dict(), trainer_state, keep_last=self.cfg.checkpoint.keep_last
             )
 
     def _maybe_resume(self) -> bool:
+        """checkpoint.resume; in an attempt torchrun restarted, always the newest complete checkpoint (`latest`)."""
         from megatron_rl.checkpoint.state import load_checkpoint, resolve_checkpoint
+        from megatron_rl.errors import previous_attempt_failures
 
-        path = resolve_checkpoint(self.cfg.checkpoint.resume, self.cfg.checkpoint.dir)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        spec = self.cfg.checkpoint.resume
+        if restart and (Path(self.cfg.checkpoint.dir) / "latest").is_file():
+            spec = "auto"
+        why = ""
+        if restart:
+            failures = previous_attempt_failures() or ["a rank ended without a message (killed by a signal: out of memory, "
+                                                       "a lost node, a kill; torchrun's log names its exit)"]
+            why = (f" (torchrun restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}; the attempt "
+                   f"before stopped: {'; '.join(failures)})")
+        path = resolve_checkpoint(spec, self.cfg.checkpoint.dir)
         if path is None:
+            if restart and self.ctx.rank == 0:
+                logger.warning("no complete checkpoint in %s yet: starting again from step 0%s", self.cfg.checkpoint.dir, why)
             return False
         state, trainer_state, _ = load_checkpoint(path, self.actor.state_dict(is_loading=True))
         self.actor.load_state_dict(state)
@@ -531,7 +587,7 @@ class Trainer:
         self.dataset.load_state_dict(trainer_state["data"])
         self.step, self.weight_version = trainer_state["step"], trainer_state["weight_version"]
         if self.ctx.rank == 0:
-            logger.warning("resumed from %s at step %d", path, self.step)
+            logger.warning("resumed from %s at step %d%s", path, self.step, why)
         return True
 
     def close(self) -> None:
@@ -549,3 +605,5 @@ class Trainer:
         if self._colocated is not None:
             self._colocated.stop()
         self.actor.close()
+        if self._own_stop:
+            self._stop.restore()

@@ -532,6 +532,7 @@ class Actor:
         for i, chunk in enumerate(self.model):
             chunk.module.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
+        _unshare_step_counters(self.optimizer)
 
     def schedule_state(self) -> dict:
         """The LR schedule and optimizer-step counter (small, JSON-serialisable; the same on every rank)."""
@@ -623,6 +624,19 @@ def layout_metrics(items: list, lengths: torch.Tensor, device) -> dict[str, torc
         "batch/packed_fraction": fraction_metric(counts[0], counts[1]),
         "batch/padding_fraction": fraction_metric(counts[2], counts[3]),
     }
+
+
+def _unshare_step_counters(optimizer) -> None:
+    """Give each parameter's Adam `step` a tensor of its own after a load.
+
+    megatron's distributed optimizer without apex / Transformer Engine loads one `step` tensor into the state of
+    every parameter; torch's Adam adds 1 to each parameter's counter in place, so a shared one grows by the number
+    of parameters per optimizer step and the bias correction (Kingma & Ba 2015, Alg. 1) goes wrong after a resume.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for param_state in getattr(opt.optimizer, "state", {}).values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = param_state["step"].clone()
 
 
 def _init_optimizer_state(optimizer) -> None:

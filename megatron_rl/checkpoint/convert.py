@@ -97,6 +97,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # ----------------------------------------------------------------------------- output directories
 
+HF_MISMATCH_FIX = ("the safetensors do not match config.json (a damaged or edited file, or weights of another model): "
+                   "download or convert the model again, or pass the directory its config.json came from")
+
 
 def _check_output(final: Path, overwrite: bool, *sources: Path) -> None:
     for source in sources:
@@ -171,7 +174,8 @@ def copy_hf_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[s
     """Copy every regular, non-weight, non-hidden file of `src` (config, generation config, tokenizer, ...) into `dst`."""
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
-        raise ConversionError(f"{str(src)!r} has no config.json: it is not a Hugging Face model directory")
+        raise ConversionError(f"{str(src)!r} has no config.json: it is not a Hugging Face model directory; pass the "
+                              "directory holding the model's config.json and *.safetensors")
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for entry in sorted(src.iterdir()):
@@ -262,12 +266,13 @@ def _planned_dtypes(arch, reader: _StreamingReader, layout, params: dict, padded
             value = mapping.load(meta, Shard(None))
         except (RuntimeError, ValueError, UnsupportedModelError) as err:
             shapes = {n: reader.shape(n) for n in mapping.hf_names}
-            raise ConversionError(f"HF tensors {shapes} in {str(reader.dir)!r} cannot form megatron's {name}: {err}") from None
+            raise ConversionError(f"HF tensors {shapes} in {str(reader.dir)!r} cannot form megatron's {name} "
+                                  f"({' '.join(str(err).split())}): {HF_MISMATCH_FIX}") from None
         if tuple(value.shape) != params[name]:
             shapes = {n: reader.shape(n) for n in mapping.hf_names}
             raise ConversionError(
                 f"HF tensors {shapes} in {str(reader.dir)!r} give megatron's {name} the shape {tuple(value.shape)}, "
-                f"config.json implies {params[name]}"
+                f"config.json implies {params[name]}: {HF_MISMATCH_FIX}"
             )
         dtypes.setdefault(entry.key, out_dtype or value.dtype)
     reader.release_except()
@@ -385,14 +390,17 @@ def resolve_mcore_dir(ckpt_dir: str | os.PathLike) -> Path:
     """A dist checkpoint directory; a training checkpoint root (with `latest`) resolves to its newest step."""
     path = Path(ckpt_dir)
     if not path.is_dir():
-        raise ConversionError(f"megatron checkpoint {str(path)!r} does not exist")
+        raise ConversionError(f"megatron checkpoint {str(path)!r} does not exist: check the path (a step_XXXXXXXX "
+                              "directory of a run's checkpoint.dir, or the checkpoint.dir itself)")
     if not (path / "metadata.json").is_file() and (path / "latest").is_file():
         from megatron_rl.checkpoint.state import resolve_checkpoint
 
         path = resolve_checkpoint("auto", path)
     if not (path / "metadata.json").is_file() or not (path / ".metadata").is_file():
         missing = "metadata.json" if not (path / "metadata.json").is_file() else ".metadata"
-        raise ConversionError(f"{str(path)!r} has no {missing}: it is not a (complete) megatron dist checkpoint")
+        raise ConversionError(f"{str(path)!r} has no {missing}: it is not a (complete) megatron dist checkpoint; pass a "
+                              "step_XXXXXXXX directory of a run's checkpoint.dir (or the directory itself, to take its "
+                              "newest), or the output of tools/convert_hf_to_mcore.py")
     from megatron_rl.checkpoint.no_code import PickledCodeError, check_dcp_metadata
 
     try:  # torch unpickles .metadata as it is: nothing but metadata classes may be in it

@@ -361,7 +361,9 @@ def stored_tensors(ckpt_dir: Path) -> dict[str, StoredTensor]:
     try:
         metadata = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
     except Exception as err:  # noqa: BLE001 - name the checkpoint whatever megatron raised
-        raise ConversionError(f"cannot read the tensor metadata of {str(ckpt_dir)!r} ({err}): is it a complete megatron dist checkpoint?") from err
+        raise ConversionError(f"cannot read the tensor metadata of {str(ckpt_dir)!r} ({' '.join(str(err).split())[:300]}): it "
+                              "is not a complete megatron dist checkpoint (.metadata damaged or missing); save or convert "
+                              "it again, or pass an older step_XXXXXXXX directory") from None
     return {key: StoredTensor(key, tuple(st.global_shape), st.dtype) for key, st in metadata.items()}
 
 
@@ -472,7 +474,7 @@ class PieceReader:
             detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
             raise ConversionError(
                 f"cannot read tensors {sorted(wanted)[:3]} from the checkpoint {str(self.ckpt_dir)!r} ({detail}): "
-                "a data file is truncated or damaged: save or convert it again"
+                "a data file is truncated or damaged: save or convert it again, or use an older step_XXXXXXXX directory"
             ) from err
         values = {}
         for name in names:
@@ -503,7 +505,8 @@ def load_mcore_checkpoint(model_chunks: list, ckpt_dir: str | os.PathLike) -> No
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
-        raise ConversionError(f"{str(ckpt_dir)!r} has no metadata.json: it is not a megatron dist checkpoint")
+        raise ConversionError(f"{str(ckpt_dir)!r} has no metadata.json: it is not a (complete) megatron dist checkpoint; pass "
+                              "a step_XXXXXXXX directory of a run's checkpoint.dir or the output of tools/convert_hf_to_mcore.py")
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     stored = load_sharded_metadata(str(ckpt_dir))

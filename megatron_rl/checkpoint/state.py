@@ -112,9 +112,11 @@ def save_checkpoint(
 ) -> Path:
     """Write step `step` on every rank (collective); returns the final directory. A full disk raises
     StorageFullError naming checkpoint.dir (the partial directory removed, `latest` untouched)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `except Exception` misses it
+
     try:
         return _save(Path(root), step, sharded_state_dict, trainer_state, rank_state=rank_state, keep_last=keep_last)
-    except Exception as err:
+    except (Exception, CheckpointException) as err:
         if not _disk_full(err):
             raise
         partial = Path(root) / f".{step_dir_name(step)}.partial"
@@ -123,9 +125,18 @@ def save_checkpoint(
         kept = f"{latest} still names {latest.read_text().strip()}, complete" if latest.is_file() else "no earlier checkpoint"
         raise StorageFullError(
             f"no space left on the device of checkpoint.dir={str(root)!r} while saving step {step} "
+            f"({_free(Path(root))} free after removing the unfinished save) "
             f"({kept}): free space there, or set checkpoint.dir to a larger disk (and checkpoint.keep_last lower), "
             "then resume with checkpoint.resume=auto"
         ) from err
+
+
+def _free(path: Path) -> str:
+    """Free space on the disk of `path`, as '1.2 GiB' ('unknown' when it cannot be read)."""
+    try:
+        return f"{shutil.disk_usage(path).free / 2**30:.1f} GiB"
+    except OSError:
+        return "unknown"
 
 
 class StorageFullError(OSError):
@@ -136,11 +147,16 @@ def _disk_full(err: BaseException | None) -> bool:
     """Whether `err` or an exception it chains is ENOSPC / EDQUOT (megatron wraps the OSError of its writers)."""
     import errno
 
+    failures = getattr(err, "failures", None)  # torch's CheckpointException: each failed rank's exception
+    if failures and any(_disk_full(failure) for failure in failures.values()):
+        return True
     seen = 0
     while err is not None and seen < 20:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if "No space left on device" in str(err):
+            return True
+        if "unexpected pos" in str(err) or "failed writing file" in str(err):  # torch.save's writer wrote short: ENOSPC
             return True
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False
@@ -223,6 +239,40 @@ def check_complete(path: Path) -> None:
         raise CheckpointError(f"checkpoint {str(path)!r} has no megatron metadata.json: the model state is missing; resume from an older one")
 
 
+def _truncated_shards(path: Path) -> list[str]:
+    """The .distcp files of a dist checkpoint shorter than its metadata says, as 'file: N of M bytes'."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data or {}
+    except Exception:  # noqa: BLE001 - no metadata to compare with: say nothing more
+        return []
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    short = []
+    for name, size in sorted(needed.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else -1
+        if have < size:
+            short.append(f"{path / name}: {'missing' if have < 0 else f'{have} of {size} bytes'}")
+    return short
+
+
+def _load_failure(path: Path, err: BaseException) -> str:
+    """One line on why a dist checkpoint did not load: its truncated files, else the first rank's error, shortened."""
+    short = _truncated_shards(path)
+    if short:
+        return (f"{'; '.join(short)} (truncated or damaged: the disk filled up or a copy was cut short): resume from an "
+                "older checkpoint (checkpoint.resume=<its step_XXXXXXXX directory>) or copy this one again")
+    failures = getattr(err, "failures", None)  # CheckpointException: the exception of each failed rank
+    cause = next(iter(failures.values())) if failures else err
+    text = " ".join(f"{type(cause).__name__}: {cause}".split())
+    if len(text) > 300:
+        text = text[:300] + " ..."
+    return (f"{text}; a checkpoint saved by another model, or damaged: resume from another one, or start afresh "
+            "(checkpoint.resume=none)")
+
+
 def load_checkpoint(
     path: Path,
     sharded_state_dict: dict,
@@ -245,10 +295,12 @@ def load_checkpoint(
         rank_state: dict[str, Any] = load_rank_file(rank_file) if rank_file.is_file() else {}
     except (PickledCodeError, RankFileError) as err:
         raise CheckpointError(str(err)) from None
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `except Exception` misses it
+
     try:
         state = dist_checkpointing.load(sharded_state_dict, str(path))
-    except Exception as err:  # noqa: BLE001 - name the checkpoint whatever megatron raised
-        raise CheckpointError(f"cannot load the model/optimizer state from {str(path)!r}: {err}") from err
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - name the checkpoint whatever megatron raised
+        raise CheckpointError(f"cannot load the model/optimizer state from {str(path)!r}: {_load_failure(path, err)}") from None
     if rank_state and restore_rng:
         restore_rng_state(rank_state.pop("rng"))
     return state, trainer_state, rank_state

@@ -159,6 +159,9 @@ def load_yaml_preset(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> d
     if path in _seen:
         raise ConfigError(f"preset {path} includes itself through {' -> '.join(map(str, _seen))}")
     if not path.is_file():
+        if _seen:  # named by another preset's defaults
+            raise ConfigError(f"preset {str(_seen[-1])!r} includes {str(path)!r} (defaults:), which does not exist: fix the "
+                              f"name in its defaults list (relative to {str(_seen[-1].parent)!r}) or create the file")
         raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML preset such as configs/tiny-gspo.yaml")
     try:
         data = yaml.safe_load(path.read_text()) or {}

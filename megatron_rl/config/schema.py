@@ -502,7 +502,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Checkpoints kept; older ones are deleted after a successful save."""
     resume: str = "none"
-    """'auto' = continue from `latest` if present; 'none'; or a checkpoint path."""
+    """'auto' = continue from `latest` if present; 'none'; or a checkpoint path. The launch scripts pass 'auto', and a
+    run torchrun restarts (cluster.max_restarts) continues from `latest` whatever this says."""
     load: str = ""
     """`megatron-rl eval`: the megatron checkpoint to score (a step_XXXXXXXX directory, a run's checkpoint root, or a
     converted checkpoint), converted to HF on the fly; empty = score model.path."""
@@ -552,12 +553,17 @@ class ClusterConfig:
     push_link_gb_per_s: float = 50.0
     """GB/s of the link between one trainer rank and one engine worker, for the planner's weight-push time
     (megatron_rl.plan.push_time; 50 = 400 Gb/s InfiniBand per GPU)."""
+    max_restarts: int = 3
+    """Times the launch scripts' torchrun starts every trainer process again after one of them dies (torchrun
+    --max-restarts); each restart resumes from the newest complete checkpoint. 0 = a failure ends the job."""
 
     def validate(self) -> None:
         if self.cpu_threads < 0:
             raise ConfigError(f"cluster.cpu_threads={self.cpu_threads}: must be >= 0 (0 = the cores divided by cluster.cpu_processes)")
         if self.push_link_gb_per_s <= 0:
             raise ConfigError(f"cluster.push_link_gb_per_s={self.push_link_gb_per_s}: must be > 0 (GB/s of one rank's link)")
+        if self.max_restarts < 0:
+            raise ConfigError(f"cluster.max_restarts={self.max_restarts}: must be >= 0 (0 = a dead rank ends the job)")
 
     @property
     def trainer_world_size(self) -> int:

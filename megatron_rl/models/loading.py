@@ -117,6 +117,21 @@ def check_checkpoint_names(arch, names: list[str], where: str) -> None:
         )
 
 
+WRONG_SHAPE_FIX = ("the safetensors do not match config.json (a damaged or edited file, or weights of another model): "
+                   "download or convert the model again, or point model.path at the directory they came from")
+
+
+def _stored_shapes(checkpoint: SafetensorsCheckpoint, names: list[str]) -> str:
+    """'tensor NAME of shape (..)' for each stored tensor a parameter is made from."""
+    shapes = []
+    for name in names:
+        try:
+            shapes.append(f"tensor {name!r} of shape {checkpoint.shape(name)}")
+        except Exception:  # noqa: BLE001 - missing or unreadable: still name it
+            shapes.append(f"tensor {name!r}")
+    return " and ".join(shapes)
+
+
 def _shard(ctx, global_name: str, tp_dim: int | None) -> Shard:
     if tp_dim is None:
         return Shard(None)
@@ -145,11 +160,17 @@ def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike, ctx) -> None:
                 global_name = to_global(local_name)
                 mapping = mapping_for(arch, global_name, info.padded_vocab_size)
                 check_split_dim(global_name, mapping, param, strict=not info.use_te)
-                value = mapping.load(checkpoint, _shard(ctx, global_name, mapping.tp_dim))
+                try:
+                    value = mapping.load(checkpoint, _shard(ctx, global_name, mapping.tp_dim))
+                except (RuntimeError, ValueError, IndexError) as err:  # a stored tensor of the wrong size: name it
+                    raise UnsupportedModelError(
+                        f"{hf_dir}: {_stored_shapes(checkpoint, mapping.hf_names)} cannot make {global_name} of shape "
+                        f"{tuple(param.shape)} on this rank ({' '.join(str(err).split())}): {WRONG_SHAPE_FIX}"
+                    ) from None
                 if tuple(value.shape) != tuple(param.shape):
                     raise UnsupportedModelError(
                         f"{mapping.hf_names} -> {global_name}: shape {tuple(value.shape)} does not fit the parameter's "
-                        f"{tuple(param.shape)} on this rank (TP {ctx.tp_size}, EP {ctx.ep_size})"
+                        f"{tuple(param.shape)} on this rank (TP {ctx.tp_size}, EP {ctx.ep_size}): {WRONG_SHAPE_FIX}"
                     )
                 param.data.copy_(value.to(dtype=param.dtype))
     finally:

@@ -214,6 +214,18 @@ def seed_all(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def _attempt_store(timeout: timedelta):
+    """Under torchrun's c10d rendezvous the ranks share the launcher's key-value store, which outlives a restart: the
+    keys of the attempt before (gloo's peer addresses among them) would still be there, and a restarted rank could
+    connect to a peer that is gone and wait forever. Each attempt gets keys of its own (None: not under torchrun's
+    shared store, env:// as usual)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megatron_rl/attempt_{attempt}/", agent)
+
+
 def init_parallel(
     cfg: ParallelConfig,
     *,
@@ -257,7 +269,9 @@ def init_parallel(
     owns_world = not dist.is_initialized()
     if owns_world:
         if launched:
-            dist.init_process_group(backend=backend, init_method="env://", world_size=world_size, rank=rank, timeout=timeout)
+            store = _attempt_store(timeout)
+            init = {"store": store} if store is not None else {"init_method": "env://"}
+            dist.init_process_group(backend=backend, world_size=world_size, rank=rank, timeout=timeout, **init)
         else:
             dist.init_process_group(
                 backend=backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", world_size=1, rank=0, timeout=timeout

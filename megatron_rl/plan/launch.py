@@ -102,10 +102,12 @@ def server_urls_override(cfg: RLConfig, hosts: list[str], port: int) -> str:
 
 
 def launch_env(config_path: str, overrides: list[str] | None = None) -> str:
-    """Shell assignments for the launch scripts: trainer nodes and processes per node, rollout servers."""
+    """Shell assignments for the launch scripts: trainer nodes and processes per node, rollout servers, torchrun's
+    restarts and the run directory (where torchrun's own log goes)."""
     cfg = load_config(RLConfig, config_path, overrides)
     shape, servers = launch_shape(cfg), rollout_servers(cfg)
     return (
         f"NNODES={shape.nodes}\nNPROC_PER_NODE={shape.procs_per_node}\n"
         f"ROLLOUT_NODES={servers.nodes}\nSERVERS_PER_NODE={servers.per_node}\nGPUS_PER_SERVER={servers.gpus_each}\n"
+        f"MAX_RESTARTS={cfg.cluster.max_restarts}\nLOG_DIR={cfg.logging.dir}\n"
     )

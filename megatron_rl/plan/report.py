@@ -18,11 +18,12 @@ def load_spec(cfg: RLConfig, model_config: str | None = None) -> ModelSpec:
     if model_config:
         path = Path(model_config)
         if not path.is_file():
-            raise ConfigError(f"--model-config {model_config!r} is not a file")
+            raise ConfigError(f"--model-config {model_config!r} is not a file: pass the model's config.json (a file), or "
+                              "leave --model-config out to read <model.path>/config.json")
         try:
             return spec_from_hf_config(json.loads(path.read_text()), str(path))
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON: {err}") from None
+            raise ConfigError(f"{path} is not valid JSON: {err}; pass the model's own config.json") from None
     hf_config = read_hf_config(cfg.model.path, cfg.model.make_tiny_if_missing)
     return spec_from_hf_config(hf_config, f"{cfg.model.path}/config.json")
 

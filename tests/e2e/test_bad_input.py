@@ -99,6 +99,16 @@ def corpus(tmp_path_factory) -> Path:
 
     variant("wrong_shape", reshape)
 
+    def reshape_query(d: Path) -> None:  # 120 rows where config.json implies 128: the split per head group fails
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(d / "model.safetensors"))
+        name = "model.layers.0.self_attn.q_proj.weight"
+        tensors[name] = tensors[name][:-8].clone()
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+    variant("wrong_shape_query", reshape_query)
+
     def nan_weights(d: Path) -> None:  # a diverged or corrupt checkpoint: every logit NaN, in the engine as in the actor
         from safetensors.torch import load_file, save_file
 
@@ -135,6 +145,7 @@ def corpus(tmp_path_factory) -> Path:
     (root / "bad.yaml").write_text("train:\n  steps: [1, 2\n")
     (root / "list.yaml").write_text("- a\n- b\n")
     (root / "self.yaml").write_text("defaults: [self.yaml]\n")
+    (root / "includes_missing.yaml").write_text("defaults: [models/tiny-mo.yaml]\n")
     (root / "afile").write_text("a file where a directory is expected\n")
     (root / "rewards_mod.py").write_text("def always_raises(response, answer, *, prompt=''):\n    raise KeyError('score')\n")
 
@@ -181,6 +192,8 @@ CASES = [
     Case(name="missing_config_file", argv=_raw("train", "--config", "{root}/nope.yaml"), code=2, culprit=["nope.yaml", "does not exist"]),
     Case(name="yaml_not_a_mapping", argv=_raw("train", "--config", "{root}/list.yaml"), code=2, culprit=["list.yaml", "mapping"]),
     Case(name="preset_includes_itself", argv=_raw("train", "--config", "{root}/self.yaml"), code=2, culprit=["self.yaml", "includes itself"]),
+    Case(name="preset_includes_a_missing_file", argv=_raw("train", "--config", "{root}/includes_missing.yaml"), code=2,
+         culprit=["includes_missing.yaml' includes", "models/tiny-mo.yaml", "does not exist", "defaults list"]),
     Case(name="unknown_key", argv=_train("train.stepz=5"), code=2, culprit=["stepz", "steps"]),
     Case(name="unknown_section", argv=_train("trainer.steps=5"), code=2, culprit=["trainer"]),
     Case(name="wrong_type", argv=_train("train.steps=many"), code=2, culprit=["train.steps", "many"]),
@@ -195,7 +208,7 @@ CASES = [
     Case(name="prompt_and_response_exceed_positions", argv=_train("rollout.max_prompt_tokens=500", "rollout.max_new_tokens=100"), code=2,
          culprit=["rollout.max_prompt_tokens + rollout.max_new_tokens", "600", "512 positions"], absent=["ckpt/step_00000001"]),
     Case(name="plan_missing_model_config", argv=_raw("plan", "--config", PRESET, "--model-config", "{root}/none.json"), code=2,
-         culprit=["none.json", "not a file"]),
+         culprit=["none.json", "not a file", "leave --model-config out"]),
     # -- the model directory
     Case(name="missing_model_dir", argv=_train(model="typo/tiny-moe"), code=2, culprit=["typo/tiny-moe", "does not exist", "model.make_tiny=true"],
          absent=["out", "ckpt"]),
@@ -205,7 +218,9 @@ CASES = [
     Case(name="unsupported_model_type", argv=_train(model="unsupported"), code=2, culprit=["gpt_bigcode"]),
     Case(name="config_json_not_an_object", argv=_train(model="list_config"), code=2, culprit=["list_config", "list"]),
     Case(name="truncated_safetensors", argv=_train(model="truncated"), code=2, culprit=["truncated/model.safetensors", "truncated or damaged"]),
-    Case(name="wrong_shape_safetensors", argv=_train(model="wrong_shape"), code=2, culprit=["model.norm.weight"]),
+    Case(name="wrong_shape_safetensors", argv=_train(model="wrong_shape"), code=2, culprit=["model.norm.weight", "download"]),
+    Case(name="wrong_shape_query_projection", argv=_train(model="wrong_shape_query"), code=2,
+         culprit=["'model.layers.0.self_attn.q_proj.weight' of shape (120, 64)", "do not match config.json", "download"]),
     Case(name="no_weights", argv=_train(model="no_weights"), code=2, culprit=["no_weights", "safetensors", "model.load_weights=false"]),
     Case(name="missing_tokenizer", argv=_train(model="no_tokenizer"), code=2, culprit=["no_tokenizer", "holds no tokenizer", "data.tokenizer"]),
     Case(name="tokenizer_path_missing", argv=_train("data.tokenizer={root}/tok.model"), code=2, culprit=["tok.model", "data.tokenizer"]),
@@ -311,9 +326,10 @@ def _run(cmd: list[str], timeout: float, cwd: Path = REPO, **extra_env: str) -> 
     return result.returncode, result.stdout + result.stderr, time.perf_counter() - start
 
 
-SUBPROCESS_CASES = ["command_line_missing_model", "engine_cannot_start", "torchrun_two_processes_bad_data", "convert_truncated_safetensors",
-                    "convert_into_unwritable_dir", "convert_truncated_dist_shard", "convert_back_into_unwritable_dir",
-                    "sigkill_during_save_then_resume", "reward_always_raises"]
+SUBPROCESS_CASES = ["command_line_missing_model", "engine_cannot_start", "torchrun_two_processes_reward_raises",
+                    "convert_truncated_safetensors", "convert_into_unwritable_dir", "convert_truncated_dist_shard",
+                    "convert_back_into_unwritable_dir", "sigkill_during_save_then_resume", "reward_always_raises",
+                    "truncated_distcp_at_resume"]
 """The cases of the tests below (real processes, and the conversion tools' main in-process)."""
 
 
@@ -337,18 +353,26 @@ def test_an_engine_that_cannot_start_on_the_model_is_one_line(corpus, tmp_path):
     assert not (tmp_path / "ckpt" / "step_00000001").exists() and seconds < 150
 
 
-def test_torchrun_prints_a_data_error_once(corpus, tmp_path):
-    code, text, seconds = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                                "megatron_rl.train", "--config", str(REPO / "configs" / "tiny-gspo-cpu2.yaml"),
-                                f"model.path={corpus / 'model'}", f"data.path={corpus / 'data' / 'truncated.jsonl'}",
-                                f"logging.dir={tmp_path / 'out'}", f"checkpoint.dir={tmp_path / 'ckpt'}"], timeout=180)
-    assert code != 0, text
-    assert text.count("truncated.jsonl:2: not valid JSON") == 1, text[-4000:]
-    assert "[rank0]:" not in text and "[rank1]:" not in text, text[-4000:]
-    # torchrun itself reports a failed worker with its launcher's traceback (ChildFailedError); none of ours
-    assert not [line for line in text.splitlines() if line.strip().startswith("File ") and "megatron_rl" in line], text[-4000:]
-    assert "ChildFailedError" in text and "exitcode  : 2" in text, text[-4000:]
-    assert seconds < 150
+def test_torchrun_ends_in_rank0s_line_when_the_reward_raises(corpus, tmp_path):
+    """Two processes under the launch scripts' torchrun (megatron_rl.elastic) with a restart allowed: the reward raises
+    on rank 0 while rank 1 waits for the step; the job's last line is rank 0's, naming the function, exit 2 (bad input);
+    the restarted attempt ends the same way at once instead of training again; torchrun's summary is in its log."""
+    log = tmp_path / "out" / "logs" / "torchrun.log"
+    code, text, seconds = _run([sys.executable, "-m", "megatron_rl.elastic", f"--log-file={log}", "--standalone",
+                                "--nproc-per-node=2", "--max-restarts=1", "-m", "megatron_rl.cli", "train", "--config",
+                                str(REPO / "configs" / "tiny-gspo-cpu2.yaml"), f"model.path={corpus / 'model'}",
+                                "data.reward=rewards_mod:always_raises", f"logging.dir={tmp_path / 'out'}",
+                                f"checkpoint.dir={tmp_path / 'ckpt'}", *FAST], timeout=300,
+                               PYTHONPATH=os.pathsep.join([str(REPO), str(corpus)]))
+    assert code == 2, text[-4000:]
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines[-1].startswith("megatron-rl train: error: ") and "rewards_mod:always_raises" in lines[-1], text[-4000:]
+    assert text.count("rewards_mod:always_raises") == 1, text[-4000:]
+    assert "Traceback" not in text and "[rank" not in text and "FAILED" not in text and "killed" not in text, text[-4000:]
+    summary = log.read_text()  # torchrun's own account, ending in the restarted attempt's replayed verdict
+    assert "FAILED" in summary and "exitcode  : 2" in summary and "rewards_mod:always_raises" in summary, summary[-4000:]
+    assert not (tmp_path / "ckpt" / "step_00000001").exists()
+    assert seconds < 240
 
 
 def test_conversion_tool_exits_2_on_a_truncated_safetensors_file(corpus, tmp_path):
@@ -380,15 +404,16 @@ def test_conversion_tools_exit_2_on_an_unwritable_output_and_a_truncated_dist_ch
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     capfd.readouterr()
     assert to_hf.main([str(tmp_path / "mc"), str(tmp_path / "hf"), "--no-progress"]) == 2
-    _check_console(capfd.readouterr().err, ["cannot read tensors", str(tmp_path / "mc"), "truncated or damaged"])
+    _check_console(capfd.readouterr().err, ["cannot read tensors", str(tmp_path / "mc"), "truncated or damaged", "older step_"])
     assert to_hf.main([str(tmp_path / "mc"), str(corpus / "afile" / "hf"), "--no-progress"]) == 2
     _check_console(capfd.readouterr().err, ["afile/hf", "cannot write"])
     assert not (tmp_path / "hf").exists()
 
 
-def test_sigkill_during_a_save_loses_nothing_and_a_raising_reward_is_named(corpus, tmp_path):
+def test_sigkill_during_a_save_loses_nothing_and_a_raising_reward_is_named(corpus, tmp_path, capfd):
     """Step 1 is saved; the run is killed while it writes step 2; the resume starts from step 1, intact; a reward that
-    always raises then stops it with one line naming the function (exit 2), and step 1 is still there."""
+    always raises then stops it with one line naming the function (exit 2), and step 1 is still there. A .distcp file
+    of step 1 cut in half then stops the next resume with one line naming the file."""
     ckpt = tmp_path / "ckpt"
     base = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", PRESET, f"model.path={corpus / 'model'}",
             f"logging.dir={tmp_path / 'out'}", f"checkpoint.dir={ckpt}", *FAST, "train.steps=4", "checkpoint.save_every=1"]
@@ -417,6 +442,11 @@ def test_sigkill_during_a_save_loses_nothing_and_a_raising_reward_is_named(corpu
     assert _snapshot(ckpt / last) == saved
     assert (ckpt / "latest").read_text().strip() == last
 
+    shard = sorted((ckpt / last).glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    capfd.readouterr()
+    assert main([*base[3:], "checkpoint.resume=auto"]) == 2
+    _check_console(capfd.readouterr().err, [str(shard), "of", "bytes", "truncated or damaged", "older checkpoint"])
 
 def test_debug_prints_the_traceback_the_log_file_always_has_it_and_bugs_keep_theirs(corpus, tmp_path, capfd, monkeypatch):
     (tmp_path / "out").mkdir()
@@ -432,7 +462,7 @@ def test_debug_prints_the_traceback_the_log_file_always_has_it_and_bugs_keep_the
 
     from megatron_rl import trainer
 
-    def bug(config_path, overrides):
+    def bug(config_path, overrides, **kwargs):
         return {}["no such key"]
 
     monkeypatch.setattr(trainer, "main", bug)

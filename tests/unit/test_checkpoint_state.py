@@ -163,3 +163,22 @@ def test_older_rank_files_load_and_restore_the_random_streams_and_numpy_values_a
     following = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     restore_rng_state(load_rank_file(ckpt / "rank_00000.pt")["rng"])
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == following
+
+
+def test_a_short_write_of_torch_save_is_a_full_disk_naming_the_directory(tmp_path, monkeypatch):
+    """torch.save's zip writer reports a full disk without an errno ('unexpected pos N vs M'), wrapped by megatron or
+    not: the save still ends in StorageFullError naming checkpoint.dir, with the unfinished save removed."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.checkpoint.state import StorageFullError, save_checkpoint
+
+    def short_write(state, path):
+        (Path(path) / "common.pt").write_bytes(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dist_checkpointing, "save", short_write)
+    with pytest.raises(StorageFullError) as raised:
+        save_checkpoint(tmp_path, 3, {}, {"weight_version": 3})
+    message = str(raised.value)
+    assert f"checkpoint.dir={str(tmp_path)!r}" in message and "step 3" in message and "GiB free" in message
+    assert "no earlier checkpoint" in message and not (tmp_path / ".step_00000003.partial").exists()

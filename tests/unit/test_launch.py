@@ -22,6 +22,15 @@ ENV_LINES = [
 ]
 
 
+def launcher(log: str = "outputs/logs/torchrun.log") -> str:
+    """The launch scripts' torchrun: megatron_rl.elastic under the PYTHON they are given (this interpreter)."""
+    return f"{sys.executable} -m megatron_rl.elastic --log-file={log}"
+
+
+SLURM_LAUNCHER = launcher("outputs/logs/torchrun.node{node_rank}.log").replace("--log-file=", "'--log-file=") + "'"
+"""As the dry run prints it (the braces are quoted)."""
+
+
 def run(script, *args, env=None):
     """Run a launch script from the repository root with this interpreter as PYTHON."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "NPROC_", "MASTER_"))}
@@ -50,7 +59,9 @@ def test_shellcheck_finds_nothing():
 def test_scripts_hold_no_hyperparameters():
     sections = ("model.", "parallel.", "algorithm.", "optimizer.", "train.", "rollout.", "data.", "checkpoint.")
     for script in SCRIPTS:
-        code = [line for line in script.read_text().splitlines() if not line.lstrip().startswith("#")]
+        # the one setting they pass is a policy, not a hyperparameter: every launch resumes from `latest`
+        code = [line.replace(" checkpoint.resume=auto", "") for line in script.read_text().splitlines()
+                if not line.lstrip().startswith("#")]
         hits = [line for line in code if any(f" {s}" in line or f"'{s}" in line or f'"{s}' in line for s in sections)]
         assert not hits, f"{script.name} sets config values: {hits}"
 
@@ -59,22 +70,28 @@ def test_torchrun_dry_run_on_one_node():
     result = run(TORCHRUN_SH, "--dry-run", "configs/tiny-gspo-cpu2.yaml", "train.steps=2", "rollout.stop=[a, b]")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ENV_LINES + [
-        "torchrun --standalone --nnodes=1 --nproc-per-node=2 -m megatron_rl.cli train "
-        "--config configs/tiny-gspo-cpu2.yaml train.steps=2 'rollout.stop=[a, b]'"
+        f"{launcher()} --standalone --nnodes=1 --nproc-per-node=2 --max-restarts=3 -m megatron_rl.cli train "
+        "--config configs/tiny-gspo-cpu2.yaml checkpoint.resume=auto train.steps=2 'rollout.stop=[a, b]'"
     ]
+    restarts = run(TORCHRUN_SH, "--dry-run", "configs/tiny-gspo-cpu2.yaml", "cluster.max_restarts=0", "logging.dir=/runs/a b",
+                   env={"TORCHRUN": "torchrun"})
+    assert restarts.stdout.splitlines()[-1] == (
+        "torchrun --standalone --nnodes=1 --nproc-per-node=2 --max-restarts=0 -m megatron_rl.cli train "
+        "--config configs/tiny-gspo-cpu2.yaml checkpoint.resume=auto cluster.max_restarts=0 'logging.dir=/runs/a b'")
 
 
 def test_slurm_dry_run_on_one_node():
     result = run(SLURM, "--dry-run", "configs/tiny-gspo-1x8h100.yaml", env={"DRY_RUN": "1"})
     assert result.returncode == 0, result.stderr
-    torchrun = "--nnodes=1 --nproc-per-node=8 --master-addr=node1 --master-port=29500 -m megatron_rl.cli train --config configs/tiny-gspo-1x8h100.yaml"
+    torchrun = ("--nnodes=1 --nproc-per-node=8 --master-addr=node1 --master-port=29500 --max-restarts=3 -m megatron_rl.cli "
+                "train --config configs/tiny-gspo-1x8h100.yaml checkpoint.resume=auto")
     assert result.stdout.splitlines() == [
         "# 1 node(s) x 8 trainer process(es), master node1:29500",
         *ENV_LINES,
         "srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=node1 --kill-on-bad-exit=1 "
-        f"""bash -c 'exec "$0" --node-rank="$SLURM_NODEID" "$@"' torchrun {torchrun}""",
+        f"""bash -c 'n=$0; exec "${{@:1:n}}" --node-rank="$SLURM_NODEID" "${{@:n+1}}"' 4 {SLURM_LAUNCHER} {torchrun}""",
         "# on node1 (node rank 0):",
-        f"torchrun --node-rank=0 {torchrun}",
+        f"{SLURM_LAUNCHER} --node-rank=0 {torchrun}",
     ]
 
 
@@ -83,17 +100,17 @@ def test_slurm_dry_run_on_four_nodes():
     result = run(SLURM, "--dry-run", preset, "model.path=/data/Qwen3-30B-A3B", env={"MASTER_PORT": "6000"})
     assert result.returncode == 0, result.stderr
     torchrun = (
-        "--nnodes=4 --nproc-per-node=8 --master-addr=node1 --master-port=6000 "
-        f"-m megatron_rl.cli train --config {preset} model.path=/data/Qwen3-30B-A3B"
+        "--nnodes=4 --nproc-per-node=8 --master-addr=node1 --master-port=6000 --max-restarts=3 "
+        f"-m megatron_rl.cli train --config {preset} checkpoint.resume=auto model.path=/data/Qwen3-30B-A3B"
     )
     expected = [
         "# 4 node(s) x 8 trainer process(es), master node1:6000",
         *ENV_LINES,
         "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --nodelist=node1,node2,node3,node4 --kill-on-bad-exit=1 "
-        f"""bash -c 'exec "$0" --node-rank="$SLURM_NODEID" "$@"' torchrun {torchrun}""",
+        f"""bash -c 'n=$0; exec "${{@:1:n}}" --node-rank="$SLURM_NODEID" "${{@:n+1}}"' 4 {SLURM_LAUNCHER} {torchrun}""",
     ]
     for rank in range(4):
-        expected += [f"# on node{rank + 1} (node rank {rank}):", f"torchrun --node-rank={rank} {torchrun}"]
+        expected += [f"# on node{rank + 1} (node rank {rank}):", f"{SLURM_LAUNCHER} --node-rank={rank} {torchrun}"]
     assert result.stdout.splitlines() == expected
 
 
@@ -134,7 +151,8 @@ def test_slurm_dry_run_starts_rollout_servers_on_the_nodes_set_aside():
     args = " ".join(DISAGGREGATED[1:])
     config = f"--config {DISAGGREGATED[0]} {args}"
     urls = "'rollout.server_urls=[http://node4:8000, http://node4:8001]'"
-    torchrun = f"--nnodes=3 --nproc-per-node=8 --master-addr=node1 --master-port=29500 -m megatron_rl.cli train {config} {urls}"
+    torchrun = (f"--nnodes=3 --nproc-per-node=8 --master-addr=node1 --master-port=29500 --max-restarts=3 -m megatron_rl.cli "
+                f"train --config {DISAGGREGATED[0]} checkpoint.resume=auto {args} {urls}")
     serve = f"{sys.executable} -m megatron_rl.cli serve {config}"
     lines = result.stdout.splitlines()
     token_file = REPO / ".megatron-rl" / "server-token.dry-run"
@@ -149,14 +167,14 @@ def test_slurm_dry_run_starts_rollout_servers_on_the_nodes_set_aside():
     assert lines[6].startswith("srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=node4 bash -c ")
     assert lines[6].endswith(f" serve 2 4 8000 {serve} &")
     assert lines[7].startswith("srun --nodes=3 --ntasks=3 --ntasks-per-node=1 --nodelist=node1,node2,node3 ")
-    assert lines[7].endswith(f"torchrun {torchrun}")
+    assert lines[7].endswith(f"{SLURM_LAUNCHER} {torchrun}")
     assert lines[8:11] == [
         "# on node4 (rollout):",
         f"CUDA_VISIBLE_DEVICES=0,1,2,3 {serve} --port 8000",
         f"CUDA_VISIBLE_DEVICES=4,5,6,7 {serve} --port 8001",
     ]
     assert lines[11:] == [line for rank in range(3) for line in (
-        f"# on node{rank + 1} (node rank {rank}):", f"torchrun --node-rank={rank} {torchrun}")]
+        f"# on node{rank + 1} (node rank {rank}):", f"{SLURM_LAUNCHER} --node-rank={rank} {torchrun}")]
 
 
 def test_the_servers_token_file_is_the_owners_only_and_gone_after_the_run(tmp_path):
@@ -251,3 +269,33 @@ def test_scripts_the_readme_runs_directly_are_executable():
         assert git_modes.get(script) == "100755", f"{script}: git mode {git_modes.get(script)}; run git update-index --chmod=+x {script}"
         assert os.stat(REPO / script).st_mode & 0o111 == 0o111, f"{script} is not executable here: chmod +x {script}"
         assert (REPO / script).read_text().startswith("#!"), f"{script} has no #! line"
+
+
+@pytest.mark.parametrize("sent, requeued", [("SIGUSR1", True), ("SIGTERM", False)])
+def test_slurm_warning_signal_stops_the_trainer_and_requeues_the_job(tmp_path, sent, requeued):
+    """Slurm's warning before the time limit (USR1 to the batch shell, --signal=B:USR1@...) reaches srun, whose trainer
+    saves and exits 3 (EXIT_PREEMPTED); the script then requeues the job and exits 3 too. A TERM (scancel) also makes
+    the trainer save, but the job is not requeued. srun and scontrol are stand-ins that record what they are given."""
+    import signal
+    import time
+
+    log = tmp_path / "calls.log"
+    (tmp_path / "srun").write_text('#!/usr/bin/env bash\necho "srun" >> "$CALLS"\n'
+                                   'trap \'echo "srun got USR1" >> "$CALLS"; exit 3\' USR1\nwhile :; do sleep 0.05; done\n')
+    (tmp_path / "scontrol").write_text('#!/usr/bin/env bash\nif [[ $1 == show ]]; then echo node1; else echo "scontrol $*" >> "$CALLS"; fi\n')
+    for tool in ("srun", "scontrol"):
+        (tmp_path / tool).chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "NPROC_", "MASTER_"))}
+    env = {**clean, "PYTHON": sys.executable, "PATH": f"{tmp_path}:{os.environ['PATH']}", "CALLS": str(log),
+           "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "77"}
+    proc = subprocess.Popen(["bash", str(SLURM), "configs/tiny-gspo-1x8h100.yaml"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (log.is_file() and "srun" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, sent))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3, err
+    assert log.read_text().splitlines() == ["srun", "srun got USR1", *(["scontrol requeue 77"] if requeued else [])]
+    assert ("requeueing job 77" in err) == requeued

@@ -302,14 +302,15 @@ def test_colocated_engines_are_counted_as_the_trainer_starts_them():
 
 def test_launch_env_reads_only_the_cluster(capsys):
     assert main(["plan", "--launch-env", "--config", str(CONFIGS / "tiny-gspo-cpu2.yaml")]) == 0
-    no_servers = "ROLLOUT_NODES=0\nSERVERS_PER_NODE=0\nGPUS_PER_SERVER=0\n"
+    run = "MAX_RESTARTS=3\nLOG_DIR=outputs\n"  # cluster.max_restarts's default, logging.dir's
+    no_servers = "ROLLOUT_NODES=0\nSERVERS_PER_NODE=0\nGPUS_PER_SERVER=0\n" + run
     assert capsys.readouterr().out == "NNODES=1\nNPROC_PER_NODE=2\n" + no_servers
     assert main(["plan", "--launch-env", "--config", str(CONFIGS / "qwen3-235b-a22b-gspo-32x8h100.yaml")]) == 0
     assert capsys.readouterr().out == "NNODES=32\nNPROC_PER_NODE=8\n" + no_servers
     # 8 GPUs of 32 set aside for TP 2 servers: 3 trainer nodes, one rollout node of 4 servers
     servers = ["cluster.rollout_gpus=8", "rollout.engine=vllm_server", "rollout.tensor_parallel=2"]
     assert main(["plan", "--launch-env", "--config", str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"), *servers]) == 0
-    assert capsys.readouterr().out == "NNODES=3\nNPROC_PER_NODE=8\nROLLOUT_NODES=1\nSERVERS_PER_NODE=4\nGPUS_PER_SERVER=2\n"
+    assert capsys.readouterr().out == "NNODES=3\nNPROC_PER_NODE=8\nROLLOUT_NODES=1\nSERVERS_PER_NODE=4\nGPUS_PER_SERVER=2\n" + run
     assert main(["plan", "--server-urls", "gpu9", "--server-port", "9000", "--config", str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"), *servers]) == 0
     urls = ", ".join(f"http://gpu9:{port}" for port in (9000, 9001, 9002, 9003))
     assert capsys.readouterr().out == f"rollout.server_urls=[{urls}]\n"

@@ -1,0 +1,112 @@
+"""How a failed torchrun job ends: each rank's one line in torchrun's error file, the launcher's lines (rank 0's last),
+a bad-input verdict that a restarted attempt replays at once, the reasons a restarted attempt gives, and the stop
+signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from megatron_rl import errors
+from megatron_rl.elastic import failure_lines
+from megatron_rl.parallel.watch import StopSignals
+
+
+def _attempt(monkeypatch, root: Path, attempt: int, local_rank: int) -> Path:
+    """The torchrun variables of one rank in one attempt, as the elastic agent sets them."""
+    error_file = root / "run-id" / f"attempt_{attempt}" / str(local_rank) / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(errors.LAUNCHER_ENV, "1")
+    return error_file
+
+
+def test_error_files_the_launcher_lines_and_a_replayed_bad_input(monkeypatch, tmp_path, capsys):
+    from megatron_rl.data.dataset import DatasetError
+    from megatron_rl.parallel.watch import CollectiveError
+
+    rank0 = _attempt(monkeypatch, tmp_path, 0, 0)
+    assert errors.report_error("megatron-rl train", DatasetError("rows.jsonl:2: not valid JSON"), log_dir=None) == 2
+    rank1 = _attempt(monkeypatch, tmp_path, 0, 1)
+    lost = CollectiveError("rank 1: a collective of step 0, phase generate, lost its connection")
+    assert errors.report_error("megatron-rl train", lost, log_dir=None) == 1
+    assert capsys.readouterr().err == ""  # under the launcher the ranks leave the console to it
+
+    first, second = json.loads(rank0.read_text()), json.loads(rank1.read_text())
+    assert first["message"] == "megatron-rl train: error: rows.jsonl:2: not valid JSON" and first["exitcode"] == 2
+    assert "DatasetError" in first["traceback"] and second["exitcode"] == 1
+    # torchrun reads the files into its ProcessFailures (exit codes as the processes returned them)
+    killed = ProcessFailure(local_rank=1, pid=4321, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none.json"))
+    failures = {0: ProcessFailure(0, 1234, 2, str(rank0)), 1: ProcessFailure(1, 4321, 1, str(rank1))}
+    lines, code = failure_lines(failures)
+    assert lines == [second["message"], first["message"]] and code == 2
+    assert second["message"] == "megatron-rl train: error: rank 1: a collective of step 0, phase generate, lost its connection"
+    lines, code = failure_lines({1: killed})
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("rank 1 (pid 4321 on ") and "killed by SIGKILL" in lines[0]
+    lines, _ = failure_lines({0: ProcessFailure(0, 1234, 2, str(rank0)), 1: ProcessFailure(1, 4321, 2, str(rank0))})
+    assert lines == [first["message"]]  # the same line from every rank: printed once
+    stopped = ProcessFailure(local_rank=1, pid=4321, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none.json"))
+    assert failure_lines({0: ProcessFailure(0, 1234, 2, str(rank0)), 1: stopped}) == ([first["message"]], 2)  # torchrun's own stop
+
+    # the restarted attempt: no work, the first attempt's verdict, this rank's error file written again
+    replay = _attempt(monkeypatch, tmp_path, 1, 1)
+    assert errors.replay_bad_input() == 2
+    assert json.loads(replay.read_text())["message"] == first["message"] and capsys.readouterr().err == ""
+    reasons = errors.previous_attempt_failures()
+    assert reasons == [f"local rank 0: {first['message']}", f"local rank 1: {second['message']}"]
+    monkeypatch.delenv(errors.LAUNCHER_ENV)
+    _attempt(monkeypatch, tmp_path, 1, 0)
+    monkeypatch.delenv(errors.LAUNCHER_ENV)
+    assert errors.replay_bad_input() == 2 and capsys.readouterr().err == first["message"] + "\n"  # plain torchrun: rank 0 says it
+
+
+def test_no_verdict_outside_torchrun_or_in_a_first_attempt(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    assert errors.replay_bad_input() is None and errors.previous_attempt_failures() == []
+    _attempt(monkeypatch, tmp_path, 0, 0)
+    assert errors.replay_bad_input() is None and errors.previous_attempt_failures() == []
+
+
+def test_stop_signals_are_held_until_asked_for_and_then_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignals()
+    stop.install()
+    try:
+        assert stop.agreed(None) is None
+        os.kill(os.getpid(), signal.SIGTERM)  # the process lives on: the signal only sets the flag
+        stop.install()  # installed again (after an engine's start): the received signal is kept
+        assert stop.agreed(None) == signal.SIGTERM
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_stop_is_exit_code_3_and_not_an_error(monkeypatch, tmp_path, capsys):
+    from megatron_rl.trainer import StoppedBySignal
+
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.delenv(errors.LAUNCHER_ENV, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    code = errors.report_error("megatron-rl train", StoppedBySignal("stopped by SIGTERM after step 3 of 4"), log_dir=tmp_path)
+    assert code == errors.EXIT_PREEMPTED == 3
+    assert capsys.readouterr().err == "megatron-rl train: stopped by SIGTERM after step 3 of 4\n"
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("preset_text, culprit", [("defaults: [models/nope.yaml]\n", "nope.yaml")])
+def test_a_preset_including_a_missing_file_names_both(tmp_path, preset_text, culprit):
+    from megatron_rl.config.core import ConfigError, load_yaml_preset
+
+    (tmp_path / "run.yaml").write_text(preset_text)
+    with pytest.raises(ConfigError) as raised:
+        load_yaml_preset(tmp_path / "run.yaml")
+    message = str(raised.value)
+    assert f"preset {str(tmp_path / 'run.yaml')!r} includes" in message and culprit in message and "defaults list" in message
