@@ -182,7 +182,10 @@ def test_the_servers_token_file_is_the_owners_only_and_gone_after_the_run(tmp_pa
     and the trainer's tasks see; the token file exists with mode 600 while they run, and not after."""
     seen = tmp_path / "seen"
     for name, body in (("scontrol", 'printf "node%d\\n" 1 2 3 4\n'),
-                       ("srun", f'f=$MEGATRON_RL_SERVER_TOKEN_FILE; echo "$f $(stat -c %a "$f") $(wc -c <"$f")" >>{seen}\n')):
+                       ("srun", f'f=$MEGATRON_RL_SERVER_TOKEN_FILE; echo "$f $(stat -c %a "$f") $(wc -c <"$f")" >>{seen}\n'
+                                # the trainer's task ends once the servers' task has looked (the script stops them then)
+                                f'case "$*" in *" serve "*) ;; *) for _ in $(seq 100); do [ "$(wc -l <{seen})" -ge 2 ] && break; '
+                                'sleep 0.05; done ;; esac\n')):
         (tmp_path / name).write_text(f"#!/usr/bin/env bash\n{body}")
         (tmp_path / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "NPROC_", "MASTER_", "MEGATRON_RL_"))}
