@@ -632,11 +632,17 @@ def _unshare_step_counters(optimizer) -> None:
     megatron's distributed optimizer without apex / Transformer Engine loads one `step` tensor into the state of
     every parameter; torch's Adam adds 1 to each parameter's counter in place, so a shared one grows by the number
     of parameters per optimizer step and the bias correction (Kingma & Ba 2015, Alg. 1) goes wrong after a resume.
+    The fused kernel (actor.optim.fuse_torch_adam) wants each counter on its parameter's device.
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for param_state in getattr(opt.optimizer, "state", {}).values():
-            if isinstance(param_state.get("step"), torch.Tensor):
-                param_state["step"] = param_state["step"].clone()
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for param in group["params"]:
+                param_state = inner.state.get(param, {})
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    step = param_state["step"].clone()
+                    param_state["step"] = step.to(param.device, torch.float32) if on_device else step
 
 
 def _init_optimizer_state(optimizer) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_rl.config.core import ConfigError
@@ -39,7 +41,52 @@ def build_optimizer(cfg: OptimizerConfig, model_chunks: list, *, dtype: torch.dt
         params_dtype=dtype,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(megatron_cfg, model_chunks, use_gloo_process_groups=False)
+    optimizer = get_megatron_optimizer(megatron_cfg, model_chunks, use_gloo_process_groups=False)
+    _, why = fuse_torch_adam(optimizer)
+    if why:
+        print(f"megatron_rl: optimizer: {why}", flush=True)
+    return optimizer
+
+
+def fuse_torch_adam(optimizer, device: torch.device | None = None) -> tuple[int, str]:
+    """Run torch's Adam / AdamW inside megatron's optimizer as its fused kernel where it runs: (groups fused, why).
+
+    megatron-core takes Transformer Engine's or apex's FusedAdam when one imports and torch's Adam
+    otherwise, built with its default (foreach on a GPU: several launches per tensor group). torch's
+    fused Adam is one kernel per group, the same update (Loshchilov & Hutter 2019 for AdamW); it is
+    chosen by one tiny fused step on the device (`device`: the parameters' by default), never on CPU
+    unless asked, where the actor's reference tests pin the foreach path's numbers.
+    """
+    inner = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+             if type(getattr(opt, "optimizer", None)) in (torch.optim.Adam, torch.optim.AdamW)]
+    groups = [group for opt in inner for group in opt.param_groups if group["params"] and not group.get("fused")]
+    if not groups:
+        return 0, ""
+    if device is None:  # the parameters' device, on a GPU only (see above)
+        device = groups[0]["params"][0].device
+        if device.type != "cuda":
+            return 0, ""
+    failed = _fused_adam_fails(device.type, device.index)
+    if failed:
+        return 0, f"torch's Adam stays foreach ({failed})"
+    for group in groups:
+        group["fused"], group["foreach"] = True, False
+    return len(groups), f"torch's fused Adam on {device.type} ({len(groups)} parameter group(s))"
+
+
+@functools.cache
+def _fused_adam_fails(device_type: str, index: int | None) -> str | None:
+    """None where a fused AdamW step runs on the device, else the error (one line)."""
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    try:
+        param = torch.zeros(8, device=device, requires_grad=True)
+        param.grad = torch.ones(8, device=device)
+        torch.optim.AdamW([param], lr=0.1, fused=True).step()
+        if not bool(torch.isfinite(param).all()) or float(param.detach().abs().sum()) == 0:
+            return "a probe step gave no update"
+    except Exception as err:  # noqa: BLE001 - any failure: keep torch's default kernel
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return None
 
 
 def build_scheduler(cfg: OptimizerConfig, optimizer, *, total_optimizer_steps: int):
