@@ -5,7 +5,7 @@
 
 The pushing process exports a bf16 model (LAYERS layers of attention and MLP
 matrices) bucket by bucket as fresh copies on the device, as the trainer's
-export does, and pushes it through rollout.push's protocol with
+export does, and pushes it through weight_sync.protocol's protocol with
 weight_sync.ipc's IpcSender (reduce_tensor handles). The engine-worker
 process runs the real worker extension (rollout.worker_ext: rebuild from the
 handle, manifest check, streaming load) over a model runner that copies each
@@ -67,7 +67,7 @@ def make_checkpoint(path: Path, hidden: int, layers: int) -> Path:
 def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets: int = 1) -> dict:
     import torch
 
-    from megatron_rl.rollout.push import PushTarget, stream_push
+    from megatron_rl.weight_sync.protocol import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
     from megatron_rl.weight_sync.ipc import IpcSender
     from megatron_rl.weight_sync.stream import entries_of
@@ -99,11 +99,16 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
                 pools.append(made.pool)
             return made
 
+        copy_s: list[float] = []
+        plain_copy = _plain_copy(state, device)
         try:
             for version in range(1, REPEATS + 2):
-                stream = WeightStream(entries_of(buckets), ([(n, t.clone()) for n, t in b] for b in buckets))
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
+                # the export's buckets as models.export_hf_weights(fresh=False) yields them on the pushing rank: its
+                # parameters themselves, which the push writes straight into the shared buffers
+                stream = WeightStream(entries_of(buckets), (list(b) for b in buckets))
+                copy_time = plain_copy()  # the same bytes copied once, just before each push (a shared machine)
+                if version > 1:
+                    copy_s.append(copy_time)
                 answers.clear()
                 begin = time.perf_counter()
                 result = stream_push([target], stream, version, manifest=manifest, repack_moe=False, sender=sender)
@@ -116,7 +121,6 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         finally:
             worker.stop()
         expected = float(sum(t.float().sum() for t in state.values()))
-        copy_s = _plain_copy_s(state, device)
     return {
         "hidden": hidden, "layers": layers, "bytes": num_bytes, "bucket_mb": bucket_mb, "buckets": len(buckets),
         "batch_buckets": batch_buckets, "worker_calls_per_push": calls, "worker_buffers_mapped_per_push": mapped,
@@ -138,7 +142,7 @@ def _relay_rank(rank: int, world_size: int, init: str, model_dir: str, device: s
     import torch
     import torch.distributed as dist
 
-    from megatron_rl.rollout.push import PushTarget, stream_push
+    from megatron_rl.weight_sync.protocol import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
     from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
     from megatron_rl.weight_sync.stream import entries_of
@@ -228,9 +232,18 @@ def _random_state(model_dir: Path, device: str) -> dict:
 
 
 def _plain_copy_s(state: dict, device: str) -> list[float]:
+    copy = _plain_copy(state, device)
+    copy()
+    return [copy() for _ in range(REPEATS)]
+
+
+def _plain_copy(state: dict, device: str):
+    """A function timing one `Tensor.copy_` of every tensor of `state` into targets made (and touched) once."""
     import torch
 
     targets = {k: torch.empty_like(v) for k, v in state.items()}
+    for k, v in state.items():
+        targets[k].copy_(v)
 
     def copy() -> float:
         if device.startswith("cuda"):
@@ -242,8 +255,7 @@ def _plain_copy_s(state: dict, device: str) -> list[float]:
             torch.cuda.synchronize()
         return time.perf_counter() - begin
 
-    copy()
-    return [copy() for _ in range(REPEATS)]
+    return copy
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ a multiprocess one, or as `POST /collective_rpc` on a server started with
 VLLM_SERVER_DEV_MODE=1. Over HTTP every argument is a string, so the methods
 accept strings where they take numbers and return JSON-able values or text.
 
-A weight push streams (rollout.streaming_load): the trainer has checked the
+A weight push streams (weight_sync.streaming_load): the trainer has checked the
 whole push's names, shapes and dtypes against the engine's manifest before
 the first bucket, so each bucket is loaded as it arrives:
 1. `mrl_begin_push(version)` opens a push;
@@ -73,8 +73,8 @@ from megatron_rl.weight_sync.broadcast import (
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
 from megatron_rl.weight_sync.delta import DeltaHolder
 from megatron_rl.weight_sync.ipc import IpcReceiver
-from megatron_rl.rollout.streaming_load import StreamingLoad
 from megatron_rl.weight_sync.manifest import WeightPushError, manifest_from_checkpoint
+from megatron_rl.weight_sync.streaming_load import StreamingLoad
 
 logger = logging.getLogger(__name__)
 

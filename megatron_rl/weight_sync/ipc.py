@@ -15,7 +15,7 @@ bucket:
    rounds), one call for several; each worker maps the handle of its own
    device (`IpcReceiver.open`), unpacks views of it and stages them like any
    other bucket: the same manifest check and streaming load
-   (rollout.streaming_load), the same abort and recovery;
+   (weight_sync.streaming_load), the same abort and recovery;
 4. each answer lists the buckets whose memory the worker no longer holds
    (its loading is past them: nothing but the receiver references their
    storage, views of views included); once every worker has let go of a
@@ -60,6 +60,7 @@ import json
 import pickle
 import uuid
 from collections import Counter
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -164,13 +165,15 @@ class IpcReceiver:
     of it (vLLM's layerwise reload keeps a fused layer's parts), so what is counted is the storage's references
     (its use count), not a tensor object.
 
-    The mapping of a let-go buffer is kept (at most `keep_mapped` of them) until the push ends (`close`): the
-    pushing side writes its released buffers again, and their next handle then finds the mapping in torch's
-    cache of shared storages (torch.multiprocessing.reductions.shared_cache) instead of opening the memory
-    again (cudaIpcOpenMemHandle on a GPU; on the host, mapping the file anew and faulting its pages in).
+    The mapping of a let-go buffer is kept (at most `keep_mapped` of them): the pushing side writes its released
+    buffers again, and their next handle then finds the mapping in torch's cache of shared storages
+    (torch.multiprocessing.reductions.shared_cache) instead of opening the memory again (cudaIpcOpenMemHandle on
+    a GPU; on the host, mapping the file anew and faulting its pages in, which took longer than the copy). CUDA
+    mappings go when the push ends (`close`: a mapped block stays allocated on the trainer's GPU); host ones are
+    kept for the next push too, whose buffers the engine keeps (weight_sync.ipc.BufferPool.release_all).
     """
 
-    keep_mapped = 4
+    keep_mapped = 8
 
     def __init__(self) -> None:
         # (sender, bucket id) -> (its mapped storage, its CUDA device): ids count from 0 in every push
@@ -210,10 +213,11 @@ class IpcReceiver:
         return [bucket_id for owner, bucket_id in released if owner == sender]
 
     def close(self) -> None:
-        """The push ended: every mapping goes (the pushing side frees its buffers; a CUDA block stays allocated
-        while a worker maps it)."""
+        """The push ended: every CUDA mapping goes (a CUDA block stays allocated on the trainer's GPU while a worker
+        maps it); the last `keep_mapped` host mappings stay for the next push, which writes the same buffers."""
+        host = [storage for storage, device in self._open.values() if device is None]
         self._open.clear()
-        self._idle.clear()
+        self._idle = [s for s in self._idle + host if s.device.type == "cpu"][-self.keep_mapped :]
 
 
 def _use_count(storage: Any) -> int:
@@ -278,18 +282,24 @@ class BufferPool:
 
 
 def share(pool: BufferPool, bucket_id: int, layout: dict, copies: int, bucket: Bucket | None = None,
-          fill: Callable[[torch.Tensor], None] | None = None) -> list[str]:
-    """Pack `bucket` (or let `fill` write the bytes) into the pool's buffer for `bucket_id`; `copies` handles of it,
-    one per worker that maps it (each handle holds one reference to the memory, which its worker's mapping takes
-    over: one handle opened twice would let the memory go while a worker still maps it)."""
+          fill: Callable[[torch.Tensor], None] | None = None, wait: bool = True) -> tuple[list[str], Any]:
+    """Write `bucket` (or let `fill` write the bytes) straight into the pool's shared buffer for `bucket_id`: the
+    one copy of its bytes on this side. Returns `copies` handles of it, one per worker that maps it (each handle
+    holds one reference to the memory, which its worker's mapping takes over: one handle opened twice would let
+    the memory go while a worker still maps it), and on a GPU the event the copy completes at (the worker reads
+    on its own streams: the handles go out once it has passed, `wait` synchronizes here; None on the host)."""
     flat = pool.take(bucket_id, int(layout["nbytes"]))
     if bucket is not None:
         pack_bucket(bucket, layout, pool.device, out=flat)
     if fill is not None:
         fill(flat)
+    ready = None
     if flat.is_cuda:
-        torch.cuda.current_stream(flat.device).synchronize()  # the worker reads on its own streams
-    return [export_handle(flat) for _ in range(copies)]
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(flat.device))
+        if wait:
+            ready.synchronize()
+    return [export_handle(flat) for _ in range(copies)], ready
 
 
 @dataclass
@@ -302,6 +312,8 @@ class SharedBucket:
     """handles[i][j]: what worker j of engine i maps (the copy on its trainer rank's device)."""
     gpus: list[list[str]]
     """The UUID of the GPU behind each handle ('' on the host)."""
+    ready: Any = None
+    """A CUDA event the bucket's bytes are written at (synchronized before its handles go out); None: written."""
 
 
 class IpcRelay:
@@ -356,9 +368,9 @@ class IpcRelay:
             header = holder[0]
             self._follow(header)
             if header["layout"] is not None:
-                handles = share(self.pool, self._next_id, header["layout"], self.copies,
-                                bucket if self.rank == self.root else None,
-                                fill=lambda flat: dist.broadcast(flat, src=self.root, group=group))
+                handles, _ = share(self.pool, self._next_id, header["layout"], self.copies,
+                                   bucket if self.rank == self.root else None,
+                                   fill=lambda flat: dist.broadcast(flat, src=self.root, group=group))
                 gathered: list[Any] = [None] * len(self.ranks)
                 dist.gather_object((handles, gpu_uuid(self.pool.device)), gathered if self.rank == self.root else None,
                                    dst=self.root, group=self.object_group)
@@ -371,9 +383,11 @@ class IpcRelay:
     def share_here(self, bucket: Bucket) -> SharedBucket:
         """(one rank, nothing collective) Share `bucket` from this rank's device with every worker."""
         layout, bucket_id = describe_bucket(bucket), self._next_id
-        handles = share(self.pool, bucket_id, layout, self.copies, bucket)
+        handles, ready = share(self.pool, bucket_id, layout, self.copies, bucket, wait=False)
         self._next_id += 1
-        return self._assign(bucket_id, layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
+        shared = self._assign(bucket_id, layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
+        shared.ready = ready
+        return shared
 
     def _assign(self, bucket_id: int, layout: dict, by_rank: dict[int, tuple[list[str], str]]) -> SharedBucket:
         """Bucket `bucket_id` as its workers get it: each its own handle of the copy on its rank's device."""
@@ -420,10 +434,17 @@ class IpcSender:
     """Pushing-rank end: sends each bucket's handles to every engine and frees its buffers once all their workers
     have let go of it.
 
-    Drives the push protocol like weight_sync.broadcast.BroadcastSender does (rollout.push calls
-    `send(bucket, receives, names)`, each receive answering with every worker's answer); one sender per push.
-    Without a relay the bucket is shared from this rank's device alone (one engine process); with one, the
-    relay has already shared it on every rank while the export passed it (colocated servers).
+    Drives the push protocol like weight_sync.broadcast.BroadcastSender does (weight_sync.protocol.stream_push
+    calls `send(bucket, receives, names)`, each receive answering with every worker's answer); one sender per
+    push. Without a relay the bucket is written from this rank's device alone (one engine process); with one,
+    the relay has already shared it on every rank while the export passed it (colocated servers).
+
+    Overlap: the call that hands bucket k to the engines runs on threads of its own while the export makes
+    bucket k+1 and writes it into its shared buffer (on a GPU the copy runs on the export's stream while the
+    worker loads on its own; the handles of k+1 go out once its event has passed). The engines take calls in
+    order: the call for k+1 starts once k's answered. A worker answers once its loading is past the first
+    tensor of k (weight_sync.streaming_load), so the answer frees bucket k-1: with one bucket per call the
+    buffers alive on this rank are k-1 (its release not yet known), k (being loaded) and k+1 (being written).
     """
 
     receive_method = "mrl_ipc_receive"
@@ -450,6 +471,7 @@ class IpcSender:
         """Calls made to each engine so far (one per batch of buckets)."""
         self._holders: Counter[int] = Counter()  # bucket id -> engines still holding it
         self._pending: list[SharedBucket] = []  # shared, not yet sent
+        self._inflight: tuple[list, list[str], str] | None = None  # the call made and not yet answered
 
     @property
     def pool(self) -> BufferPool:
@@ -462,26 +484,44 @@ class IpcSender:
 
     def send(self, bucket: Bucket, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
         """Hand one bucket to every engine (with batch_buckets > 1, once that many are shared; `flush` sends the
-        rest); returns each engine's answers (one per worker) to the call made, [] when none was."""
+        rest); returns each engine's answers (one per worker) to the earlier call this one waited for, [] when
+        none was."""
         if len(receives) != len(self.relay.engine_ranks):
             raise IpcError(f"{len(receives)} engines, but the relay knows the devices of {len(self.relay.engine_ranks)}")
         self._pending.append(self._shared(bucket))
-        return self.flush(receives, names) if len(self._pending) >= self.batch_buckets else []
+        return self._start(receives, names) if len(self._pending) >= self.batch_buckets else []
 
     def flush(self, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
-        """Send the buckets shared and not yet sent, in one message per engine (rollout.push calls it at the end)."""
+        """Send the buckets shared and not yet sent, in one message per engine, and wait for every call's answer
+        (weight_sync.protocol.stream_push calls it at the end); returns the last call's answers."""
+        answers = self._start(receives, names)
+        return self._finish() or answers
+
+    def _start(self, receives: list[Callable[[str], Any]], names: list[str] | None) -> list[Any]:
+        """Wait for the call in flight (its answers are returned), then call the engines with the pending buckets."""
+        answers = self._finish()
         pending, self._pending = self._pending, []
         if not pending:
-            return []
+            return answers
         names = [f"engine {i}" for i in range(len(receives))] if names is None else list(names)
-        messages = [json.dumps(self._message(pending, i)) for i in range(len(receives))]
         for shared in pending:
+            if shared.ready is not None:
+                shared.ready.synchronize()  # its bytes are written before a worker reads them
             self._holders[shared.bucket_id] = len(receives)
-        futures = call_in_threads(receives, messages, "weight-ipc-receive")
+        messages = [json.dumps(self._message(pending, i)) for i in range(len(receives))]
         nbytes = sum(int(shared.layout["nbytes"]) for shared in pending)
-        wait_for_engines(futures, names, self.timeout_s,
-                         what=f"{len(pending)} weight bucket(s) of {nbytes} bytes by memory handle to {len(receives)} engine(s)")
+        futures = call_in_threads(receives, messages, "weight-ipc-receive")
+        self._inflight = (futures, names, f"{len(pending)} weight bucket(s) of {nbytes} bytes by memory handle to "
+                                          f"{len(receives)} engine(s)")
         self.messages += 1
+        return answers
+
+    def _finish(self) -> list[Any]:
+        """Wait for the call in flight; its answers free the buckets every worker let go of."""
+        if self._inflight is None:
+            return []
+        (futures, names, what), self._inflight = self._inflight, None
+        wait_for_engines(futures, names, self.timeout_s, what=what)
         answers = [f.result() for f in futures]
         for workers in answers:
             for released in _released_by_all(workers):
@@ -509,8 +549,12 @@ class IpcSender:
             self.relay.release(bucket_id)
 
     def abandon(self) -> None:
-        """The push broke: nothing more is shared, every buffer on this rank goes (the relay's other ranks let
-        theirs go at its next bucket, or when the push ends)."""
+        """The push broke: the call in flight is waited for (the engines then take the abort alone), nothing more is
+        shared, every buffer on this rank goes (the relay's other ranks let theirs go at its next bucket, or when
+        the push ends)."""
+        if self._inflight is not None:
+            wait(self._inflight[0], timeout=self.timeout_s)
+            self._inflight = None
         self.relay.stop()
         self._holders.clear()
         self._pending = []
