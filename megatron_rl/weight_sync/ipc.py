@@ -243,6 +243,10 @@ class BufferPool:
     def alive_buckets(self) -> int:
         return len(self._alive)
 
+    def holds(self, bucket_id: int) -> bool:
+        """Whether bucket `bucket_id`'s buffer is kept for the workers (not released)."""
+        return bucket_id in self._alive
+
     def take(self, bucket_id: int, nbytes: int) -> torch.Tensor:
         """The buffer bucket `bucket_id` is packed into: a released one of at least `nbytes` (the smallest that
         fits), else a new one (the released ones, all too small, are let go: what is allocated stays what the
