@@ -3,10 +3,13 @@
     python bench/ipc_gpu.py                 # on a CUDA GPU: writes bench/results/ipc_<gpu name>.json
     python bench/ipc_gpu.py --device cpu    # the host shared-memory variant of the same path (ipc_cpu.json)
 
-The pushing process exports a bf16 model (LAYERS layers of attention and MLP
-matrices) bucket by bucket as fresh copies on the device, as the trainer's
-export does, and pushes it through weight_sync.protocol's protocol with
-weight_sync.ipc's IpcSender (reduce_tensor handles). The engine-worker
+The pushing process holds a bf16 model (LAYERS layers of attention and MLP
+matrices) on the device and pushes it bucket by bucket as the trainer's
+export yields it on the pushing rank (models.export_hf_weights(fresh=False):
+its parameters themselves) through weight_sync.protocol's protocol with
+weight_sync.ipc's IpcSender (reduce_tensor handles): each bucket is written
+straight into a shared buffer (the one copy on the pushing side) while the
+worker loads the one before. The engine-worker
 process runs the real worker extension (rollout.worker_ext: rebuild from the
 handle, manifest check, streaming load) over a model runner that copies each
 tensor into a torch module's parameters on the same device: what vLLM's load
@@ -18,7 +21,9 @@ is copied to rank 1 over the trainer's group (NCCL on GPUs, which needs two;
 gloo on the host) and each worker maps its own rank's copy. It writes
 ipc_relay_<device>.json.
 
-Reported: push GB/s (fastest of REPEATS after a warm-up, and the median),
+Reported: push GB/s (fastest of REPEATS after a warm-up, and the median; a
+plain copy of the same bytes is timed just before each push, so both see the
+same load on a shared machine),
 the engine-worker calls per push and the buffers the worker had to map anew
 per push (weight_sync.ipc.IpcReceiver keeps the mapping of a buffer the
 pushing side writes again; `batch_buckets` > 1 sends that many buckets'
@@ -45,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-REPEATS = 3
+REPEATS = 5
 
 
 def make_checkpoint(path: Path, hidden: int, layers: int) -> Path:
@@ -130,9 +135,11 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         "push_gb_per_s_median": round(num_bytes / statistics.median(push_s) / 1e9, 3),
         "plain_copy_gb_per_s": round(num_bytes / min(copy_s) / 1e9, 3),
         "push_vs_plain_copy_speed_ratio": round(min(copy_s) / min(push_s), 4),
+        "push_vs_plain_copy_speed_ratio_median": round(statistics.median(copy_s) / statistics.median(push_s), 4),
         "peak_shared_bytes": alive,
         "peak_shared_in_buckets": round(alive / (bucket_mb << 20), 2),
         "peak_engine_worker_staged_bytes": staged,
+        "peak_engine_worker_staged_in_buckets": round(staged / (bucket_mb << 20), 2),
         "peak_shared_vs_model": round(alive / num_bytes, 4),
     }
 
@@ -164,7 +171,7 @@ def _relay_rank(rank: int, world_size: int, init: str, model_dir: str, device: s
     push_s, peak, staged = [], 0, 0
     try:
         for version in range(1, REPEATS + 2):
-            export = ([(n, t.clone()) for n, t in b] if rank == 0 else [] for b in buckets)
+            export = (list(b) if rank == 0 else [] for b in buckets)  # the parameters themselves (fresh=False)
             stream = relay.wrap(WeightStream(entries_of(buckets) if rank == 0 else [], export))
             dist.barrier()
             begin = time.perf_counter()
@@ -291,10 +298,17 @@ def main() -> None:
         "dtype": "bfloat16",
         "load_average_1min": round(os.getloadavg()[0], 2),
         "runs": rows,
-        "note": "push = wall time from the first bucket to the worker's commit (fresh bucket copies made as the push "
-                "pulls them, as the export does); ratio = plain-copy time / push time of the same bytes on the same "
-                "device in the same run; shared bytes alive = buckets the pushing side still kept for the worker.",
+        "note": "push = wall time from the first bucket to the worker's commit (each bucket written from the "
+                "parameters straight into a shared buffer, the worker loading the one before meanwhile); ratio = "
+                "plain-copy time / push time of the same bytes on the same device in the same run (a copy timed just "
+                "before each push); shared bytes alive = buffers the pushing side kept for the worker at once.",
     }
+    single = [row for row in rows if row.get("batch_buckets", 1) == 1 and row["bytes"] == rows[-1]["bytes"]]
+    if len(single) >= 2:  # the smallest buckets against the largest, one bucket per call, the same model
+        small, large = min(single, key=lambda r: r["bucket_mb"]), max(single, key=lambda r: r["bucket_mb"])
+        result["small_vs_large_bucket_ratio"] = {
+            "buckets_mb": [small["bucket_mb"], large["bucket_mb"]],
+            "ratio": round(small["push_vs_plain_copy_speed_ratio"] / large["push_vs_plain_copy_speed_ratio"], 3)}
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     if args.relay:
         result["transport"] = ("weight_sync.ipc.IpcRelay: rank 0's export copied to rank 1 over the trainer's group "
