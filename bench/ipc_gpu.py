@@ -75,6 +75,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
     from megatron_rl.weight_sync.protocol import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
     from megatron_rl.weight_sync.ipc import IpcSender
+    from megatron_rl.weight_sync.ipc_reference import share_host_memory
     from megatron_rl.weight_sync.stream import entries_of
     from tests.worker_process import WorkerProcess
 
@@ -82,6 +83,8 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         model_dir = make_checkpoint(Path(tmp) / "model", hidden, layers)
         manifest = manifest_from_checkpoint(model_dir)
         state = _random_state(model_dir, device)
+        if device == "cpu":  # as the trainer's parameters for a host push (weight_sync.ipc_reference)
+            share_host_memory(list(state.values()))
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         buckets = list(bucketize(state.items(), bucket_mb << 20))
         worker = WorkerProcess(model_dir, device)

@@ -70,6 +70,7 @@ from megatron_rl.weight_sync.broadcast import (
     call_in_threads, describe_bucket, gpu_uuid, pack_bucket, unpack_bucket, wait_for_engines,
 )
 from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.ipc_reference import describe_references, open_references, split_bucket, storage_view
 from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 
@@ -179,6 +180,8 @@ class IpcReceiver:
         # (sender, bucket id) -> (its mapped storage, its CUDA device): ids count from 0 in every push
         self._open: dict[tuple[str, int], tuple[Any, torch.device | None]] = {}
         self._idle: list[Any] = []  # mappings of let-go buffers, oldest first
+        self._sources: dict[int, Any] = {}  # the trainer's storages taken by reference (weight_sync.ipc_reference)
+        self._used: set[int] = set()  # of those, the ones this push named
         self.mapped = 0
         """Buffers mapped anew (not found among the mappings kept) since the receiver was made."""
 
@@ -189,7 +192,15 @@ class IpcReceiver:
         if worker_rank >= len(handles):
             raise IpcError(f"a weight bucket carries {len(handles)} handles, none for engine worker {worker_rank}: "
                            "the trainer counts fewer workers than the engine has")
-        flat = import_handle(handles[worker_rank], str(gpus[worker_rank]))
+        bucket = self._buffered(message, handles[worker_rank], str(gpus[worker_rank])) if handles[worker_rank] else []
+        if message["layout"].get("referenced"):
+            storages = [self._source(handle) for handle in message["sources"][worker_rank]]
+            bucket += open_references(message["layout"]["referenced"], storages)
+        return bucket
+
+    def _buffered(self, message: dict, handle: str, trainer_gpu: str) -> Bucket:
+        """Views of the bucket's buffer."""
+        flat = import_handle(handle, trainer_gpu)
         storage = flat.untyped_storage()
         held = [s for s in self._idle if s.data_ptr() == storage.data_ptr()]
         if not held and all(s.data_ptr() != storage.data_ptr() for s, _ in self._open.values()):
@@ -198,6 +209,16 @@ class IpcReceiver:
         device = flat.device if flat.is_cuda else None
         self._open[(str(message["sender"]), int(message["bucket_id"]))] = (storage, device)
         return unpack_bucket(message["layout"], flat)
+
+    def _source(self, handle: str) -> Any:
+        """A storage of the trainer's taken by reference, mapped (or found among those kept)."""
+        storage = import_handle(handle).untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._sources:
+            self.mapped += 1
+            self._sources[key] = storage
+        self._used.add(key)
+        return storage
 
     def take_released(self, sender: str) -> list[int]:
         """Ids of `sender`'s buckets whose memory only this receiver holds now (forgetting earlier pushes' ones)."""
@@ -218,6 +239,9 @@ class IpcReceiver:
         host = [storage for storage, device in self._open.values() if device is None]
         self._open.clear()
         self._idle = [s for s in self._idle + host if s.device.type == "cpu"][-self.keep_mapped :]
+        if self._used:  # the trainer's storages this push named stay mapped (not those of earlier pushes only)
+            self._sources = {key: storage for key, storage in self._sources.items() if key in self._used}
+            self._used = set()
 
 
 def _use_count(storage: Any) -> int:
@@ -318,6 +342,14 @@ class SharedBucket:
     """The UUID of the GPU behind each handle ('' on the host)."""
     ready: Any = None
     """A CUDA event the bucket's bytes are written at (synchronized before its handles go out); None: written."""
+    sources: list[list[list[str]]] | None = None
+    """sources[i][j]: the handles worker j of engine i maps of the storages the layout's 'referenced' tensors name
+    (weight_sync.ipc_reference); None: the bucket is all in its buffer."""
+
+    @property
+    def buffered(self) -> bool:
+        """Whether part of the bucket is in a buffer of the pool (which its workers let go of)."""
+        return bool(self.layout["tensors"])
 
 
 class IpcRelay:
@@ -385,12 +417,19 @@ class IpcRelay:
         self.current = None
 
     def share_here(self, bucket: Bucket) -> SharedBucket:
-        """(one rank, nothing collective) Share `bucket` from this rank's device with every worker."""
-        layout, bucket_id = describe_bucket(bucket), self._next_id
-        handles, ready = share(self.pool, bucket_id, layout, self.copies, bucket, wait=False)
+        """(one rank, nothing collective) Share `bucket` from this rank's device with every worker: host tensors
+        already in shared memory by reference (weight_sync.ipc_reference), the rest written into a buffer."""
+        referenced, packed = split_bucket(bucket, self.pool.device)
+        layout, bucket_id = describe_bucket(packed), self._next_id
+        handles, ready = share(self.pool, bucket_id, layout, self.copies, packed, wait=False) if packed else (
+            [""] * self.copies, None)
         self._next_id += 1
         shared = self._assign(bucket_id, layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
         shared.ready = ready
+        if referenced:
+            layout["referenced"], storages = describe_references(referenced)
+            shared.sources = [[[export_handle(storage_view(s)) for s in storages] for _ in ranks]
+                              for ranks in self.engine_ranks]
         return shared
 
     def _assign(self, bucket_id: int, layout: dict, by_rank: dict[int, tuple[list[str], str]]) -> SharedBucket:
@@ -413,8 +452,11 @@ class IpcRelay:
 
     def message(self, shared: SharedBucket, engine: int) -> dict:
         """What engine `engine`'s workers get for a bucket: each worker's handle, in worker order."""
-        return {"sender": self.token, "bucket_id": shared.bucket_id, "layout": shared.layout,
-                "handles": shared.handles[engine], "trainer_gpus": shared.gpus[engine]}
+        message = {"sender": self.token, "bucket_id": shared.bucket_id, "layout": shared.layout,
+                   "handles": shared.handles[engine], "trainer_gpus": shared.gpus[engine]}
+        if shared.sources is not None:
+            message["sources"] = shared.sources[engine]
+        return message
 
     def release(self, bucket_id: int) -> None:
         """(pushing rank) Every worker let go of `bucket_id`: its buffers are written again (here now, on the
@@ -511,7 +553,8 @@ class IpcSender:
         for shared in pending:
             if shared.ready is not None:
                 shared.ready.synchronize()  # its bytes are written before a worker reads them
-            self._holders[shared.bucket_id] = len(receives)
+            if shared.buffered:
+                self._holders[shared.bucket_id] = len(receives)
         messages = [json.dumps(self._message(pending, i)) for i in range(len(receives))]
         nbytes = sum(int(shared.layout["nbytes"]) for shared in pending)
         futures = call_in_threads(receives, messages, "weight-ipc-receive")

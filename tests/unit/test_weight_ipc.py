@@ -23,6 +23,7 @@ from megatron_rl.rollout import resolve_placement
 from megatron_rl.weight_sync.protocol import PushTarget, stream_push
 from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
 from megatron_rl.weight_sync.ipc import IpcError, IpcSender, export_handle, import_handle, shared_buffer
+from megatron_rl.weight_sync.ipc_reference import SharedMemoryFullError, share_host_memory
 from megatron_rl.weight_sync.stream import PushBrokenError, entries_of
 from tests.worker_process import WorkerProcess, load_state
 
@@ -75,7 +76,8 @@ def push_by_handles(worker: WorkerProcess, model_dir: Path, stream: WeightStream
             message = json.loads(args[0])  # (on a thread of the sender's, while the next bucket is written)
             for entry in message.get("buckets", [message]):
                 messages.append(entry)
-                assert senders[0].pool.holds(entry["bucket_id"]), entry["bucket_id"]  # kept for the workers
+                if entry["layout"]["tensors"]:  # (a bucket all by reference has no buffer)
+                    assert senders[0].pool.holds(entry["bucket_id"]), entry["bucket_id"]  # kept for the workers
             answer = worker.call(method, *args)
             if answers is not None:
                 answers.append(answer)
@@ -161,6 +163,53 @@ def test_a_push_broken_midway_by_handles_restores_the_model_directory(tmp_path):
         assert all(torch.equal(state[name], tensor) for name, tensor in original.items())
     finally:
         worker.stop()
+
+
+def test_host_tensors_in_shared_memory_go_by_reference_and_load_bit_exact(tmp_path):
+    """The trainer's tensors moved into shared memory (as its parameters for a host push) reach the worker by
+    reference: no buffer is written, the worker copies straight from them; tensors not in shared memory (a TP
+    gather's results) still go through buffers; the next push maps nothing anew."""
+    first, second = make_model_dir(tmp_path / "a", 0), make_model_dir(tmp_path / "b", 1)
+    target, original = load_state(second), load_state(first)
+    model_bytes = sum(t.numel() * t.element_size() for t in target.values())
+    assert share_host_memory(list(target.values())) == model_bytes and share_host_memory(list(target.values())) == 0
+    views = {name: tensor.view(tensor.shape) for name, tensor in target.items()}  # views keep their storage
+    buckets = list(bucketize(views.items(), BUCKET_BYTES))
+    worker = WorkerProcess(first)
+    try:
+        for version in (1, 2):
+            answers: list = []
+            stream = WeightStream(entries_of(buckets), (list(b) for b in buckets))
+            result, sender = push_by_handles(worker, first, stream, version, "cpu", answers=answers)
+            state = worker.call("state")
+            assert all(state[n].dtype == t.dtype and torch.equal(state[n], t) for n, t in target.items())
+            assert sender.pool.allocations == 0 and result.buffer_bytes == 0  # nothing was copied on this side
+            # each tensor has a storage of its own: mapped once, in the first push only
+            assert sum(a["mapped"] for a in answers) == (len(target) if version == 1 else 0)
+        # half the tensors fresh copies (not in shared memory): those go through buffers, the rest by reference
+        mixed = {n: (t.clone() if i % 2 else t) for i, (n, t) in enumerate(original.items())}
+        share_host_memory([t for i, t in enumerate(original.values()) if i % 2 == 0])
+        result, sender = push_by_handles(worker, first, WeightStream(entries_of([list(mixed.items())]),
+                                         bucketize(mixed.items(), BUCKET_BYTES)), 3, "cpu")
+        state = worker.call("state")
+        assert all(torch.equal(state[n], t) for n, t in original.items()) and sender.pool.allocations > 0
+    finally:
+        worker.stop()
+
+
+def test_shared_memory_too_small_for_the_weights_is_refused_before_moving_anything(monkeypatch):
+    import os
+
+    from megatron_rl.weight_sync import ipc_reference
+
+    class Small:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(ipc_reference.os, "statvfs", lambda path: Small())
+    tensor = torch.zeros(1 << 16)  # 256 KiB
+    with pytest.raises(SharedMemoryFullError, match=r"262144 bytes.*has 65536 bytes free.*--shm-size"):
+        share_host_memory([tensor])
+    assert not tensor.is_shared() and os.path.isdir(ipc_reference.SHM_DIR)
 
 
 def test_a_handle_naming_anything_but_a_tensor_is_refused():
