@@ -69,7 +69,8 @@ def make_checkpoint(path: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets: int = 1) -> dict:
+def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets: int = 1,
+            by_reference: bool = True) -> dict:
     import torch
 
     from megatron_rl.weight_sync.protocol import PushTarget, stream_push
@@ -83,7 +84,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         model_dir = make_checkpoint(Path(tmp) / "model", hidden, layers)
         manifest = manifest_from_checkpoint(model_dir)
         state = _random_state(model_dir, device)
-        if device == "cpu":  # as the trainer's parameters for a host push (weight_sync.ipc_reference)
+        if device == "cpu" and by_reference:  # as the trainer's parameters for a host push (weight_sync.ipc_reference)
             share_host_memory(list(state.values()))
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         buckets = list(bucketize(state.items(), bucket_mb << 20))
@@ -131,7 +132,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         expected = float(sum(t.float().sum() for t in state.values()))
     return {
         "hidden": hidden, "layers": layers, "bytes": num_bytes, "bucket_mb": bucket_mb, "buckets": len(buckets),
-        "batch_buckets": batch_buckets, "worker_calls_per_push": calls, "worker_buffers_mapped_per_push": mapped,
+        "batch_buckets": batch_buckets, "by_reference": device == "cpu" and by_reference, "worker_calls_per_push": calls, "worker_buffers_mapped_per_push": mapped,
         "weights_arrived": abs(pushed - expected) <= 1e-3 * max(1.0, abs(expected)),
         "push_s": [round(x, 4) for x in push_s],
         "push_gb_per_s": round(num_bytes / min(push_s) / 1e9, 3),
@@ -287,9 +288,12 @@ def main() -> None:
         runs = [(4096, 2, 512), (4096, 16, 512), (4096, 16, 128), (4096, 16, 128, 4)]
     else:
         device, name = "cpu", "cpu"
-        runs = [(1024, 8, 32), (1024, 8, 8), (1024, 8, 8, 4)]  # 16 x 1024^2 x 2 bytes = 33.5 MB a layer, 268 MB in all
+        # 16 x 1024^2 x 2 bytes = 33.5 MB a layer, 268 MB in all; the parameters in shared memory (by reference),
+        # and last as a TP gather's results would go: not in shared memory, written into the buckets' buffers
+        runs = [(1024, 8, 32), (1024, 8, 8), (1024, 8, 8, 4), (1024, 8, 32, 1, False), (1024, 8, 8, 1, False)]
     if args.relay:
         runs = [run[:3] for run in runs if len(run) == 3]
+    load_before = round(os.getloadavg()[0], 2)
     rows = [(measure_relay if args.relay else measure)(device, *run) for run in runs]
     for row in rows:
         print(json.dumps(row), flush=True)
@@ -299,19 +303,23 @@ def main() -> None:
         "transport": "reduce_tensor handles (CUDA IPC on a GPU, shared memory on the host), pushing process -> "
                      "engine-worker process on the same device; worker extension loading into a module's parameters",
         "dtype": "bfloat16",
-        "load_average_1min": round(os.getloadavg()[0], 2),
+        "load_average_1min": [load_before, round(os.getloadavg()[0], 2)],  # before and after: a shared machine
         "runs": rows,
         "note": "push = wall time from the first bucket to the worker's commit (each bucket written from the "
-                "parameters straight into a shared buffer, the worker loading the one before meanwhile); ratio = "
+                "parameters straight into a shared buffer, the worker loading the one before meanwhile; on the host "
+                "with by_reference the parameters live in shared memory and the worker copies straight from them, "
+                "weight_sync.ipc_reference); ratio = "
                 "plain-copy time / push time of the same bytes on the same device in the same run (a copy timed just "
                 "before each push); shared bytes alive = buffers the pushing side kept for the worker at once.",
     }
-    single = [row for row in rows if row.get("batch_buckets", 1) == 1 and row["bytes"] == rows[-1]["bytes"]]
-    if len(single) >= 2:  # the smallest buckets against the largest, one bucket per call, the same model
-        small, large = min(single, key=lambda r: r["bucket_mb"]), max(single, key=lambda r: r["bucket_mb"])
-        result["small_vs_large_bucket_ratio"] = {
-            "buckets_mb": [small["bucket_mb"], large["bucket_mb"]],
-            "ratio": round(small["push_vs_plain_copy_speed_ratio"] / large["push_vs_plain_copy_speed_ratio"], 3)}
+    for by_reference in (False, True):  # the smallest buckets against the largest: one per call, the same model
+        single = [r for r in rows if r.get("batch_buckets", 1) == 1 and r["bytes"] == rows[-1]["bytes"]
+                  and bool(r.get("by_reference")) == by_reference]
+        if len(single) >= 2:
+            small, large = min(single, key=lambda r: r["bucket_mb"]), max(single, key=lambda r: r["bucket_mb"])
+            result["small_vs_large_bucket_ratio" + ("_by_reference" if by_reference else "")] = {
+                "buckets_mb": [small["bucket_mb"], large["bucket_mb"]],
+                "ratio": round(small["push_vs_plain_copy_speed_ratio"] / large["push_vs_plain_copy_speed_ratio"], 3)}
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     if args.relay:
         result["transport"] = ("weight_sync.ipc.IpcRelay: rank 0's export copied to rank 1 over the trainer's group "
