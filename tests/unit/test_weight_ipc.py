@@ -143,7 +143,8 @@ def check_push_by_handles(tmp_path: Path, device: str) -> None:
         state = worker.call("state")
         assert all(torch.equal(state[name], tensor) for name, tensor in original.items())
         assert sender.pool.allocations == allocations
-        assert sum(a["mapped"] for a in answers) == (0 if device == "cpu" else allocations)
+        mapped = sum(a["mapped"] for a in answers)
+        assert mapped == 0 if device == "cpu" else 0 < mapped <= allocations
     finally:
         worker.stop()
 
