@@ -3,52 +3,48 @@
 An engine worker on a trainer rank's own device (its GPU, or the host on CPU)
 needs no process group with the trainer: both can map the same memory. Per
 bucket:
-1. the trainer packs the bucket into a buffer on its device (the layout of
-   weight_sync.broadcast: one uint8 buffer, 64-byte aligned offsets);
-2. it exports the buffer with torch.multiprocessing's `reduce_tensor` (a CUDA
-   tensor becomes a CUDA IPC handle; a host tensor shared memory named by a
-   file, torch's file_system strategy: any process of this host can map it,
-   a server as well as the trainer's own child) and pickles that small handle;
-3. the handles (base64) and the layout go over the engine's RPC channel (or a
-   server's HTTP API) to `mrl_ipc_receive` (rollout.worker_ext), one call per
-   bucket or, with `IpcSender.batch_buckets` (and weight_sync.owner_ipc's
-   rounds), one call for several; each worker maps the handle of its own
-   device (`IpcReceiver.open`), unpacks views of it and stages them like any
-   other bucket: the same manifest check and streaming load
-   (weight_sync.streaming_load), the same abort and recovery;
+1. the export's tensors are written straight into a shared buffer on the
+   trainer's device (the layout of weight_sync.broadcast: one uint8 buffer,
+   64-byte aligned offsets), the one copy on this side; host tensors already
+   in shared memory (the trainer's parameters) need none and go by reference
+   (weight_sync.ipc_reference);
+2. the buffer's `reduce_tensor` handle (a CUDA IPC handle; on the host shared
+   memory named by a file, torch's file_system strategy, which any process of
+   the host can map) is pickled, base64;
+3. the handles and the layout go over the engine's RPC channel (or a server's
+   HTTP API) to `mrl_ipc_receive` (rollout.worker_ext), one call per bucket
+   or, with `IpcSender.batch_buckets` (and weight_sync.owner_ipc's rounds),
+   one for several; each worker maps the handle of its own device
+   (`IpcReceiver.open`) and stages views of it like any other bucket (the
+   manifest check, the streaming load, abort and recovery), copying them into
+   its parameters: the one copy on that side. The call runs on threads while
+   the export writes the next bucket (`IpcSender`);
 4. each answer lists the buckets whose memory the worker no longer holds
-   (its loading is past them: nothing but the receiver references their
-   storage, views of views included); once every worker has let go of a
-   bucket its buffers are written again by later buckets (a fresh shared
-   allocation costs page faults that took longer than the copy on the
-   host), and the worker, which kept its mapping, maps nothing anew for
-   them (`IpcReceiver`). A CUDA buffer stays allocated while another
-   process maps it (torch's IPC reference counts), and is written again only
-   after every worker has said it is done with it; the workers let go of
-   every mapping when the push ends.
+   (nothing but the receiver references their storage, views of views
+   included); once every worker has let go of a bucket its buffer is written
+   again by a later bucket, and the worker, which kept its mapping, maps
+   nothing anew (a fresh shared allocation, or mapping one anew, faults its
+   pages in, which took longer than the copy on the host). A CUDA buffer
+   stays allocated while another process maps it (torch's IPC reference
+   counts); the workers let go of CUDA mappings when the push ends.
 
 Colocated servers (rollout.engines > 1, config.placement) have workers on
 every GPU of the trainer, so every rank shares each bucket with the worker
 on its own GPU (`IpcRelay`): the pushing rank broadcasts the packed bucket
-to the ranks whose GPUs hold workers (the trainer's own group: NCCL over
-NVLink on a node), each rank exports a handle of its copy, and the handles
-are gathered to the pushing rank, which sends every engine the handles of its
-workers' GPUs (worker j of the engine hosted by rank h maps rank h + j's).
-Only handles and layouts leave the device.
+to the ranks whose GPUs hold workers (the trainer's own group), each rank
+exports a handle of its copy, and the handles are gathered to the pushing
+rank, which sends every engine the handles of its workers' GPUs (worker j of
+the engine hosted by rank h maps rank h + j's).
 
-Buffers alive at once are bounded by the workers' loading, as for any push:
-the bucket being loaded, the one queued, and those holding parts of the layer
-vLLM's layerwise reload is completing. `BufferPool.peak_shared_bytes`
-measures what each rank allocated for them (the bytes it shares with its
-workers, counted once; reused buffers included); buffers go when the push
-ends.
+`BufferPool.peak_shared_bytes` measures what each rank allocated (bytes it
+shares with its workers, counted once): three buffers with one bucket per
+call (IpcSender), plus those holding parts of a layer vLLM's layerwise reload
+is completing.
 
 A handle is a pickle of torch's rebuild function and its arguments; the worker
 unpickles it with an allowlist (torch's rebuild functions, tensor and storage
-types, dtypes) so a handle cannot name anything else.
-
-Before sending, the trainer synchronizes its CUDA stream: the worker reads
-the buffer on streams of its own.
+types, dtypes) so a handle cannot name anything else. On a GPU the handles go
+out once the copy's CUDA event has passed: the worker reads on its own streams.
 """
 
 from __future__ import annotations
