@@ -49,7 +49,8 @@ class StreamingLoad:
         self.live = LiveBytes()
         self.load_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._taken = threading.Semaphore(0)  # released once per bucket, when the reload is past its first tensor
+        self._taken = threading.Condition()
+        self._counts = [0, 0]  # buckets staged, buckets whose first tensor the reload is past
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._ended = False
@@ -58,16 +59,20 @@ class StreamingLoad:
     def started(self) -> bool:
         return self._thread is not None
 
-    def stage(self, bucket: Bucket) -> None:
+    def stage(self, bucket: Bucket, handoff: bool = True) -> None:
         """Check a bucket against the manifest, then hand it to the reload; returns once the reload has loaded its
-        first tensor (every earlier bucket is then loaded: what the reload no longer holds of it is free)."""
+        first tensor (every earlier bucket is then loaded: what the reload no longer holds of it is free), or with
+        handoff=False once it is queued behind the bucket loading (its memory is nobody's to free: the caller's
+        next bucket then travels while both load)."""
         self.validator.check_bucket(bucket)
         if not bucket:
             return
         if self._thread is None:
             self._start()
         self._put([(name, self.live.track(tensor)) for name, tensor in bucket])
-        self._wait_taken()
+        self._counts[0] += 1
+        if handoff:
+            self._wait_taken(self._counts[0])
 
     def finish(self) -> None:
         """The push is complete: end the reload and wait for it; raises if the push or the reload failed."""
@@ -99,7 +104,9 @@ class StreamingLoad:
             for index, pair in enumerate(item):
                 yield pair
                 if index == 0:  # the reload loaded the first tensor and asks for the next: the caller may go on
-                    self._taken.release()
+                    with self._taken:
+                        self._counts[1] += 1
+                        self._taken.notify_all()
             del item, pair  # drop this bucket's references before waiting for the next
 
     def _reload(self, device: int | None) -> None:
@@ -124,8 +131,11 @@ class StreamingLoad:
             except queue.Full:
                 continue
 
-    def _wait_taken(self) -> None:
-        while not self._taken.acquire(timeout=_POLL_S):
+    def _wait_taken(self, count: int) -> None:
+        while True:
+            with self._taken:
+                if self._taken.wait_for(lambda: self._counts[1] >= count, _POLL_S):
+                    return
             if self._error is not None or not self._thread.is_alive():  # type: ignore[union-attr]
                 error = self._error or RuntimeError("the reload thread ended early")
                 raise WeightPushError(f"loading weight push v{self.version} failed: {type(error).__name__}: {error}") from error
