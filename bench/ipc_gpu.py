@@ -3,10 +3,13 @@
     python bench/ipc_gpu.py                 # on a CUDA GPU: writes bench/results/ipc_<gpu name>.json
     python bench/ipc_gpu.py --device cpu    # the host shared-memory variant of the same path (ipc_cpu.json)
 
-The pushing process exports a bf16 model (LAYERS layers of attention and MLP
-matrices) bucket by bucket as fresh copies on the device, as the trainer's
-export does, and pushes it through rollout.push's protocol with
-weight_sync.ipc's IpcSender (reduce_tensor handles). The engine-worker
+The pushing process holds a bf16 model (LAYERS layers of attention and MLP
+matrices) on the device and pushes it bucket by bucket as the trainer's
+export yields it on the pushing rank (models.export_hf_weights(fresh=False):
+its parameters themselves) through weight_sync.protocol's protocol with
+weight_sync.ipc's IpcSender (reduce_tensor handles): each bucket is written
+straight into a shared buffer (the one copy on the pushing side) while the
+worker loads the one before. The engine-worker
 process runs the real worker extension (rollout.worker_ext: rebuild from the
 handle, manifest check, streaming load) over a model runner that copies each
 tensor into a torch module's parameters on the same device: what vLLM's load
@@ -18,7 +21,9 @@ is copied to rank 1 over the trainer's group (NCCL on GPUs, which needs two;
 gloo on the host) and each worker maps its own rank's copy. It writes
 ipc_relay_<device>.json.
 
-Reported: push GB/s (fastest of REPEATS after a warm-up, and the median),
+Reported: push GB/s (fastest of REPEATS after a warm-up, and the median; a
+plain copy of the same bytes is timed just before each push, so both see the
+same load on a shared machine),
 the engine-worker calls per push and the buffers the worker had to map anew
 per push (weight_sync.ipc.IpcReceiver keeps the mapping of a buffer the
 pushing side writes again; `batch_buckets` > 1 sends that many buckets'
@@ -45,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-REPEATS = 3
+REPEATS = 5
 
 
 def make_checkpoint(path: Path, hidden: int, layers: int) -> Path:
@@ -64,12 +69,14 @@ def make_checkpoint(path: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets: int = 1) -> dict:
+def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets: int = 1,
+            by_reference: bool = True) -> dict:
     import torch
 
-    from megatron_rl.rollout.push import PushTarget, stream_push
+    from megatron_rl.weight_sync.protocol import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
     from megatron_rl.weight_sync.ipc import IpcSender
+    from megatron_rl.weight_sync.ipc_reference import share_host_memory
     from megatron_rl.weight_sync.stream import entries_of
     from tests.worker_process import WorkerProcess
 
@@ -77,6 +84,8 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         model_dir = make_checkpoint(Path(tmp) / "model", hidden, layers)
         manifest = manifest_from_checkpoint(model_dir)
         state = _random_state(model_dir, device)
+        if device == "cpu" and by_reference:  # as the trainer's parameters for a host push (weight_sync.ipc_reference)
+            share_host_memory(list(state.values()))
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         buckets = list(bucketize(state.items(), bucket_mb << 20))
         worker = WorkerProcess(model_dir, device)
@@ -99,11 +108,16 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
                 pools.append(made.pool)
             return made
 
+        copy_s: list[float] = []
+        plain_copy = _plain_copy(state, device)
         try:
             for version in range(1, REPEATS + 2):
-                stream = WeightStream(entries_of(buckets), ([(n, t.clone()) for n, t in b] for b in buckets))
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
+                # the export's buckets as models.export_hf_weights(fresh=False) yields them on the pushing rank: its
+                # parameters themselves, which the push writes straight into the shared buffers
+                stream = WeightStream(entries_of(buckets), (list(b) for b in buckets))
+                copy_time = plain_copy()  # the same bytes copied once, just before each push (a shared machine)
+                if version > 1:
+                    copy_s.append(copy_time)
                 answers.clear()
                 begin = time.perf_counter()
                 result = stream_push([target], stream, version, manifest=manifest, repack_moe=False, sender=sender)
@@ -116,19 +130,20 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         finally:
             worker.stop()
         expected = float(sum(t.float().sum() for t in state.values()))
-        copy_s = _plain_copy_s(state, device)
     return {
         "hidden": hidden, "layers": layers, "bytes": num_bytes, "bucket_mb": bucket_mb, "buckets": len(buckets),
-        "batch_buckets": batch_buckets, "worker_calls_per_push": calls, "worker_buffers_mapped_per_push": mapped,
+        "batch_buckets": batch_buckets, "by_reference": device == "cpu" and by_reference, "worker_calls_per_push": calls, "worker_buffers_mapped_per_push": mapped,
         "weights_arrived": abs(pushed - expected) <= 1e-3 * max(1.0, abs(expected)),
         "push_s": [round(x, 4) for x in push_s],
         "push_gb_per_s": round(num_bytes / min(push_s) / 1e9, 3),
         "push_gb_per_s_median": round(num_bytes / statistics.median(push_s) / 1e9, 3),
         "plain_copy_gb_per_s": round(num_bytes / min(copy_s) / 1e9, 3),
         "push_vs_plain_copy_speed_ratio": round(min(copy_s) / min(push_s), 4),
+        "push_vs_plain_copy_speed_ratio_median": round(statistics.median(copy_s) / statistics.median(push_s), 4),
         "peak_shared_bytes": alive,
         "peak_shared_in_buckets": round(alive / (bucket_mb << 20), 2),
         "peak_engine_worker_staged_bytes": staged,
+        "peak_engine_worker_staged_in_buckets": round(staged / (bucket_mb << 20), 2),
         "peak_shared_vs_model": round(alive / num_bytes, 4),
     }
 
@@ -138,7 +153,7 @@ def _relay_rank(rank: int, world_size: int, init: str, model_dir: str, device: s
     import torch
     import torch.distributed as dist
 
-    from megatron_rl.rollout.push import PushTarget, stream_push
+    from megatron_rl.weight_sync.protocol import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
     from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
     from megatron_rl.weight_sync.stream import entries_of
@@ -160,7 +175,7 @@ def _relay_rank(rank: int, world_size: int, init: str, model_dir: str, device: s
     push_s, peak, staged = [], 0, 0
     try:
         for version in range(1, REPEATS + 2):
-            export = ([(n, t.clone()) for n, t in b] if rank == 0 else [] for b in buckets)
+            export = (list(b) if rank == 0 else [] for b in buckets)  # the parameters themselves (fresh=False)
             stream = relay.wrap(WeightStream(entries_of(buckets) if rank == 0 else [], export))
             dist.barrier()
             begin = time.perf_counter()
@@ -228,9 +243,18 @@ def _random_state(model_dir: Path, device: str) -> dict:
 
 
 def _plain_copy_s(state: dict, device: str) -> list[float]:
+    copy = _plain_copy(state, device)
+    copy()
+    return [copy() for _ in range(REPEATS)]
+
+
+def _plain_copy(state: dict, device: str):
+    """A function timing one `Tensor.copy_` of every tensor of `state` into targets made (and touched) once."""
     import torch
 
     targets = {k: torch.empty_like(v) for k, v in state.items()}
+    for k, v in state.items():
+        targets[k].copy_(v)
 
     def copy() -> float:
         if device.startswith("cuda"):
@@ -242,8 +266,7 @@ def _plain_copy_s(state: dict, device: str) -> list[float]:
             torch.cuda.synchronize()
         return time.perf_counter() - begin
 
-    copy()
-    return [copy() for _ in range(REPEATS)]
+    return copy
 
 
 def main() -> None:
@@ -265,9 +288,12 @@ def main() -> None:
         runs = [(4096, 2, 512), (4096, 16, 512), (4096, 16, 128), (4096, 16, 128, 4)]
     else:
         device, name = "cpu", "cpu"
-        runs = [(1024, 8, 32), (1024, 8, 8), (1024, 8, 8, 4)]  # 16 x 1024^2 x 2 bytes = 33.5 MB a layer, 268 MB in all
+        # 16 x 1024^2 x 2 bytes = 33.5 MB a layer, 268 MB in all; the parameters in shared memory (by reference),
+        # and last as a TP gather's results would go: not in shared memory, written into the buckets' buffers
+        runs = [(1024, 8, 32), (1024, 8, 8), (1024, 8, 8, 4), (1024, 8, 32, 1, False), (1024, 8, 8, 1, False)]
     if args.relay:
         runs = [run[:3] for run in runs if len(run) == 3]
+    load_before = round(os.getloadavg()[0], 2)
     rows = [(measure_relay if args.relay else measure)(device, *run) for run in runs]
     for row in rows:
         print(json.dumps(row), flush=True)
@@ -277,12 +303,23 @@ def main() -> None:
         "transport": "reduce_tensor handles (CUDA IPC on a GPU, shared memory on the host), pushing process -> "
                      "engine-worker process on the same device; worker extension loading into a module's parameters",
         "dtype": "bfloat16",
-        "load_average_1min": round(os.getloadavg()[0], 2),
+        "load_average_1min": [load_before, round(os.getloadavg()[0], 2)],  # before and after: a shared machine
         "runs": rows,
-        "note": "push = wall time from the first bucket to the worker's commit (fresh bucket copies made as the push "
-                "pulls them, as the export does); ratio = plain-copy time / push time of the same bytes on the same "
-                "device in the same run; shared bytes alive = buckets the pushing side still kept for the worker.",
+        "note": "push = wall time from the first bucket to the worker's commit (each bucket written from the "
+                "parameters straight into a shared buffer, the worker loading the one before meanwhile; on the host "
+                "with by_reference the parameters live in shared memory and the worker copies straight from them, "
+                "weight_sync.ipc_reference); ratio = "
+                "plain-copy time / push time of the same bytes on the same device in the same run (a copy timed just "
+                "before each push); shared bytes alive = buffers the pushing side kept for the worker at once.",
     }
+    for by_reference in (False, True):  # the smallest buckets against the largest: one per call, the same model
+        single = [r for r in rows if r.get("batch_buckets", 1) == 1 and r["bytes"] == rows[-1]["bytes"]
+                  and bool(r.get("by_reference")) == by_reference]
+        if len(single) >= 2:
+            small, large = min(single, key=lambda r: r["bucket_mb"]), max(single, key=lambda r: r["bucket_mb"])
+            result["small_vs_large_bucket_ratio" + ("_by_reference" if by_reference else "")] = {
+                "buckets_mb": [small["bucket_mb"], large["bucket_mb"]],
+                "ratio": round(small["push_vs_plain_copy_speed_ratio"] / large["push_vs_plain_copy_speed_ratio"], 3)}
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     if args.relay:
         result["transport"] = ("weight_sync.ipc.IpcRelay: rank 0's export copied to rank 1 over the trainer's group "

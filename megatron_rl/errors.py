@@ -58,6 +58,7 @@ BAD_INPUT = frozenset({
     "megatron_rl.rollout.rewards.RewardError",
     "megatron_rl.checkpoint.state.CheckpointError",
     "megatron_rl.rollout.engine.EngineStartError",
+    "megatron_rl.weight_sync.vllm_transfer.TransferStartError",
     "megatron_rl.rollout.engine.PromptError",
     "megatron_rl.extras.MissingExtraError",
     "megatron_rl.checkpoint.dist_format.ConversionError",

@@ -352,9 +352,18 @@ class Trainer:
         if self.engine is not None:
             self.engine.wake_up(["weights"])  # rollout.sleep_level: the weights for the push, the KV cache after it
         relay = self._colocated.relay if self._colocated is not None else None
+        # a transport that copies each bucket out at once (a shared or packed buffer, bytes on a wire) takes the
+        # pushing rank's parameters themselves; an in-process engine gets tensors by reference: fresh copies
+        fresh = self._placement is None or self._placement.kind == "in_process"
+        if (self.engine is not None and self._placement is not None and self._placement.transport == "ipc"
+                and self._placement.kind == "engine_process" and self.ctx.device.type == "cpu"):
+            from megatron_rl.weight_sync.ipc_reference import share_host_memory
+
+            # the engine worker copies straight from the parameters (once in shared memory; a no-op after that)
+            share_host_memory([p for chunk in self.actor.model for p in chunk.parameters()])
 
         def export():  # colocated servers by memory handles: every rank shares each bucket with its GPU's worker
-            buckets = self.actor.export_hf_weights(bucket_bytes)
+            buckets = self.actor.export_hf_weights(bucket_bytes, fresh=fresh)
             return relay.wrap(buckets) if relay is not None else buckets
 
         if self.cfg.rollout.weight_senders == "owners":

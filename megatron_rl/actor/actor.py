@@ -544,9 +544,10 @@ class Actor:
 
     # -- weights --------------------------------------------------------------------------------------
 
-    def export_hf_weights(self, bucket_bytes: int, *, dst_rank: int = 0):
-        """HF-named weight buckets for weight sync (models.export_hf_weights; every rank must iterate)."""
-        return export_hf_weights(self.model, self.ctx, bucket_bytes=bucket_bytes, dst_rank=dst_rank)
+    def export_hf_weights(self, bucket_bytes: int, *, dst_rank: int = 0, fresh: bool = True):
+        """HF-named weight buckets for weight sync (models.export_hf_weights; every rank must iterate). fresh=False:
+        the pushing rank's own tensors as views of its parameters, for a push that copies each bucket at once."""
+        return export_hf_weights(self.model, self.ctx, bucket_bytes=bucket_bytes, dst_rank=dst_rank, fresh=fresh)
 
     def close(self) -> None:
         """Release the actor's device memory and its hold on megatron's globals; the actor is unusable after.

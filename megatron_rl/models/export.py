@@ -154,11 +154,14 @@ class HFExport:
         return self._buckets
 
 
-def export_hf_weights(model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: int = 0) -> HFExport:
+def export_hf_weights(model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: int = 0, fresh: bool = True) -> HFExport:
     """Buckets of (HF name, tensor) on dst_rank, empty lists elsewhere; every rank must iterate to the end.
 
-    Tensors are fresh copies (safe to keep across optimizer steps), on dst_rank's
-    device, in the parameters' dtype, in model order. The stream's `entries`
+    Tensors are on dst_rank's device, in the parameters' dtype, in model order. With `fresh` they are copies
+    (safe to keep across optimizer steps); without, what dst_rank holds itself comes as views of its parameters
+    (valid until they change: a push writes each bucket into its transport's buffer at once, weight_sync, so the
+    bytes are copied once on their way out, not twice); shards gathered from other ranks are new tensors either
+    way. The stream's `entries`
     (HF names, shapes, dtypes of the whole push; empty off dst_rank) are known
     at once: the table of step 1 is gathered when this is called, on every rank.
     """
@@ -169,7 +172,7 @@ def export_hf_weights(model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: i
     held = _holder_shards(model_chunks, ctx, arch, padded)
     units = _plan(held, ctx)
     entries = _announced_entries(units, arch, padded) if ctx.rank == dst_rank else []
-    return HFExport(entries, _export_buckets(units, held, ctx, arch, padded, bucket_bytes, dst_rank))
+    return HFExport(entries, _export_buckets(units, held, ctx, arch, padded, bucket_bytes, dst_rank, fresh))
 
 
 def _announced_entries(units: list[_Unit], arch, padded: int) -> list[tuple[str, tuple[int, ...], str]]:
@@ -184,7 +187,7 @@ def _announced_entries(units: list[_Unit], arch, padded: int) -> list[tuple[str,
 
 @torch.no_grad()
 def _export_buckets(units: list[_Unit], held: dict, ctx, arch, padded: int, bucket_bytes: int,
-                    dst_rank: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                    dst_rank: int, fresh: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
     rank = ctx.rank
     for bucket in _buckets(units, bucket_bytes):
         shards: dict[tuple[str, int], torch.Tensor] = {}
@@ -193,7 +196,8 @@ def _export_buckets(units: list[_Unit], held: dict, ctx, arch, padded: int, buck
             for index, src in sorted(unit.holders.items()):
                 if src == dst_rank:
                     if rank == dst_rank:
-                        shards[(unit.name, index)] = held[(unit.name, index)][0].detach().clone()
+                        shard = held[(unit.name, index)][0].detach()
+                        shards[(unit.name, index)] = shard.clone() if fresh else shard
                 elif rank == src:
                     tensor = held[(unit.name, index)][0].detach().contiguous()
                     keep_alive.append(tensor)

@@ -76,7 +76,9 @@ from megatron_rl.rollout.server_auth import (
     MIDDLEWARE, ServerTokenError, auth_headers, refused, refused_message, run_token, server_env, token_of, weight_sync_client,
 )
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
-from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightSyncedEngine
+from megatron_rl.rollout.push import WeightSyncedEngine
+from megatron_rl.weight_sync.protocol import PushTarget
+from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
 from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
@@ -408,7 +410,7 @@ class VLLMServerEngine(WeightSyncedEngine):
     def _is_engine_failure(self, error: BaseException) -> bool:
         return isinstance(error, (ServerDeadError, BroadcastError))
 
-    # ---- weights (the push protocol's hooks, rollout.push.WeightSyncedEngine) ---------------------
+    # ---- weights (the push protocol's hooks, rollout.push.WeightSyncedEngine; weight_sync.protocol) ---------------------
     def _targets(self) -> list[PushTarget]:
         """Every server as the push protocol sees it."""
         def target(url: str) -> PushTarget:

@@ -65,7 +65,9 @@ from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest, check_par
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
 from megatron_rl.weight_sync.broadcast import BroadcastSender
-from megatron_rl.rollout.push import PushBrokenError, PushTarget, WeightsLostError, WeightSyncedEngine
+from megatron_rl.rollout.push import WeightsLostError, WeightSyncedEngine
+from megatron_rl.weight_sync.protocol import PushTarget
+from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
 from megatron_rl.weight_sync.ipc import IpcSender
 from megatron_rl.weight_sync import vllm_transfer
@@ -276,7 +278,7 @@ class VLLMEngine(WeightSyncedEngine):
     def _is_engine_failure(self, error: BaseException) -> bool:
         return not isinstance(error, NOT_ENGINE_FAILURES)
 
-    # ---- weights (the push protocol's hooks, rollout.push.WeightSyncedEngine) ---------------------
+    # ---- weights (the push protocol's hooks, rollout.push.WeightSyncedEngine; weight_sync.protocol) ---------------------
     def _targets(self) -> list[PushTarget]:
         """This engine as the push protocol sees it."""
         def encode(bucket: Bucket) -> Any:

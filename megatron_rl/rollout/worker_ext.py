@@ -7,7 +7,7 @@ a multiprocess one, or as `POST /collective_rpc` on a server started with
 VLLM_SERVER_DEV_MODE=1. Over HTTP every argument is a string, so the methods
 accept strings where they take numbers and return JSON-able values or text.
 
-A weight push streams (rollout.streaming_load): the trainer has checked the
+A weight push streams (weight_sync.streaming_load): the trainer has checked the
 whole push's names, shapes and dtypes against the engine's manifest before
 the first bucket, so each bucket is loaded as it arrives:
 1. `mrl_begin_push(version)` opens a push;
@@ -73,8 +73,8 @@ from megatron_rl.weight_sync.broadcast import (
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
 from megatron_rl.weight_sync.delta import DeltaHolder
 from megatron_rl.weight_sync.ipc import IpcReceiver
-from megatron_rl.rollout.streaming_load import StreamingLoad
 from megatron_rl.weight_sync.manifest import WeightPushError, manifest_from_checkpoint
+from megatron_rl.weight_sync.streaming_load import StreamingLoad
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +238,9 @@ class RolloutWorkerExtension:
         logger.warning("weight push v%d broken midway: the model directory's weights (version 0) were reloaded", push.version)
         return {"version": 0, "restored": True}
 
-    def mrl_stage_weights(self, payload: list | bytes | str) -> int:
-        """Check one bucket and hand it to the loading (a list of (name, tensor), safetensors bytes, or base64 text).
+    def mrl_stage_weights(self, payload: list | bytes | str, handoff: bool = True) -> int:
+        """Check one bucket and hand it to the loading (a list of (name, tensor), safetensors bytes, or base64 text);
+        handoff=False: return once it is queued (weight_sync.streaming_load), not once its loading began.
 
         A bucket that does not fit the manifest ends the push (going back to a complete version) and raises."""
         push = self.__dict__.get("_mrl_push")
@@ -252,7 +253,7 @@ class RolloutWorkerExtension:
         else:
             bucket = list(payload)
         try:
-            push.stage(bucket)
+            push.stage(bucket, handoff=handoff)
         except BaseException:
             self.mrl_abort_push()
             raise
@@ -421,7 +422,8 @@ class RolloutWorkerExtension:
             except BaseException:
                 self.mrl_abort_push()
                 raise
-            staged += self.mrl_stage_weights(bucket)
+            # a bucket all by reference (weight_sync.ipc_reference) holds no buffer to give back: queued, not handed
+            staged += self.mrl_stage_weights(bucket, handoff=any(entry["handles"]))
             del bucket  # the loading holds the views it still needs
         return {"staged": staged, "released": receiver.take_released(sender), "mapped": receiver.mapped - mapped_before}
 

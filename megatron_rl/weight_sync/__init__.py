@@ -10,8 +10,13 @@ broadcast.py: buckets broadcast from the pushing rank into every engine worker
 over a group of their own (NCCL on GPU, gloo on CPU); parallel.py: no funnel,
 every owner rank broadcasts its own buckets (models.export_owners);
 delta.py: sparse deltas against what the engines hold, checked by checksum;
-vllm_source.py: our shards as vLLM's WeightSource (its trainer-side engines).
-The engine side of loading lives in megatron_rl.rollout.worker_ext.
+ipc.py / owner_ipc.py / ipc_reference.py: buckets by memory handle to engine
+workers on the trainer's own device (host tensors in shared memory by
+reference); vllm_transfer.py / vllm_source.py: vLLM's own weight-transfer
+engines over our shards; protocol.py: the one push protocol every placement
+drives (stream_push, PushTarget); streaming_load.py: a push loaded into a
+worker's model as its buckets arrive. vLLM's worker extension that calls it
+is megatron_rl.rollout.worker_ext; this package imports nothing of rollout.
 """
 
 from megatron_rl.weight_sync.buckets import Bucket, bucket_from_bytes, bucket_to_bytes, bucketize, tensor_bytes

@@ -117,9 +117,9 @@ def pack_bucket(bucket: Bucket, layout: dict, device: torch.device, out: torch.T
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for (_, tensor), entry in zip(bucket, layout["tensors"]):
         nbytes = tensor_bytes(tensor)
-        if nbytes:
-            source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            flat[entry["offset"] : entry["offset"] + nbytes].copy_(source)
+        if nbytes:  # one copy, straight from the tensor as it is laid out (a strided view needs no contiguous copy)
+            start = int(entry["offset"])
+            flat[start : start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
     return flat
 
 

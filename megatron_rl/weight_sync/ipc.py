@@ -3,52 +3,48 @@
 An engine worker on a trainer rank's own device (its GPU, or the host on CPU)
 needs no process group with the trainer: both can map the same memory. Per
 bucket:
-1. the trainer packs the bucket into a buffer on its device (the layout of
-   weight_sync.broadcast: one uint8 buffer, 64-byte aligned offsets);
-2. it exports the buffer with torch.multiprocessing's `reduce_tensor` (a CUDA
-   tensor becomes a CUDA IPC handle; a host tensor shared memory named by a
-   file, torch's file_system strategy: any process of this host can map it,
-   a server as well as the trainer's own child) and pickles that small handle;
-3. the handles (base64) and the layout go over the engine's RPC channel (or a
-   server's HTTP API) to `mrl_ipc_receive` (rollout.worker_ext), one call per
-   bucket or, with `IpcSender.batch_buckets` (and weight_sync.owner_ipc's
-   rounds), one call for several; each worker maps the handle of its own
-   device (`IpcReceiver.open`), unpacks views of it and stages them like any
-   other bucket: the same manifest check and streaming load
-   (rollout.streaming_load), the same abort and recovery;
+1. the export's tensors are written straight into a shared buffer on the
+   trainer's device (the layout of weight_sync.broadcast: one uint8 buffer,
+   64-byte aligned offsets), the one copy on this side; host tensors already
+   in shared memory (the trainer's parameters) need none and go by reference
+   (weight_sync.ipc_reference);
+2. the buffer's `reduce_tensor` handle (a CUDA IPC handle; on the host shared
+   memory named by a file, torch's file_system strategy, which any process of
+   the host can map) is pickled, base64;
+3. the handles and the layout go over the engine's RPC channel (or a server's
+   HTTP API) to `mrl_ipc_receive` (rollout.worker_ext), one call per bucket
+   or, with `IpcSender.batch_buckets` (and weight_sync.owner_ipc's rounds),
+   one for several; each worker maps the handle of its own device
+   (`IpcReceiver.open`) and stages views of it like any other bucket (the
+   manifest check, the streaming load, abort and recovery), copying them into
+   its parameters: the one copy on that side. The call runs on threads while
+   the export writes the next bucket (`IpcSender`);
 4. each answer lists the buckets whose memory the worker no longer holds
-   (its loading is past them: nothing but the receiver references their
-   storage, views of views included); once every worker has let go of a
-   bucket its buffers are written again by later buckets (a fresh shared
-   allocation costs page faults that took longer than the copy on the
-   host), and the worker, which kept its mapping, maps nothing anew for
-   them (`IpcReceiver`). A CUDA buffer stays allocated while another
-   process maps it (torch's IPC reference counts), and is written again only
-   after every worker has said it is done with it; the workers let go of
-   every mapping when the push ends.
+   (nothing but the receiver references their storage, views of views
+   included); once every worker has let go of a bucket its buffer is written
+   again by a later bucket, and the worker, which kept its mapping, maps
+   nothing anew (a fresh shared allocation, or mapping one anew, faults its
+   pages in, which took longer than the copy on the host). A CUDA buffer
+   stays allocated while another process maps it (torch's IPC reference
+   counts); the workers let go of CUDA mappings when the push ends.
 
 Colocated servers (rollout.engines > 1, config.placement) have workers on
 every GPU of the trainer, so every rank shares each bucket with the worker
 on its own GPU (`IpcRelay`): the pushing rank broadcasts the packed bucket
-to the ranks whose GPUs hold workers (the trainer's own group: NCCL over
-NVLink on a node), each rank exports a handle of its copy, and the handles
-are gathered to the pushing rank, which sends every engine the handles of its
-workers' GPUs (worker j of the engine hosted by rank h maps rank h + j's).
-Only handles and layouts leave the device.
+to the ranks whose GPUs hold workers (the trainer's own group), each rank
+exports a handle of its copy, and the handles are gathered to the pushing
+rank, which sends every engine the handles of its workers' GPUs (worker j of
+the engine hosted by rank h maps rank h + j's).
 
-Buffers alive at once are bounded by the workers' loading, as for any push:
-the bucket being loaded, the one queued, and those holding parts of the layer
-vLLM's layerwise reload is completing. `BufferPool.peak_shared_bytes`
-measures what each rank allocated for them (the bytes it shares with its
-workers, counted once; reused buffers included); buffers go when the push
-ends.
+`BufferPool.peak_shared_bytes` measures what each rank allocated (bytes it
+shares with its workers, counted once): three buffers with one bucket per
+call (IpcSender), plus those holding parts of a layer vLLM's layerwise reload
+is completing.
 
 A handle is a pickle of torch's rebuild function and its arguments; the worker
 unpickles it with an allowlist (torch's rebuild functions, tensor and storage
-types, dtypes) so a handle cannot name anything else.
-
-Before sending, the trainer synchronizes its CUDA stream: the worker reads
-the buffer on streams of its own.
+types, dtypes) so a handle cannot name anything else. On a GPU the handles go
+out once the copy's CUDA event has passed: the worker reads on its own streams.
 """
 
 from __future__ import annotations
@@ -60,6 +56,7 @@ import json
 import pickle
 import uuid
 from collections import Counter
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -69,6 +66,7 @@ from megatron_rl.weight_sync.broadcast import (
     call_in_threads, describe_bucket, gpu_uuid, pack_bucket, unpack_bucket, wait_for_engines,
 )
 from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.ipc_reference import describe_references, open_references, split_bucket, storage_view
 from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 
@@ -164,18 +162,22 @@ class IpcReceiver:
     of it (vLLM's layerwise reload keeps a fused layer's parts), so what is counted is the storage's references
     (its use count), not a tensor object.
 
-    The mapping of a let-go buffer is kept (at most `keep_mapped` of them) until the push ends (`close`): the
-    pushing side writes its released buffers again, and their next handle then finds the mapping in torch's
-    cache of shared storages (torch.multiprocessing.reductions.shared_cache) instead of opening the memory
-    again (cudaIpcOpenMemHandle on a GPU; on the host, mapping the file anew and faulting its pages in).
+    The mapping of a let-go buffer is kept (at most `keep_mapped` of them): the pushing side writes its released
+    buffers again, and their next handle then finds the mapping in torch's cache of shared storages
+    (torch.multiprocessing.reductions.shared_cache) instead of opening the memory again (cudaIpcOpenMemHandle on
+    a GPU; on the host, mapping the file anew and faulting its pages in, which took longer than the copy). CUDA
+    mappings go when the push ends (`close`: a mapped block stays allocated on the trainer's GPU); host ones are
+    kept for the next push too, whose buffers the engine keeps (weight_sync.ipc.BufferPool.release_all).
     """
 
-    keep_mapped = 4
+    keep_mapped = 8
 
     def __init__(self) -> None:
         # (sender, bucket id) -> (its mapped storage, its CUDA device): ids count from 0 in every push
         self._open: dict[tuple[str, int], tuple[Any, torch.device | None]] = {}
         self._idle: list[Any] = []  # mappings of let-go buffers, oldest first
+        self._sources: dict[int, Any] = {}  # the trainer's storages taken by reference (weight_sync.ipc_reference)
+        self._used: set[int] = set()  # of those, the ones this push named
         self.mapped = 0
         """Buffers mapped anew (not found among the mappings kept) since the receiver was made."""
 
@@ -186,7 +188,15 @@ class IpcReceiver:
         if worker_rank >= len(handles):
             raise IpcError(f"a weight bucket carries {len(handles)} handles, none for engine worker {worker_rank}: "
                            "the trainer counts fewer workers than the engine has")
-        flat = import_handle(handles[worker_rank], str(gpus[worker_rank]))
+        bucket = self._buffered(message, handles[worker_rank], str(gpus[worker_rank])) if handles[worker_rank] else []
+        if message["layout"].get("referenced"):
+            storages = [self._source(handle) for handle in message["sources"][worker_rank]]
+            bucket += open_references(message["layout"]["referenced"], storages)
+        return bucket
+
+    def _buffered(self, message: dict, handle: str, trainer_gpu: str) -> Bucket:
+        """Views of the bucket's buffer."""
+        flat = import_handle(handle, trainer_gpu)
         storage = flat.untyped_storage()
         held = [s for s in self._idle if s.data_ptr() == storage.data_ptr()]
         if not held and all(s.data_ptr() != storage.data_ptr() for s, _ in self._open.values()):
@@ -195,6 +205,16 @@ class IpcReceiver:
         device = flat.device if flat.is_cuda else None
         self._open[(str(message["sender"]), int(message["bucket_id"]))] = (storage, device)
         return unpack_bucket(message["layout"], flat)
+
+    def _source(self, handle: str) -> Any:
+        """A storage of the trainer's taken by reference, mapped (or found among those kept)."""
+        storage = import_handle(handle).untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._sources:
+            self.mapped += 1
+            self._sources[key] = storage
+        self._used.add(key)
+        return storage
 
     def take_released(self, sender: str) -> list[int]:
         """Ids of `sender`'s buckets whose memory only this receiver holds now (forgetting earlier pushes' ones)."""
@@ -210,10 +230,14 @@ class IpcReceiver:
         return [bucket_id for owner, bucket_id in released if owner == sender]
 
     def close(self) -> None:
-        """The push ended: every mapping goes (the pushing side frees its buffers; a CUDA block stays allocated
-        while a worker maps it)."""
+        """The push ended: every CUDA mapping goes (a CUDA block stays allocated on the trainer's GPU while a worker
+        maps it); the last `keep_mapped` host mappings stay for the next push, which writes the same buffers."""
+        host = [storage for storage, device in self._open.values() if device is None]
         self._open.clear()
-        self._idle.clear()
+        self._idle = [s for s in self._idle + host if s.device.type == "cpu"][-self.keep_mapped :]
+        if self._used:  # the trainer's storages this push named stay mapped (not those of earlier pushes only)
+            self._sources = {key: storage for key, storage in self._sources.items() if key in self._used}
+            self._used = set()
 
 
 def _use_count(storage: Any) -> int:
@@ -238,6 +262,10 @@ class BufferPool:
     @property
     def alive_buckets(self) -> int:
         return len(self._alive)
+
+    def holds(self, bucket_id: int) -> bool:
+        """Whether bucket `bucket_id`'s buffer is kept for the workers (not released)."""
+        return bucket_id in self._alive
 
     def take(self, bucket_id: int, nbytes: int) -> torch.Tensor:
         """The buffer bucket `bucket_id` is packed into: a released one of at least `nbytes` (the smallest that
@@ -278,18 +306,24 @@ class BufferPool:
 
 
 def share(pool: BufferPool, bucket_id: int, layout: dict, copies: int, bucket: Bucket | None = None,
-          fill: Callable[[torch.Tensor], None] | None = None) -> list[str]:
-    """Pack `bucket` (or let `fill` write the bytes) into the pool's buffer for `bucket_id`; `copies` handles of it,
-    one per worker that maps it (each handle holds one reference to the memory, which its worker's mapping takes
-    over: one handle opened twice would let the memory go while a worker still maps it)."""
+          fill: Callable[[torch.Tensor], None] | None = None, wait: bool = True) -> tuple[list[str], Any]:
+    """Write `bucket` (or let `fill` write the bytes) straight into the pool's shared buffer for `bucket_id`: the
+    one copy of its bytes on this side. Returns `copies` handles of it, one per worker that maps it (each handle
+    holds one reference to the memory, which its worker's mapping takes over: one handle opened twice would let
+    the memory go while a worker still maps it), and on a GPU the event the copy completes at (the worker reads
+    on its own streams: the handles go out once it has passed, `wait` synchronizes here; None on the host)."""
     flat = pool.take(bucket_id, int(layout["nbytes"]))
     if bucket is not None:
         pack_bucket(bucket, layout, pool.device, out=flat)
     if fill is not None:
         fill(flat)
+    ready = None
     if flat.is_cuda:
-        torch.cuda.current_stream(flat.device).synchronize()  # the worker reads on its own streams
-    return [export_handle(flat) for _ in range(copies)]
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(flat.device))
+        if wait:
+            ready.synchronize()
+    return [export_handle(flat) for _ in range(copies)], ready
 
 
 @dataclass
@@ -302,6 +336,16 @@ class SharedBucket:
     """handles[i][j]: what worker j of engine i maps (the copy on its trainer rank's device)."""
     gpus: list[list[str]]
     """The UUID of the GPU behind each handle ('' on the host)."""
+    ready: Any = None
+    """A CUDA event the bucket's bytes are written at (synchronized before its handles go out); None: written."""
+    sources: list[list[list[str]]] | None = None
+    """sources[i][j]: the handles worker j of engine i maps of the storages the layout's 'referenced' tensors name
+    (weight_sync.ipc_reference); None: the bucket is all in its buffer."""
+
+    @property
+    def buffered(self) -> bool:
+        """Whether part of the bucket is in a buffer of the pool (which its workers let go of)."""
+        return bool(self.layout["tensors"])
 
 
 class IpcRelay:
@@ -356,9 +400,9 @@ class IpcRelay:
             header = holder[0]
             self._follow(header)
             if header["layout"] is not None:
-                handles = share(self.pool, self._next_id, header["layout"], self.copies,
-                                bucket if self.rank == self.root else None,
-                                fill=lambda flat: dist.broadcast(flat, src=self.root, group=group))
+                handles, _ = share(self.pool, self._next_id, header["layout"], self.copies,
+                                   bucket if self.rank == self.root else None,
+                                   fill=lambda flat: dist.broadcast(flat, src=self.root, group=group))
                 gathered: list[Any] = [None] * len(self.ranks)
                 dist.gather_object((handles, gpu_uuid(self.pool.device)), gathered if self.rank == self.root else None,
                                    dst=self.root, group=self.object_group)
@@ -369,11 +413,20 @@ class IpcRelay:
         self.current = None
 
     def share_here(self, bucket: Bucket) -> SharedBucket:
-        """(one rank, nothing collective) Share `bucket` from this rank's device with every worker."""
-        layout, bucket_id = describe_bucket(bucket), self._next_id
-        handles = share(self.pool, bucket_id, layout, self.copies, bucket)
+        """(one rank, nothing collective) Share `bucket` from this rank's device with every worker: host tensors
+        already in shared memory by reference (weight_sync.ipc_reference), the rest written into a buffer."""
+        referenced, packed = split_bucket(bucket, self.pool.device)
+        layout, bucket_id = describe_bucket(packed), self._next_id
+        handles, ready = share(self.pool, bucket_id, layout, self.copies, packed, wait=False) if packed else (
+            [""] * self.copies, None)
         self._next_id += 1
-        return self._assign(bucket_id, layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
+        shared = self._assign(bucket_id, layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
+        shared.ready = ready
+        if referenced:
+            layout["referenced"], storages = describe_references(referenced)
+            shared.sources = [[[export_handle(storage_view(s)) for s in storages] for _ in ranks]
+                              for ranks in self.engine_ranks]
+        return shared
 
     def _assign(self, bucket_id: int, layout: dict, by_rank: dict[int, tuple[list[str], str]]) -> SharedBucket:
         """Bucket `bucket_id` as its workers get it: each its own handle of the copy on its rank's device."""
@@ -395,8 +448,11 @@ class IpcRelay:
 
     def message(self, shared: SharedBucket, engine: int) -> dict:
         """What engine `engine`'s workers get for a bucket: each worker's handle, in worker order."""
-        return {"sender": self.token, "bucket_id": shared.bucket_id, "layout": shared.layout,
-                "handles": shared.handles[engine], "trainer_gpus": shared.gpus[engine]}
+        message = {"sender": self.token, "bucket_id": shared.bucket_id, "layout": shared.layout,
+                   "handles": shared.handles[engine], "trainer_gpus": shared.gpus[engine]}
+        if shared.sources is not None:
+            message["sources"] = shared.sources[engine]
+        return message
 
     def release(self, bucket_id: int) -> None:
         """(pushing rank) Every worker let go of `bucket_id`: its buffers are written again (here now, on the
@@ -420,10 +476,17 @@ class IpcSender:
     """Pushing-rank end: sends each bucket's handles to every engine and frees its buffers once all their workers
     have let go of it.
 
-    Drives the push protocol like weight_sync.broadcast.BroadcastSender does (rollout.push calls
-    `send(bucket, receives, names)`, each receive answering with every worker's answer); one sender per push.
-    Without a relay the bucket is shared from this rank's device alone (one engine process); with one, the
-    relay has already shared it on every rank while the export passed it (colocated servers).
+    Drives the push protocol like weight_sync.broadcast.BroadcastSender does (weight_sync.protocol.stream_push
+    calls `send(bucket, receives, names)`, each receive answering with every worker's answer); one sender per
+    push. Without a relay the bucket is written from this rank's device alone (one engine process); with one,
+    the relay has already shared it on every rank while the export passed it (colocated servers).
+
+    Overlap: the call that hands bucket k to the engines runs on threads of its own while the export makes
+    bucket k+1 and writes it into its shared buffer (on a GPU the copy runs on the export's stream while the
+    worker loads on its own; the handles of k+1 go out once its event has passed). The engines take calls in
+    order: the call for k+1 starts once k's answered. A worker answers once its loading is past the first
+    tensor of k (weight_sync.streaming_load), so the answer frees bucket k-1: with one bucket per call the
+    buffers alive on this rank are k-1 (its release not yet known), k (being loaded) and k+1 (being written).
     """
 
     receive_method = "mrl_ipc_receive"
@@ -450,6 +513,7 @@ class IpcSender:
         """Calls made to each engine so far (one per batch of buckets)."""
         self._holders: Counter[int] = Counter()  # bucket id -> engines still holding it
         self._pending: list[SharedBucket] = []  # shared, not yet sent
+        self._inflight: tuple[list, list[str], str] | None = None  # the call made and not yet answered
 
     @property
     def pool(self) -> BufferPool:
@@ -462,26 +526,45 @@ class IpcSender:
 
     def send(self, bucket: Bucket, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
         """Hand one bucket to every engine (with batch_buckets > 1, once that many are shared; `flush` sends the
-        rest); returns each engine's answers (one per worker) to the call made, [] when none was."""
+        rest); returns each engine's answers (one per worker) to the earlier call this one waited for, [] when
+        none was."""
         if len(receives) != len(self.relay.engine_ranks):
             raise IpcError(f"{len(receives)} engines, but the relay knows the devices of {len(self.relay.engine_ranks)}")
         self._pending.append(self._shared(bucket))
-        return self.flush(receives, names) if len(self._pending) >= self.batch_buckets else []
+        return self._start(receives, names) if len(self._pending) >= self.batch_buckets else []
 
     def flush(self, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
-        """Send the buckets shared and not yet sent, in one message per engine (rollout.push calls it at the end)."""
+        """Send the buckets shared and not yet sent, in one message per engine, and wait for every call's answer
+        (weight_sync.protocol.stream_push calls it at the end); returns the last call's answers."""
+        answers = self._start(receives, names)
+        return self._finish() or answers
+
+    def _start(self, receives: list[Callable[[str], Any]], names: list[str] | None) -> list[Any]:
+        """Wait for the call in flight (its answers are returned), then call the engines with the pending buckets."""
+        answers = self._finish()
         pending, self._pending = self._pending, []
         if not pending:
-            return []
+            return answers
         names = [f"engine {i}" for i in range(len(receives))] if names is None else list(names)
-        messages = [json.dumps(self._message(pending, i)) for i in range(len(receives))]
         for shared in pending:
-            self._holders[shared.bucket_id] = len(receives)
-        futures = call_in_threads(receives, messages, "weight-ipc-receive")
+            if shared.ready is not None:
+                shared.ready.synchronize()  # its bytes are written before a worker reads them
+            if shared.buffered:
+                self._holders[shared.bucket_id] = len(receives)
+        messages = [json.dumps(self._message(pending, i)) for i in range(len(receives))]
         nbytes = sum(int(shared.layout["nbytes"]) for shared in pending)
-        wait_for_engines(futures, names, self.timeout_s,
-                         what=f"{len(pending)} weight bucket(s) of {nbytes} bytes by memory handle to {len(receives)} engine(s)")
+        futures = call_in_threads(receives, messages, "weight-ipc-receive")
+        self._inflight = (futures, names, f"{len(pending)} weight bucket(s) of {nbytes} bytes by memory handle to "
+                                          f"{len(receives)} engine(s)")
         self.messages += 1
+        return answers
+
+    def _finish(self) -> list[Any]:
+        """Wait for the call in flight; its answers free the buckets every worker let go of."""
+        if self._inflight is None:
+            return []
+        (futures, names, what), self._inflight = self._inflight, None
+        wait_for_engines(futures, names, self.timeout_s, what=what)
         answers = [f.result() for f in futures]
         for workers in answers:
             for released in _released_by_all(workers):
@@ -509,8 +592,12 @@ class IpcSender:
             self.relay.release(bucket_id)
 
     def abandon(self) -> None:
-        """The push broke: nothing more is shared, every buffer on this rank goes (the relay's other ranks let
-        theirs go at its next bucket, or when the push ends)."""
+        """The push broke: the call in flight is waited for (the engines then take the abort alone), nothing more is
+        shared, every buffer on this rank goes (the relay's other ranks let theirs go at its next bucket, or when
+        the push ends)."""
+        if self._inflight is not None:
+            wait(self._inflight[0], timeout=self.timeout_s)
+            self._inflight = None
         self.relay.stop()
         self._holders.clear()
         self._pending = []

@@ -163,7 +163,7 @@ class OwnerIpcRelay:
 def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIpcRelay, rank: int,
                    trainer_group: Any, manifest: WeightManifest | None = None, repack_moe: bool = True) -> dict | None:
     """One push (see the module docstring) on every trainer rank; targets and manifest on rank 0 only
-    (rollout.push.PushTarget, each with call_each: every worker answers). Returns {'sent_bytes', 'received_bytes'}
+    (weight_sync.protocol.PushTarget, each with call_each: every worker answers). Returns {'sent_bytes', 'received_bytes'}
     of this push on every rank, on rank 0 also {'commits', 'tensors', 'bytes'}.
     Raises WeightPushError (refused, nothing moved; on rank 0) or PushBrokenError (on every rank)."""
     mismatch = None

@@ -26,7 +26,7 @@ trainer's group keeps them in step):
 4. the ranks agree the last round went through; rank 0 commits every engine.
 A round that fails on any rank (its export raised, a broadcast or an engine
 failed) stops every rank at the next agreement: rank 0 aborts the push on
-every engine (each goes back to a complete version, rollout.push) and every
+every engine (each goes back to a complete version, weight_sync.protocol) and every
 rank raises PushBrokenError, so weight_sync.push_weights makes the push again
 from a fresh export. A broadcast that failed closes the groups; they are
 formed again at the next push.
@@ -48,6 +48,7 @@ from megatron_rl.weight_sync.broadcast import (
 )
 from megatron_rl.weight_sync.delta import DeltaEncoder
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
+from megatron_rl.weight_sync.protocol import restore_complete_versions
 from megatron_rl.weight_sync.push import _any_rank
 from megatron_rl.weight_sync.stream import AnnouncedPush, PushBrokenError, check_announced
 
@@ -149,7 +150,7 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
                         workers_per_engine: list[int] | None = None, repack_moe: bool = True,
                         delta: DeltaEncoder | None = None, max_parts: int = MAX_PARTS) -> dict | None:
     """One push (see the module docstring) on every trainer rank; targets, manifest and workers_per_engine on
-    rank 0 only (rollout.push.PushTarget). Returns {'delta': whether it went as a sparse delta, 'wire_bytes': the
+    rank 0 only (weight_sync.protocol.PushTarget). Returns {'delta': whether it went as a sparse delta, 'wire_bytes': the
     bytes this rank broadcast} and on rank 0 also {'commits', 'tensors', 'bytes'}.
     delta: this rank's DeltaEncoder (rollout.weight_delta; weight_sync.delta), kept across pushes.
     max_parts: senders' buckets a worker takes at once (a wider round goes in slices).
@@ -315,6 +316,4 @@ def _round(targets: list | None, parts: list, bucket: list | None, rank: int, se
 
 
 def _restore(targets: list) -> list[int | None]:
-    from megatron_rl.rollout.push import restore_complete_versions
-
     return restore_complete_versions(targets)

@@ -10,7 +10,7 @@ whole push's announced names, shapes and dtypes (weight_sync.stream) before
 the first byte moves: a refused push raises WeightPushError naming the
 tensor, after draining the export, and the engine keeps its weights and
 version. Then buckets stream into the engine as the export produces them
-(rollout.push); a push that breaks midway leaves the engine on a complete
+(weight_sync.protocol); a push that breaks midway leaves the engine on a complete
 version and, given a function that makes the export, is made again.
 """
 

@@ -27,7 +27,7 @@ a CUDA IPC handle of a full HF tensor on its own GPU, so every rank holds each
 tensor for a moment (the owner broadcasts it), packed into buffers of
 rollout.weight_bucket_mb.
 
-Failures become our errors: a failed start is EngineStartError, a failed push
+Failures become our errors: a failed start is TransferStartError, a failed push
 PushBrokenError, each naming the transport and the fallback (megatron_rl's own
 transport). Neither transfer has run here (no GPU): the adapter is tested on
 CPU up to the NCCL/CUDA calls (tests/unit/test_vllm_transfer.py), the transfer
@@ -50,6 +50,10 @@ from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.vllm_source import make_megatron_source
 
 logger = logging.getLogger(__name__)
+
+
+class TransferStartError(RuntimeError):
+    """vLLM's weight-transfer engine did not start; the message names the transport and the fallback to set."""
 
 MAX_SOURCE_SHARDS = 16
 """nccl_m2n's fan-in of source shards into one replicated destination (vllm m2n_common.MAX_SOURCE_SHARDS)."""
@@ -296,10 +300,8 @@ class VllmTransfer:
 
 def start_transfer(transport: str, make_source: Callable[[], Any], init_infos: list[Any], clients: list[Any]) -> VllmTransfer:
     """vLLM's trainer engines on this rank (every rank calls it, with the same init infos but its own rank):
-    one per (init info, client) pair. EngineStartError names the transport and the fallback."""
+    one per (init info, client) pair. TransferStartError names the transport and the fallback."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from megatron_rl.rollout.engine import EngineStartError  # here: rollout imports this module
 
     engines: list[Any] = []
     entries: list[tuple[str, tuple[int, ...], str]] = []
@@ -310,7 +312,7 @@ def start_transfer(transport: str, make_source: Callable[[], Any], init_infos: l
             engines.append(WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source))
     except Exception as error:  # noqa: BLE001 - vLLM's rendezvous raises many types
         VllmTransfer(transport, engines).shutdown()
-        raise EngineStartError(
+        raise TransferStartError(
             f"rollout.weight_transport={transport}: vLLM's {VLLM_ENGINE_OF[transport]} engine did not start "
             f"({type(error).__name__}: {error}); set rollout.weight_transport={fallback_of(transport)} "
             "(megatron_rl's own transport) or auto"

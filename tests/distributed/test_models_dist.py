@@ -6,7 +6,8 @@ norms, sigmoid router) in every layout, Qwen2-MoE (shared expert, q/k/v biases)
 at TP2xEP2 on 2 ranks, Mixtral at PP2xTP2, dense Qwen2 at TP2, and a Qwen3-MoE
 variant with a padded vocabulary (200 -> 256), tied embeddings (the last PP
 stage holds a copy), a dense layer and sharded safetensors at TP2 and PP2.
-Export runs with 96 KiB buckets, so the weights travel in many buckets.
+Export runs with 96 KiB buckets, so the weights travel in many buckets, and
+again without copies (fresh=False), each bucket packed at once as a push does.
 Qwen3-MoE and DeepSeek-V3 also run with their routed experts as megatron-core's
 GroupedMLP (moe_grouped_gemm: fused weight1 / weight2 holding an EP rank's
 experts, TP-split) on EP2 and TP2xEP2 (Qwen3-MoE with expert TP 2).
@@ -103,6 +104,7 @@ def _load_forward_export(rank: int, world_size: int, cases: list, dirs: dict) ->
     from megatron_rl.config import ModelConfig, ParallelConfig
     from megatron_rl.models import build_model, export_hf_weights, load_hf_config, model_shape
     from megatron_rl.parallel import destroy_parallel, init_parallel
+    from megatron_rl.weight_sync.broadcast import describe_bucket, pack_bucket, unpack_bucket
 
     results = []
     for family, layout, *settings in cases:
@@ -122,6 +124,13 @@ def _load_forward_export(rank: int, world_size: int, cases: list, dirs: dict) ->
                 yielded += [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in bucket]
             if ctx.rank == 0 and announced != yielded:
                 raise AssertionError(f"{family} {layout}: the export announced {announced} but yielded {yielded}")
+            # fresh=False (the pushing rank's own tensors as views of its parameters), each bucket written into a
+            # packed buffer at once as a push does: the same bytes as the fresh copies
+            for bucket in export_hf_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES, fresh=False):
+                layout_of = describe_bucket(bucket)
+                for name, tensor in unpack_bucket(layout_of, pack_bucket(bucket, layout_of, ctx.device)):
+                    if not torch.equal(tensor, exported[name]):
+                        raise AssertionError(f"{family} {layout}: {name} exported without a copy differs")
             results.append({"logits": logits, "exported": exported if ctx.rank == 0 else None, "buckets": bucket_sizes})
         finally:
             destroy_parallel(ctx, keep_world=True)

@@ -127,7 +127,7 @@ def test_init_infos_are_vllms_and_fit_its_checks():
 
 @needs_vllm
 def test_failures_become_our_errors_naming_transport_and_fallback():
-    from megatron_rl.rollout.engine import EngineStartError
+    from megatron_rl.errors import EXIT_BAD_INPUT, exit_code_for
     from megatron_rl.weight_sync.stream import PushBrokenError
 
     class Broken:
@@ -140,7 +140,8 @@ def test_failures_become_our_errors_naming_transport_and_fallback():
     with pytest.raises(PushBrokenError, match=r"vllm_nccl_m2n \(vLLM's nccl_m2n engine\) broke \(RuntimeError: NCCL "
                                               r"error.*set rollout.weight_transport=broadcast"):
         vt.VllmTransfer("vllm_nccl_m2n", [Broken()]).send(3)
-    with pytest.raises(EngineStartError, match=r"vllm_ipc: vLLM's ipc engine did not start.*weight_transport=ipc"):
+    with pytest.raises(vt.TransferStartError, match=r"vllm_ipc: vLLM's ipc engine did not start.*weight_transport=ipc") as raised:
         vt.start_transfer("vllm_ipc", lambda: None, [vt.ipc_init_info(rank=0, bucket_bytes=1)], [vt.NoClient()])
+    assert exit_code_for(raised.value) == EXIT_BAD_INPUT  # the message says what to set: the user's input
     with pytest.raises(RuntimeError, match="only trainer rank 0"):
         vt.NoClient().start_weight_update()

@@ -4,7 +4,7 @@ The receiving process runs the real worker extension (rollout.worker_ext:
 mrl_begin_push, mrl_ipc_receive, the streaming load, mrl_commit_push,
 mrl_abort_push) over a model runner whose reload copies each tensor into a
 torch module's parameters, as vLLM's load does; the push is driven by
-rollout.push's one protocol. tests/gpu/test_weight_ipc_gpu.py runs the same
+weight_sync.protocol's one protocol. tests/gpu/test_weight_ipc_gpu.py runs the same
 with CUDA IPC handles on one GPU; tests/e2e/test_weight_ipc.py with the real
 vLLM engine.
 """
@@ -20,9 +20,10 @@ import torch
 
 from megatron_rl.config import ConfigError, RolloutConfig
 from megatron_rl.rollout import resolve_placement
-from megatron_rl.rollout.push import PushTarget, stream_push
+from megatron_rl.weight_sync.protocol import PushTarget, stream_push
 from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
 from megatron_rl.weight_sync.ipc import IpcError, IpcSender, export_handle, import_handle, shared_buffer
+from megatron_rl.weight_sync.ipc_reference import SharedMemoryFullError, share_host_memory
 from megatron_rl.weight_sync.stream import PushBrokenError, entries_of
 from tests.worker_process import WorkerProcess, load_state
 
@@ -60,7 +61,7 @@ def stream_of(state: dict[str, torch.Tensor], device: str, tamper_at: int | None
 
 def push_by_handles(worker: WorkerProcess, model_dir: Path, stream: WeightStream, version: int, device: str,
                     batch_buckets: int = 1, answers: list | None = None, pool=None):
-    """One push through rollout.push's protocol with memory handles; returns (result, the sender). answers: gets
+    """One push through weight_sync.protocol's protocol with memory handles; returns (result, the sender). answers: gets
     the worker's answer to each mrl_ipc_receive call; pool: an earlier push's buffers to write again."""
     senders: list[IpcSender] = []
 
@@ -72,11 +73,11 @@ def push_by_handles(worker: WorkerProcess, model_dir: Path, stream: WeightStream
 
     def call(method, *args):
         if method == "mrl_ipc_receive":
-            message = json.loads(args[0])
-            held = set(senders[0].pool._alive)  # the buffers this rank keeps, by bucket id
+            message = json.loads(args[0])  # (on a thread of the sender's, while the next bucket is written)
             for entry in message.get("buckets", [message]):
                 messages.append(entry)
-                assert entry["bucket_id"] in held, (entry["bucket_id"], held)
+                if entry["layout"]["tensors"]:  # (a bucket all by reference has no buffer)
+                    assert senders[0].pool.holds(entry["bucket_id"]), entry["bucket_id"]  # kept for the workers
             answer = worker.call(method, *args)
             if answers is not None:
                 answers.append(answer)
@@ -110,14 +111,15 @@ def check_push_by_handles(tmp_path: Path, device: str) -> None:
         buckets = list(bucketize(target.items(), BUCKET_BYTES))
         largest = max(sum(t.numel() * t.element_size() + 64 for _, t in b) for b in buckets)
         assert len(buckets) >= 10
-        # shared buffers allocated at once (released ones are written again): the bucket being loaded, the one
-        # queued, the one just shared, one whose release the worker reports with its next answer
-        assert 0 < result.buffer_bytes == sender.pool.peak_shared_bytes <= 4 * largest < model_bytes / 2
-        assert sender.pool.alive_buckets <= 3  # every earlier bucket was acknowledged during the push
+        # shared buffers allocated at once (released ones are written again): bucket k being loaded, k+1 being
+        # written while k's call is answered, k-1 whose release that answer brings (the worker answers once its
+        # loading is past k's first tensor, so nothing of k-1 is held then)
+        assert 0 < result.buffer_bytes == sender.pool.peak_shared_bytes <= 3 * largest < model_bytes / 3
+        assert sender.pool.alive_buckets <= 2  # every earlier bucket was acknowledged during the push
         # one call per bucket, and the worker mapped each buffer once: a bucket written into a released buffer
         # found the worker's mapping of it (no new IPC open / page faults per bucket)
         assert len(answers) == len(buckets) and sender.messages == len(buckets)
-        assert sum(a["mapped"] for a in answers) == sender.pool.allocations <= 4 < len(buckets)
+        assert sum(a["mapped"] for a in answers) == sender.pool.allocations <= 3 < len(buckets)
         sender.abandon()
         assert sender.pool.shared_bytes == 0
         # a second push (its bucket ids count from 0 again) is not confused with the first one's buckets
@@ -134,12 +136,15 @@ def check_push_by_handles(tmp_path: Path, device: str) -> None:
         assert len(answers) == sender.messages == -(-len(buckets) // 3)
         assert sum(a["staged"] for a in answers) == len(target) and result.commits[0]["version"] == 3
         assert 0 < result.buffer_bytes <= (3 + 4) * largest < model_bytes
-        # the next push writes the same buffers again (an engine keeps them across pushes): none is made
-        allocations = sender.pool.allocations
-        push_by_handles(worker, first, stream_of(original, device), 4, device, pool=sender.pool)
+        # the next push writes the same buffers again (an engine keeps them across pushes): none is made, and on
+        # the host the worker still maps them all (CUDA mappings go when a push ends: they hold the trainer's GPU)
+        allocations, answers = sender.pool.allocations, []
+        push_by_handles(worker, first, stream_of(original, device), 4, device, answers=answers, pool=sender.pool)
         state = worker.call("state")
         assert all(torch.equal(state[name], tensor) for name, tensor in original.items())
         assert sender.pool.allocations == allocations
+        mapped = sum(a["mapped"] for a in answers)
+        assert mapped == 0 if device == "cpu" else 0 < mapped <= allocations
     finally:
         worker.stop()
 
@@ -159,6 +164,53 @@ def test_a_push_broken_midway_by_handles_restores_the_model_directory(tmp_path):
         assert all(torch.equal(state[name], tensor) for name, tensor in original.items())
     finally:
         worker.stop()
+
+
+def test_host_tensors_in_shared_memory_go_by_reference_and_load_bit_exact(tmp_path):
+    """The trainer's tensors moved into shared memory (as its parameters for a host push) reach the worker by
+    reference: no buffer is written, the worker copies straight from them; tensors not in shared memory (a TP
+    gather's results) still go through buffers; the next push maps nothing anew."""
+    first, second = make_model_dir(tmp_path / "a", 0), make_model_dir(tmp_path / "b", 1)
+    target, original = load_state(second), load_state(first)
+    model_bytes = sum(t.numel() * t.element_size() for t in target.values())
+    assert share_host_memory(list(target.values())) == model_bytes and share_host_memory(list(target.values())) == 0
+    views = {name: tensor.view(tensor.shape) for name, tensor in target.items()}  # views keep their storage
+    buckets = list(bucketize(views.items(), BUCKET_BYTES))
+    worker = WorkerProcess(first)
+    try:
+        for version in (1, 2):
+            answers: list = []
+            stream = WeightStream(entries_of(buckets), (list(b) for b in buckets))
+            result, sender = push_by_handles(worker, first, stream, version, "cpu", answers=answers)
+            state = worker.call("state")
+            assert all(state[n].dtype == t.dtype and torch.equal(state[n], t) for n, t in target.items())
+            assert sender.pool.allocations == 0 and result.buffer_bytes == 0  # nothing was copied on this side
+            # each tensor has a storage of its own: mapped once, in the first push only
+            assert sum(a["mapped"] for a in answers) == (len(target) if version == 1 else 0)
+        # half the tensors fresh copies (not in shared memory): those go through buffers, the rest by reference
+        mixed = {n: (t.clone() if i % 2 else t) for i, (n, t) in enumerate(original.items())}
+        share_host_memory([t for i, t in enumerate(original.values()) if i % 2 == 0])
+        result, sender = push_by_handles(worker, first, WeightStream(entries_of([list(mixed.items())]),
+                                         bucketize(mixed.items(), BUCKET_BYTES)), 3, "cpu")
+        state = worker.call("state")
+        assert all(torch.equal(state[n], t) for n, t in original.items()) and sender.pool.allocations > 0
+    finally:
+        worker.stop()
+
+
+def test_shared_memory_too_small_for_the_weights_is_refused_before_moving_anything(monkeypatch):
+    import os
+
+    from megatron_rl.weight_sync import ipc_reference
+
+    class Small:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(ipc_reference.os, "statvfs", lambda path: Small())
+    tensor = torch.zeros(1 << 16)  # 256 KiB
+    with pytest.raises(SharedMemoryFullError, match=r"262144 bytes.*has 65536 bytes free.*--shm-size"):
+        share_host_memory([tensor])
+    assert not tensor.is_shared() and os.path.isdir(ipc_reference.SHM_DIR)
 
 
 def test_a_handle_naming_anything_but_a_tensor_is_refused():

@@ -4,10 +4,15 @@ vLLM reloads weights in place with `model_runner.reload_weights(weights_iterator
 its layerwise reload keeps each layer's parts until the layer is complete, then
 processes it (fused qkv_proj / gate_up_proj / w13_weight built from all their
 HF parts). The push arrives as separate calls (one per bucket), so the reload
-runs on a thread of its own for the whole push and takes tensors from a
-queue of one bucket: the worker holds the bucket it is handing over, the one
-in the queue, and the parts of the layer vLLM is completing. `live` measures
-that by allocation accounting (every staged tensor counts until it is freed).
+runs on a thread of its own for the whole push and takes each bucket from
+the call that stages it, hand to hand: `stage` returns once the reload has
+loaded the bucket's first tensor and asked for the next, so the worker holds
+the bucket being loaded, the one being handed over, and the parts of the
+layer vLLM is completing, and when `stage` returns every earlier bucket the
+reload no longer keeps parts of is free (its memory can be written again:
+weight_sync.ipc). The caller's next bucket travels while this one loads.
+`live` measures what is held by allocation accounting (every staged tensor
+counts until it is freed).
 
 Ending a push: `finish()` closes the iterator, waits for the reload and
 raises its error if it had one; `abort()` closes it too (vLLM then finishes
@@ -44,6 +49,8 @@ class StreamingLoad:
         self.live = LiveBytes()
         self.load_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._taken = threading.Condition()
+        self._counts = [0, 0]  # buckets staged, buckets whose first tensor the reload is past
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._ended = False
@@ -52,12 +59,20 @@ class StreamingLoad:
     def started(self) -> bool:
         return self._thread is not None
 
-    def stage(self, bucket: Bucket) -> None:
-        """Check a bucket against the manifest, then hand it to the reload (blocks while the queue is full)."""
+    def stage(self, bucket: Bucket, handoff: bool = True) -> None:
+        """Check a bucket against the manifest, then hand it to the reload; returns once the reload has loaded its
+        first tensor (every earlier bucket is then loaded: what the reload no longer holds of it is free), or with
+        handoff=False once it is queued behind the bucket loading (its memory is nobody's to free: the caller's
+        next bucket then travels while both load)."""
         self.validator.check_bucket(bucket)
+        if not bucket:
+            return
         if self._thread is None:
             self._start()
         self._put([(name, self.live.track(tensor)) for name, tensor in bucket])
+        self._counts[0] += 1
+        if handoff:
+            self._wait_taken(self._counts[0])
 
     def finish(self) -> None:
         """The push is complete: end the reload and wait for it; raises if the push or the reload failed."""
@@ -86,8 +101,13 @@ class StreamingLoad:
             item = self._queue.get()
             if item is _END:
                 return
-            yield from item
-            del item  # drop this bucket's references before waiting for the next
+            for index, pair in enumerate(item):
+                yield pair
+                if index == 0:  # the reload loaded the first tensor and asks for the next: the caller may go on
+                    with self._taken:
+                        self._counts[1] += 1
+                        self._taken.notify_all()
+            del item, pair  # drop this bucket's references before waiting for the next
 
     def _reload(self, device: int | None) -> None:
         start = time.perf_counter()
@@ -110,6 +130,15 @@ class StreamingLoad:
                 return
             except queue.Full:
                 continue
+
+    def _wait_taken(self, count: int) -> None:
+        while True:
+            with self._taken:
+                if self._taken.wait_for(lambda: self._counts[1] >= count, _POLL_S):
+                    return
+            if self._error is not None or not self._thread.is_alive():  # type: ignore[union-attr]
+                error = self._error or RuntimeError("the reload thread ended early")
+                raise WeightPushError(f"loading weight push v{self.version} failed: {type(error).__name__}: {error}") from error
 
     def _end(self) -> None:
         if self._ended or self._thread is None:

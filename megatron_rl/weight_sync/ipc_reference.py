@@ -1,0 +1,104 @@
+"""Host tensors that already live in shared memory go to the engine workers by reference: no copy on the way.
+
+A push by memory handle (weight_sync.ipc) writes each bucket into a shared
+buffer the worker maps, and the worker copies it into its parameters: two
+passes over the bytes. On the host the trainer's parameters can live in shared
+memory themselves (`share_host_memory`, once: torch moves a storage there in
+place, every view of it keeps working), and the export yields them as they are
+(models.export_hf_weights(fresh=False)). Such a tensor needs no buffer: the
+bucket's layout names its storage (a handle per worker, as for a buffer), its
+offset, shape and strides, and the worker copies straight from the trainer's
+memory into its own parameters, the one pass a plain copy makes. What is not
+in shared memory (TP shards gathered from other ranks, re-laid-out tensors)
+is written into the bucket's buffer as before.
+
+The worker keeps its mappings of the storages a push used for the next push
+(mapping a file anew faults its pages in, which took longer than the copy);
+the trainer does not write its parameters while a push runs (the push holds
+the engine, and the optimizer step comes after it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from megatron_rl.weight_sync.buckets import Bucket, tensor_bytes
+
+SHM_DIR = "/dev/shm"
+"""Where torch's shared host memory lives (torch_shm_manager's files)."""
+
+
+class SharedMemoryFullError(RuntimeError):
+    """The host's shared memory cannot hold what was to be moved there."""
+
+
+def share_host_memory(tensors: list[torch.Tensor]) -> int:
+    """Move the storages of the host tensors among `tensors` into shared memory, in place (once; each view of them
+    keeps working); returns the bytes moved. Raises SharedMemoryFullError, moving nothing, when /dev/shm has less
+    room than that (a container's default of 64 MB: its writes would end the process with SIGBUS)."""
+    storages = {}
+    for tensor in tensors:
+        if tensor.device.type == "cpu" and tensor.numel():
+            storage = tensor.untyped_storage()
+            if not storage.is_shared():
+                storages[storage.data_ptr()] = storage
+    needed = sum(s.nbytes() for s in storages.values())
+    if not needed:
+        return 0
+    stat = os.statvfs(SHM_DIR) if os.path.isdir(SHM_DIR) else None
+    room = stat.f_bavail * stat.f_frsize if stat is not None else needed
+    if room < needed:
+        raise SharedMemoryFullError(
+            f"moving {needed} bytes of weights into shared memory for a push by memory handle, but {SHM_DIR} has "
+            f"{room} bytes free: give the container more (docker run --shm-size) or set rollout.weight_transport="
+            "broadcast")
+    for storage in storages.values():
+        storage.share_memory_()
+    return needed
+
+
+def by_reference(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` can go to the workers of a push from `device` by reference (see the module docstring)."""
+    return (device.type == "cpu" and tensor.device.type == "cpu" and tensor_bytes(tensor) > 0
+            and tensor.untyped_storage().is_shared())
+
+
+def split_bucket(bucket: Bucket, device: torch.device) -> tuple[Bucket, Bucket]:
+    """(what goes by reference, what is written into the bucket's buffer)."""
+    referenced = [(n, t) for n, t in bucket if by_reference(t, device)]
+    names = {n for n, _ in referenced}
+    return referenced, [(n, t) for n, t in bucket if n not in names]
+
+
+def describe_references(referenced: Bucket) -> tuple[list[dict], list[Any]]:
+    """The layout entries of `referenced` ({name, dtype, shape, stride, offset in elements, source}) and the
+    storages they name (each once, `source` indexes them)."""
+    sources: dict[int, int] = {}
+    storages, entries = [], []
+    for name, tensor in referenced:
+        storage = tensor.untyped_storage()
+        index = sources.setdefault(storage.data_ptr(), len(storages))
+        if index == len(storages):
+            storages.append(storage)
+        entries.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                        "stride": list(tensor.stride()), "offset": int(tensor.storage_offset()), "source": index})
+    return entries, storages
+
+
+def storage_view(storage: Any) -> torch.Tensor:
+    """A uint8 tensor over all of `storage` (what weight_sync.ipc.export_handle takes)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def open_references(entries: list[dict], storages: list[Any]) -> Bucket:
+    """Views of the trainer's tensors that `entries` describe, over the mapped `storages`."""
+    bucket: Bucket = []
+    for entry in entries:
+        dtype = getattr(torch, entry["dtype"])
+        view = torch.empty(0, dtype=dtype).set_(storages[int(entry["source"])], int(entry["offset"]),
+                                                [int(d) for d in entry["shape"]], [int(d) for d in entry["stride"]])
+        bucket.append((entry["name"], view))
+    return bucket
