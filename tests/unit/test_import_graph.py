@@ -22,11 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-ALLOWED_CIRCLES: list[frozenset[str]] = [
-    # The weight push's protocol lives in rollout/push.py and weight_sync/ calls back into it; the push is being
-    # moved under weight_sync/. Remove this entry when that lands (the test then fails while it is still here).
-    frozenset({"megatron_rl.rollout.push", "megatron_rl.weight_sync.parallel", "megatron_rl.weight_sync.owner_ipc"}),
-]
+ALLOWED_CIRCLES: list[frozenset[str]] = []
 """Circles tolerated for now: each must still exist (a stale entry fails), and no other circle may."""
 
 Edge = tuple[str, int]
