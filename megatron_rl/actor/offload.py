@@ -65,7 +65,11 @@ def model_tensors(model_chunks: list) -> list[torch.Tensor]:
 
 
 def _ddp_buffers(model_chunks: list) -> list:
-    return [b for chunk in model_chunks for b in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]]
+    def listed(chunk, name: str) -> list:  # DDP's lists (a plain module's `buffers` is nn.Module's method)
+        value = getattr(chunk, name, [])
+        return value if isinstance(value, list) else []
+
+    return [b for chunk in model_chunks for b in [*listed(chunk, "buffers"), *listed(chunk, "expert_parallel_buffers")]]
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
