@@ -121,7 +121,11 @@ def test_mcore_input_needs_a_config(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "metadata.json").write_text("{}")
-    (ckpt / ".metadata").write_bytes(b"")
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))  # torch's own (empty) metadata
     with pytest.raises(ConversionError, match=r"no config.json .*ckpt/hf/config.json.*pass --hf-dir"):
         convert_mcore_to_hf(ckpt, tmp_path / "out")
     with pytest.raises(ConversionError, match=r"elsewhere/config.json"):

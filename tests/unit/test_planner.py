@@ -355,13 +355,14 @@ def test_help_is_fast_and_imports_nothing_heavy():
 def test_train_calls_the_trainer_with_the_config_and_overrides(monkeypatch):
     calls = []
     fake = types.ModuleType("megatron_rl.trainer")
-    fake.main = lambda config_path, overrides: calls.append((config_path, overrides))
+    fake.main = lambda config_path, overrides, stop: calls.append((config_path, overrides, type(stop).__name__))
     monkeypatch.setitem(sys.modules, "megatron_rl.trainer", fake)
     import megatron_rl
 
     monkeypatch.setattr(megatron_rl, "trainer", fake, raising=False)
     assert main(["train", "--config", "configs/tiny-gspo.yaml", "train.steps=2", "algorithm.eps_high=4e-4"]) == 0
-    assert calls == [("configs/tiny-gspo.yaml", ["train.steps=2", "algorithm.eps_high=4e-4"])]
+    # the trainer also gets the pre-emption signals (SIGTERM / SIGUSR1: save at the next step boundary)
+    assert calls == [("configs/tiny-gspo.yaml", ["train.steps=2", "algorithm.eps_high=4e-4"], "StopSignals")]
 
 
 def test_train_with_a_bad_key_says_which_before_starting(capsys):
