@@ -12,7 +12,6 @@ or a list of records becomes a table with a row per record; deeper values are wr
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -126,20 +125,11 @@ def results_markdown(results: Path = RESULTS) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=PAGE, help="where to write the page (default: %(default)s)")
-    parser.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
-    args = parser.parse_args(argv)
-    text = results_markdown()
-    if args.check:
-        if not args.out.exists() or args.out.read_text(encoding="utf-8") != text:
-            print(f"{args.out} differs from bench/results: run python tools/perf_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text, encoding="utf-8")
-    print(f"wrote {args.out}")
-    return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from generated_page import page_main
+
+    return page_main(argv, doc=__doc__, page=PAGE, generate=results_markdown, source="bench/results",
+                     command="python tools/perf_tables.py")
 
 
 if __name__ == "__main__":
