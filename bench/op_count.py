@@ -225,6 +225,18 @@ def make_batch(vocab: int):
     )
 
 
+def _summary(counts: dict, names, layers: int, microbatches: int, *, train: bool) -> dict:
+    """One side's figures: per layer and per microbatch, the loss and optimizer (training only), host syncs."""
+    out = {"per_layer_per_microbatch": _per_layer(counts, layers, microbatches),
+           "logprobs_per_microbatch": counts["logprobs"]["kernels"] / microbatches}
+    if train:
+        out["loss_per_microbatch"] = counts["loss"]["kernels"] / microbatches
+        out["optimizer_per_step"] = counts["optimizer"]["kernels"]
+    out["batch_per_microbatch"] = counts["batch"]["kernels"] / microbatches
+    out["host_syncs_per_step" if train else "host_syncs_per_forward"] = sum(c["host_syncs"] for c in counts.values())
+    return out | {"phases": counts, "top_ops": names}
+
+
 def _per_layer(counts: dict, layers: int, microbatches: int) -> dict:
     out = {}
     for key in ("ops", "kernels", "host_syncs"):
@@ -262,28 +274,9 @@ def measure(model_dir: str, **model_settings) -> dict:
             metrics = actor.train_step(share)
         train, train_names = counter.take()
         microbatches = int(metrics["microbatches_per_rank"])
-        result = {
-            "layers": layers,
-            "microbatches": microbatches,
-            "train_step": {
-                "per_layer_per_microbatch": _per_layer(train, layers, microbatches),
-                "logprobs_per_microbatch": train["logprobs"]["kernels"] / microbatches,
-                "loss_per_microbatch": train["loss"]["kernels"] / microbatches,
-                "optimizer_per_step": train["optimizer"]["kernels"],
-                "batch_per_microbatch": train["batch"]["kernels"] / microbatches,
-                "host_syncs_per_step": sum(c["host_syncs"] for c in train.values()),
-                "phases": train,
-                "top_ops": train_names,
-            },
-            "old_policy_forward": {
-                "per_layer_per_microbatch": _per_layer(forward, layers, microbatches),
-                "logprobs_per_microbatch": forward["logprobs"]["kernels"] / microbatches,
-                "batch_per_microbatch": forward["batch"]["kernels"] / microbatches,
-                "host_syncs_per_forward": sum(c["host_syncs"] for c in forward.values()),
-                "phases": forward,
-                "top_ops": forward_names,
-            },
-        }
+        result = {"layers": layers, "microbatches": microbatches,
+                  "train_step": _summary(train, train_names, layers, microbatches, train=True),
+                  "old_policy_forward": _summary(forward, forward_names, layers, microbatches, train=False)}
     finally:
         actor.close()
         destroy_parallel(ctx)
