@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
-from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config
+from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, init_optimizer_state, unshare_step_counters
 from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
 from megatron_rl.actor.step import (
@@ -518,7 +518,7 @@ class Actor:
         the first step; the loaded values replace these placeholders in place.
         """
         if is_loading:
-            _init_optimizer_state(self.optimizer)
+            init_optimizer_state(self.optimizer)
         # megatron's DDP has no sharded_state_dict of its own (the generic one would prefix every
         # key with "module."), while its load_state_dict goes to the wrapped module: use that module.
         state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.model)}
@@ -532,7 +532,7 @@ class Actor:
         for i, chunk in enumerate(self.model):
             chunk.module.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
-        _unshare_step_counters(self.optimizer)
+        unshare_step_counters(self.optimizer)
 
     def schedule_state(self) -> dict:
         """The LR schedule and optimizer-step counter (small, JSON-serialisable; the same on every rank)."""
@@ -562,38 +562,13 @@ class Actor:
         self.routing.close()
         if getattr(self, "model", None) is None:
             return
-        from megatron_rl.actor.offload import _distinct_storages, model_tensors, optimizer_tensors
+        from megatron_rl.actor.offload import free_device_memory
 
-        chunks = list(self.model) + list(self.reference or [])
-        tensors = model_tensors(chunks) + (optimizer_tensors(self.optimizer) if self.optimizer is not None else [])
-        tensors += [b for chunk in chunks for b in torch.nn.Module.buffers(chunk)]  # (DDP shadows .buffers)
-        for tensor in _distinct_storages(tensors).values():
-            tensor.untyped_storage().resize_(0)
-        for chunk in chunks:
-            _drop_accumulator_hooks(getattr(chunk, "grad_accs", []))
-            config = getattr(chunk, "config", None)
-            for name in ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func", "grad_scale_func"):
-                if config is not None and hasattr(config, name):
-                    setattr(config, name, None)
+        free_device_memory(list(self.model) + list(self.reference or []), self.optimizer)
         self.model, self.reference, self.optimizer, self.scheduler = None, None, None, None
         gc.collect()
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _drop_accumulator_hooks(grad_accs: list) -> None:
-    """Clear the hooks megatron's DDP put on autograd's gradient accumulators, then drop the accumulators.
-
-    Each hook's closure holds its parameter and the DDP module, and autograd keeps an accumulator
-    alive from C++ after a backward, where Python's collector cannot see the cycle. torch keeps a
-    node's Python hooks in one dict, which a RemovableHandle of any hook on that node refers to.
-    """
-    for accumulator in grad_accs:
-        handle = accumulator.register_hook(lambda *_: None)
-        hooks = handle.hooks_dict_ref()
-        if hooks is not None:
-            hooks.clear()
-    grad_accs.clear()
 
 
 def _write_rows(dest: torch.Tensor, values: torch.Tensor, rows: tuple[int, ...], lengths: torch.Tensor) -> None:
@@ -625,36 +600,6 @@ def layout_metrics(items: list, lengths: torch.Tensor, device) -> dict[str, torc
         "batch/packed_fraction": fraction_metric(counts[0], counts[1]),
         "batch/padding_fraction": fraction_metric(counts[2], counts[3]),
     }
-
-
-def _unshare_step_counters(optimizer) -> None:
-    """Give each parameter's Adam `step` a tensor of its own after a load.
-
-    megatron's distributed optimizer without apex / Transformer Engine loads one `step` tensor into the state of
-    every parameter; torch's Adam adds 1 to each parameter's counter in place, so a shared one grows by the number
-    of parameters per optimizer step and the bias correction (Kingma & Ba 2015, Alg. 1) goes wrong after a resume.
-    The fused kernel (actor.optim.fuse_torch_adam) wants each counter on its parameter's device.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for group in getattr(inner, "param_groups", []):
-            on_device = bool(group.get("fused") or group.get("capturable"))
-            for param in group["params"]:
-                param_state = inner.state.get(param, {})
-                if isinstance(param_state.get("step"), torch.Tensor):
-                    step = param_state["step"].clone()
-                    param_state["step"] = step.to(param.device, torch.float32) if on_device else step
-
-
-def _init_optimizer_state(optimizer) -> None:
-    """Give every parameter an (empty) optimizer state, with its per-parameter `step` counter."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        if opt.init_state_fn is not None:
-            opt.init_state_fn(inner, opt.config)
-        for group in inner.param_groups:
-            for param in group["params"]:
-                inner.state[param].setdefault("step", torch.tensor(0.0))
 
 
 __all__ = ["Actor", "LogprobsWithRoutes"]

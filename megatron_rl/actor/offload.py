@@ -84,6 +84,37 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return tensors
 
 
+def free_device_memory(model_chunks: list, optimizer) -> None:
+    """Free every storage of the chunks (parameters, gradients, DDP buffers, module buffers) and of the optimizer's
+    state in place (``resize_(0)``), and drop what ties them to megatron's DDP: its accumulator hooks and the
+    config's bound functions. Actor.close() calls it; the chunks and optimizer are unusable after."""
+    tensors = model_tensors(model_chunks) + (optimizer_tensors(optimizer) if optimizer is not None else [])
+    tensors += [b for chunk in model_chunks for b in torch.nn.Module.buffers(chunk)]  # (DDP shadows .buffers)
+    for tensor in _distinct_storages(tensors).values():
+        tensor.untyped_storage().resize_(0)
+    for chunk in model_chunks:
+        _drop_accumulator_hooks(getattr(chunk, "grad_accs", []))
+        config = getattr(chunk, "config", None)
+        for name in ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func", "grad_scale_func"):
+            if config is not None and hasattr(config, name):
+                setattr(config, name, None)
+
+
+def _drop_accumulator_hooks(grad_accs: list) -> None:
+    """Clear the hooks megatron's DDP put on autograd's gradient accumulators, then drop the accumulators.
+
+    Each hook's closure holds its parameter and the DDP module, and autograd keeps an accumulator
+    alive from C++ after a backward, where Python's collector cannot see the cycle. torch keeps a
+    node's Python hooks in one dict, which a RemovableHandle of any hook on that node refers to.
+    """
+    for accumulator in grad_accs:
+        handle = accumulator.register_hook(lambda *_: None)
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None:
+            hooks.clear()
+    grad_accs.clear()
+
+
 class ActorOffload:
     """Moves the actor's storages to the host and back (see the module docstring).
 

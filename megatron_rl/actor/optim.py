@@ -137,4 +137,34 @@ def ddp_config(cfg: OptimizerConfig, *, overlap_grad_reduce: bool = False):
     )
 
 
-__all__ = ["build_optimizer", "build_scheduler", "ddp_config"]
+def unshare_step_counters(optimizer) -> None:
+    """Give each parameter's Adam `step` a tensor of its own after a load.
+
+    megatron's distributed optimizer without apex / Transformer Engine loads one `step` tensor into the state of
+    every parameter; torch's Adam adds 1 to each parameter's counter in place, so a shared one grows by the number
+    of parameters per optimizer step and the bias correction (Kingma & Ba 2015, Alg. 1) goes wrong after a resume.
+    The fused kernel (actor.optim.fuse_torch_adam) wants each counter on its parameter's device.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for param in group["params"]:
+                param_state = inner.state.get(param, {})
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    step = param_state["step"].clone()
+                    param_state["step"] = step.to(param.device, torch.float32) if on_device else step
+
+
+def init_optimizer_state(optimizer) -> None:
+    """Give every parameter an (empty) optimizer state, with its per-parameter `step` counter."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+__all__ = ["build_optimizer", "build_scheduler", "ddp_config", "fuse_torch_adam", "init_optimizer_state", "unshare_step_counters"]
