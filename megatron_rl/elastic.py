@@ -96,11 +96,18 @@ def main(argv: list[str] | None = None) -> int:
             print(text, file=sys.stderr)
         return code
     except SignalException as stop:
+        from megatron_rl.parallel.watch import STOP_SIGNALS
+
         handler.flush()
-        print(f"megatron-rl: stopped by {signal.Signals(stop.sigval).name}: the ranks saved a checkpoint at the step "
-              f"boundary (within {args.shutdown_timeout} s); launching again continues from it (checkpoint.resume=auto); "
-              f"torchrun's log: {log_file}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        name = signal.Signals(stop.sigval).name
+        if stop.sigval in STOP_SIGNALS:
+            print(f"megatron-rl: stopped by {name}: the ranks were asked to save a checkpoint at the step boundary "
+                  f"(within {args.shutdown_timeout} s); launching again continues from the newest complete one "
+                  f"(checkpoint.resume=auto); torchrun's log: {log_file}", file=sys.stderr)
+            return EXIT_PREEMPTED
+        print(f"megatron-rl: stopped by {name}: the ranks ended without a save (SIGTERM or SIGUSR1 saves first); "
+              f"launching again continues from the newest complete checkpoint; torchrun's log: {log_file}", file=sys.stderr)
+        return EXIT_RUNTIME_FAILURE
     return 0
 
 

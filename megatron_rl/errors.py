@@ -163,12 +163,13 @@ def replay_bad_input() -> int | None:
     verdict = Path(path).parents[2] / BAD_INPUT_VERDICT
     try:
         data = json.loads(verdict.read_text())
-    except (OSError, ValueError):
+        message, exitcode = str(data["message"]), int(data["exitcode"])
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not one this project wrote: run as a first attempt
         return None
-    write_error_file(data["message"], int(data["exitcode"]))
+    write_error_file(message, exitcode)
     if not os.environ.get(LAUNCHER_ENV) and is_rank0():
-        print(data["message"], file=sys.stderr)
-    return int(data["exitcode"])
+        print(message, file=sys.stderr)
+    return exitcode
 
 
 def previous_attempt_failures() -> list[str]:

@@ -143,12 +143,17 @@ class StorageFullError(OSError):
     """The disk filled up while a checkpoint was written; the message names the directory and what is kept."""
 
 
+def _failure_exception(failure) -> BaseException | None:
+    """The exception of one entry of torch's CheckpointException.failures (an (exception, traceback) pair)."""
+    return failure[0] if isinstance(failure, tuple) else failure
+
+
 def _disk_full(err: BaseException | None) -> bool:
     """Whether `err` or an exception it chains is ENOSPC / EDQUOT (megatron wraps the OSError of its writers)."""
     import errno
 
-    failures = getattr(err, "failures", None)  # torch's CheckpointException: each failed rank's exception
-    if failures and any(_disk_full(failure) for failure in failures.values()):
+    failures = getattr(err, "failures", None)  # torch's CheckpointException: each failed rank's (exception, traceback)
+    if failures and any(_disk_full(_failure_exception(failure)) for failure in failures.values()):
         return True
     seen = 0
     while err is not None and seen < 20:
@@ -264,8 +269,8 @@ def _load_failure(path: Path, err: BaseException) -> str:
     if short:
         return (f"{'; '.join(short)} (truncated or damaged: the disk filled up or a copy was cut short): resume from an "
                 "older checkpoint (checkpoint.resume=<its step_XXXXXXXX directory>) or copy this one again")
-    failures = getattr(err, "failures", None)  # CheckpointException: the exception of each failed rank
-    cause = next(iter(failures.values())) if failures else err
+    failures = getattr(err, "failures", None)  # CheckpointException: each failed rank's (exception, traceback)
+    cause = _failure_exception(next(iter(failures.values()))) if failures else err
     text = " ".join(f"{type(cause).__name__}: {cause}".split())
     if len(text) > 300:
         text = text[:300] + " ..."

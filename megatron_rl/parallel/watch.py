@@ -98,19 +98,20 @@ class PhaseWatch:
         try:
             yield
         except Exception as error:
-            if isinstance(error, CollectiveError) or not _is_collective_failure(error):
+            from megatron_rl.errors import exit_code_for
+
+            # the project's own errors keep their message and exit code, whatever text they quote
+            if isinstance(error, CollectiveError) or exit_code_for(error) is not None or not _is_collective_failure(error):
                 raise
             raise CollectiveError(self.describe(error)) from error
 
     def others(self) -> dict[int, str]:
         """Each other rank's last recorded 'step phase' ('?' when it recorded none or the store is gone)."""
-        seen: dict[int, str] = {}
-        for rank in range(self.world_size):
-            if rank == self.rank:
-                continue
-            seen[rank] = "?"
-            if self._store is None:
-                continue
+        ranks = [rank for rank in range(self.world_size) if rank != self.rank]
+        seen = dict.fromkeys(ranks, "?")
+        if self._store is None:
+            return seen
+        for rank in ranks:  # one round trip for a rank that recorded (check is one more for one that did not)
             key = PHASE_KEY.format(rank=rank)
             with contextlib.suppress(Exception):
                 if self._store.check([key]):

@@ -182,3 +182,21 @@ def test_a_short_write_of_torch_save_is_a_full_disk_naming_the_directory(tmp_pat
     message = str(raised.value)
     assert f"checkpoint.dir={str(tmp_path)!r}" in message and "step 3" in message and "GiB free" in message
     assert "no earlier checkpoint" in message and not (tmp_path / ".step_00000003.partial").exists()
+
+
+def test_torchs_checkpoint_exception_is_read_through_its_failed_ranks(tmp_path):
+    """torch's CheckpointException.failures maps each failed rank to (exception, traceback): a full disk on rank 1 is
+    a full disk, and a load failure names rank 0's exception, not the pair."""
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_rl.checkpoint.state import _disk_full, _load_failure
+
+    full = CheckpointException("save failed", {1: (OSError(errno.ENOSPC, "quota"), traceback.StackSummary())})
+    assert _disk_full(full)
+    other = CheckpointException("load failed", {0: (KeyError("decoder.layers.0.weight"), traceback.StackSummary())})
+    assert not _disk_full(other)
+    message = _load_failure(tmp_path, other)
+    assert message.startswith("KeyError: 'decoder.layers.0.weight'; a checkpoint saved by another model"), message
