@@ -208,17 +208,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _token_source(token_file: str) -> str:
-    """Shell text that reads the token from where `serve` found it (rollout.server_auth.configured_token)."""
-    import os
+    """Shell text that reads the token from where `serve` found it (rollout.server_auth.token_origin)."""
     import shlex
 
-    from megatron_rl.rollout.server_auth import TOKEN_ENV, TOKEN_FILE_ENV
+    from megatron_rl.rollout.server_auth import TOKEN_ENV, TOKEN_FILE_ENV, token_origin
 
-    if token_file:
-        return f'"$(cat {shlex.quote(token_file)})"'
-    if os.environ.get(TOKEN_FILE_ENV):
+    named_by, path = token_origin(token_file) or (TOKEN_ENV, "")
+    if named_by == TOKEN_FILE_ENV:
         return f'"$(cat "${TOKEN_FILE_ENV}")"'
-    return f'"${TOKEN_ENV}"'
+    return f'"$(cat {shlex.quote(path)})"' if path else f'"${TOKEN_ENV}"'
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,16 +81,25 @@ def _checked(token: str, where: str) -> str:
     return token
 
 
-def configured_token(token_file: str = "") -> str | None:
-    """The token the run was given: rollout.server_token_file, else $MEGATRON_RL_SERVER_TOKEN_FILE, else
-    $MEGATRON_RL_SERVER_TOKEN; None when none is set."""
+def token_origin(token_file: str = "") -> tuple[str, str] | None:
+    """Where the run's token is given, in lookup order: ("rollout.server_token_file", path), (TOKEN_FILE_ENV, path),
+    (TOKEN_ENV, "") for the token itself in the environment; None when none is set."""
     if token_file:
-        return read_token_file(token_file)
+        return "rollout.server_token_file", token_file
     if os.environ.get(TOKEN_FILE_ENV):
-        return read_token_file(os.environ[TOKEN_FILE_ENV], TOKEN_FILE_ENV)
+        return TOKEN_FILE_ENV, os.environ[TOKEN_FILE_ENV]
     if os.environ.get(TOKEN_ENV):
-        return _checked(os.environ[TOKEN_ENV].strip(), TOKEN_ENV)
+        return TOKEN_ENV, ""
     return None
+
+
+def configured_token(token_file: str = "") -> str | None:
+    """The token the run was given (token_origin's order); None when none is set."""
+    origin = token_origin(token_file)
+    if origin is None:
+        return None
+    named_by, path = origin
+    return read_token_file(path, named_by) if path else _checked(os.environ[TOKEN_ENV].strip(), TOKEN_ENV)
 
 
 def run_token(token_file: str = "") -> str:
