@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
-from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, init_optimizer_state, unshare_step_counters
+from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, init_optimizer_state, kernel_choice_kept, unshare_step_counters
 from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
 from megatron_rl.actor.step import (
@@ -531,7 +531,8 @@ class Actor:
         """Load what `state_dict(is_loading=True)` described, after dist checkpointing filled it."""
         for i, chunk in enumerate(self.model):
             chunk.module.load_state_dict(state[f"model{i}"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with kernel_choice_kept(self.optimizer):  # the saved groups' fused / foreach flags are not this machine's
+            self.optimizer.load_state_dict(state["optimizer"])
         unshare_step_counters(self.optimizer)
 
     def schedule_state(self) -> dict:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import torch
 
@@ -57,9 +59,8 @@ def fuse_torch_adam(optimizer, device: torch.device | None = None) -> tuple[int,
     chosen by one tiny fused step on the device (`device`: the parameters' by default), never on CPU
     unless asked, where the actor's reference tests pin the foreach path's numbers.
     """
-    inner = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])
-             if type(getattr(opt, "optimizer", None)) in (torch.optim.Adam, torch.optim.AdamW)]
-    groups = [group for opt in inner for group in opt.param_groups if group["params"] and not group.get("fused")]
+    groups = [group for opt in _torch_adams(optimizer) for group in opt.param_groups
+              if group["params"] and not group.get("fused")]
     if not groups:
         return 0, ""
     if device is None:  # the parameters' device, on a GPU only (see above)
@@ -74,6 +75,24 @@ def fuse_torch_adam(optimizer, device: torch.device | None = None) -> tuple[int,
     return len(groups), f"torch's fused Adam on {device.type} ({len(groups)} parameter group(s))"
 
 
+def _torch_adams(optimizer) -> list:
+    """The torch Adam / AdamW optimizers inside megatron's (chained) optimizer."""
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if type(getattr(opt, "optimizer", None)) in (torch.optim.Adam, torch.optim.AdamW)]
+
+
+@contextlib.contextmanager
+def kernel_choice_kept(optimizer) -> Iterator[None]:
+    """Around a load: torch's and megatron's loads replace the param groups with the saved ones, `fused` and
+    `foreach` included; this build's choice (fuse_torch_adam, made on this machine) is put back after it."""
+    adams = _torch_adams(optimizer)
+    chosen = [[(group.get("fused"), group.get("foreach")) for group in opt.param_groups] for opt in adams]
+    yield
+    for opt, flags in zip(adams, chosen):
+        for group, (fused, foreach) in zip(opt.param_groups, flags):
+            group["fused"], group["foreach"] = fused, foreach
+
+
 @functools.cache
 def _fused_adam_fails(device_type: str, index: int | None) -> str | None:
     """None where a fused AdamW step runs on the device, else the error (one line)."""
@@ -85,7 +104,7 @@ def _fused_adam_fails(device_type: str, index: int | None) -> str | None:
         if not bool(torch.isfinite(param).all()) or float(param.detach().abs().sum()) == 0:
             return "a probe step gave no update"
     except Exception as err:  # noqa: BLE001 - any failure: keep torch's default kernel
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
     return None
 
 
@@ -167,4 +186,4 @@ def init_optimizer_state(optimizer) -> None:
                 inner.state[param].setdefault("step", torch.tensor(0.0))
 
 
-__all__ = ["build_optimizer", "build_scheduler", "ddp_config", "fuse_torch_adam", "init_optimizer_state", "unshare_step_counters"]
+__all__ = ["build_optimizer", "build_scheduler", "ddp_config", "fuse_torch_adam", "init_optimizer_state", "kernel_choice_kept", "unshare_step_counters"]

@@ -98,12 +98,13 @@ def take_rows(values: torch.Tensor | None, mb: Microbatch, *, per_token: bool, f
     tail = values.shape[2:] if per_token else values.shape[1:]
     rows = torch.tensor(mb.rows, dtype=torch.int64)
     real = rows >= 0
-    picked = values[rows.clamp(min=0)]  # every slot at once; padding slots are overwritten with `fill` below
-    if per_token:
+    if per_token:  # every slot at once (padding slots are overwritten with `fill` below), only the width it needs
         span = min(width, values.shape[1])
-        picked = picked[:, :span]
+        picked = values[rows.clamp(min=0), :span]
         if span < width:
             picked = torch.cat([picked, picked.new_full((num_rows, width - span, *tail), fill)], dim=1)
+    else:
+        picked = values[rows.clamp(min=0)]
     mask = real.reshape(num_rows, *([1] * (picked.dim() - 1)))
     return torch.where(mask, picked, torch.as_tensor(fill, dtype=values.dtype))
 

@@ -319,6 +319,7 @@ class LocalCoreAttention(MegatronModule):
             binding, why = varlen_binding()
             if binding is None:
                 raise RuntimeError(f"packed attention was built for the varlen kernel, which cannot serve here: {why}")
+            self.varlen_binding = binding  # read once (a module built outside models.build)
         cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=query.device)
         longest = max(end - start for start, end in pairwise(offsets))
         out = binding.call(self.varlen_kernel, query, key, value, cu_seqlens, longest, self.softmax_scale)

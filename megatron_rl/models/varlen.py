@@ -91,7 +91,7 @@ def probe_varlen(binding: VarlenBinding, device: torch.device, dtype: torch.dtyp
     try:
         out = binding.call(fn, query, key, value, cu_seqlens, 7, 0.125)
     except Exception as err:  # noqa: BLE001 - any failure means: do not build on this kernel here
-        return f"a probe call failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+        return f"a probe call failed ({type(err).__name__}: {' '.join(str(err).split())[:160]})"
     if tuple(out.shape) != (12, 4, 64) or not bool(torch.isfinite(out).all()):
         return f"a probe call returned shape {tuple(out.shape)} / non-finite values"
     return None

@@ -68,7 +68,7 @@ def _probe_grouped_mm(device_type: str, index: int | None, dtype: torch.dtype) -
         if not bool((out == 16).all()):
             return "a probe call gave wrong values"
     except Exception as err:  # noqa: BLE001 - any failure means: use the per-expert loop here
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
     return None
 
 

@@ -100,24 +100,3 @@ def test_the_torch_floor_is_setup_pys_and_older_torches_are_refused_in_one_line(
         require_supported_torch("2.10.1")
     assert "\n" not in str(err.value)
 
-
-def test_torchs_adam_inside_megatrons_optimizer_is_fused_where_a_probe_step_runs():
-    """actor.optim.fuse_torch_adam on a real megatron optimizer of a one-layer module: on CPU only when asked (the
-    CPU tests pin the foreach numbers); asked here, the fused steps equal the foreach steps'."""
-    from types import SimpleNamespace
-
-    from megatron_rl.actor.optim import fuse_torch_adam
-
-    def adam_steps(fuse: bool) -> torch.Tensor:
-        param = torch.nn.Parameter(torch.linspace(-1, 1, 64))
-        inner = torch.optim.AdamW([param], lr=1e-2, weight_decay=0.1)
-        wrapped = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=inner)])  # megatron's shape
-        assert fuse_torch_adam(wrapped) == (0, "")  # CPU parameters, no device asked: left as megatron built it
-        if fuse:
-            assert fuse_torch_adam(wrapped, torch.device("cpu"))[0] == 1 and inner.param_groups[0]["fused"]
-        for step in range(3):
-            param.grad = torch.cos(param.detach() * (step + 1))
-            inner.step()
-        return param.detach()
-
-    torch.testing.assert_close(adam_steps(True), adam_steps(False), rtol=1e-6, atol=1e-7)
