@@ -443,10 +443,10 @@ def speed(suite: Suite, ctx, tiny: bool, *, with_ablations: bool = True) -> dict
         for kernel in phases.get("top_kernels", [])[:12]:
             print(f"kernel {kernel['seconds']:.4f} s x{kernel['launches']}: {kernel['kernel']}", flush=True)
         suite.save("speed", out)
-    if "train_tokens_per_s" in out.get("megatron_rl", {}) and with_ablations:
-        out["ablations"] = ablations(suite, ctx, hf, rows, length, budget, out["megatron_rl"])
-        suite.check("ablations", all("train_tokens_per_s" in r for r in out["ablations"].values()),
-                    f"{len(out['ablations'])} kernel ablations measured")
+        if with_ablations:
+            out["ablations"] = ablations(suite, ctx, hf, rows, length, budget, ours)
+            suite.check("ablations", all("train_tokens_per_s" in r for r in out["ablations"].values()),
+                        f"{len(out['ablations'])} kernel ablations measured")
     if tiny:  # the FLOP count's parameter arithmetic against the model's own parameters
         from transformers import AutoConfig, AutoModelForCausalLM
 

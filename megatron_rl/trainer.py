@@ -613,6 +613,7 @@ class Trainer:
             self.engine.shutdown()
         if self._colocated is not None:
             self._colocated.stop()
+        self._offload = None  # it holds the model's chunks and their pinned host copies
         self.actor.close()
         if self._own_stop:
             self._stop.restore()
