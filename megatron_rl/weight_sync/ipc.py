@@ -50,7 +50,6 @@ out once the copy's CUDA event has passed: the worker reads on its own streams.
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
 import pickle
@@ -66,7 +65,9 @@ from megatron_rl.weight_sync.broadcast import (
     call_in_threads, describe_bucket, gpu_uuid, pack_bucket, unpack_bucket, wait_for_engines,
 )
 from megatron_rl.weight_sync.buckets import Bucket
-from megatron_rl.weight_sync.ipc_reference import describe_references, open_references, split_bucket, storage_view
+from megatron_rl.weight_sync.ipc_reference import (
+    describe_references, host_memory_by_name, open_references, split_bucket, storage_view,
+)
 from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
 
 
@@ -88,18 +89,6 @@ def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-@contextlib.contextmanager
-def _host_memory_by_name():
-    """torch's file_system sharing strategy while a handle is made: host memory is named by its file, which any
-    process can open (the default, a descriptor, reaches only a multiprocessing child of this process)."""
-    import torch.multiprocessing as mp
-
-    previous = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        mp.set_sharing_strategy(previous)
 
 
 def export_handle(tensor: torch.Tensor) -> str:
@@ -108,7 +97,7 @@ def export_handle(tensor: torch.Tensor) -> str:
     from multiprocessing.reduction import ForkingPickler
     from torch.multiprocessing.reductions import reduce_tensor
 
-    with _host_memory_by_name():
+    with host_memory_by_name():
         pickled = bytes(ForkingPickler.dumps(reduce_tensor(tensor)))  # ForkingPickler applies torch's storage reducers
     return base64.b64encode(pickled).decode("ascii")
 

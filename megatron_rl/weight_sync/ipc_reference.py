@@ -20,6 +20,7 @@ the engine, and the optimizer step comes after it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -33,6 +34,20 @@ SHM_DIR = "/dev/shm"
 
 class SharedMemoryFullError(RuntimeError):
     """The host's shared memory cannot hold what was to be moved there."""
+
+
+@contextlib.contextmanager
+def host_memory_by_name():
+    """torch's file_system sharing strategy while a handle is made: host memory is named by its file, which any
+    process can open (the default, a descriptor, reaches only a multiprocessing child of this process)."""
+    import torch.multiprocessing as mp
+
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(previous)
 
 
 def share_host_memory(tensors: list[torch.Tensor]) -> int:
@@ -55,8 +70,9 @@ def share_host_memory(tensors: list[torch.Tensor]) -> int:
             f"moving {needed} bytes of weights into shared memory for a push by memory handle, but {SHM_DIR} has "
             f"{room} bytes free: give the container more (docker run --shm-size) or set rollout.weight_transport="
             "broadcast")
-    for storage in storages.values():
-        storage.share_memory_()
+    with host_memory_by_name():  # file-named from the start: a handle made later (file_system) copies nothing
+        for storage in storages.values():
+            storage.share_memory_()
     return needed
 
 

@@ -175,6 +175,7 @@ def test_host_tensors_in_shared_memory_go_by_reference_and_load_bit_exact(tmp_pa
     model_bytes = sum(t.numel() * t.element_size() for t in target.values())
     assert share_host_memory(list(target.values())) == model_bytes and share_host_memory(list(target.values())) == 0
     views = {name: tensor.view(tensor.shape) for name, tensor in target.items()}  # views keep their storage
+    addresses = {name: tensor.untyped_storage().data_ptr() for name, tensor in target.items()}
     buckets = list(bucketize(views.items(), BUCKET_BYTES))
     worker = WorkerProcess(first)
     try:
@@ -187,6 +188,8 @@ def test_host_tensors_in_shared_memory_go_by_reference_and_load_bit_exact(tmp_pa
             assert sender.pool.allocations == 0 and result.buffer_bytes == 0  # nothing was copied on this side
             # each tensor has a storage of its own: mapped once, in the first push only
             assert sum(a["mapped"] for a in answers) == (len(target) if version == 1 else 0)
+            # the handles name the memory the tensors were moved to: a push copies none of it to a new file
+            assert {n: t.untyped_storage().data_ptr() for n, t in target.items()} == addresses
         # half the tensors fresh copies (not in shared memory): those go through buffers, the rest by reference
         mixed = {n: (t.clone() if i % 2 else t) for i, (n, t) in enumerate(original.items())}
         share_host_memory([t for i, t in enumerate(original.values()) if i % 2 == 0])
