@@ -295,12 +295,12 @@ class BufferPool:
 
 
 def share(pool: BufferPool, bucket_id: int, layout: dict, copies: int, bucket: Bucket | None = None,
-          fill: Callable[[torch.Tensor], None] | None = None, wait: bool = True) -> tuple[list[str], Any]:
+          fill: Callable[[torch.Tensor], None] | None = None, sync: bool = True) -> tuple[list[str], Any]:
     """Write `bucket` (or let `fill` write the bytes) straight into the pool's shared buffer for `bucket_id`: the
     one copy of its bytes on this side. Returns `copies` handles of it, one per worker that maps it (each handle
     holds one reference to the memory, which its worker's mapping takes over: one handle opened twice would let
     the memory go while a worker still maps it), and on a GPU the event the copy completes at (the worker reads
-    on its own streams: the handles go out once it has passed, `wait` synchronizes here; None on the host)."""
+    on its own streams: the handles go out once it has passed, `sync` synchronizes here; None on the host)."""
     flat = pool.take(bucket_id, int(layout["nbytes"]))
     if bucket is not None:
         pack_bucket(bucket, layout, pool.device, out=flat)
@@ -310,7 +310,7 @@ def share(pool: BufferPool, bucket_id: int, layout: dict, copies: int, bucket: B
     if flat.is_cuda:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(flat.device))
-        if wait:
+        if sync:
             ready.synchronize()
     return [export_handle(flat) for _ in range(copies)], ready
 
@@ -406,7 +406,7 @@ class IpcRelay:
         already in shared memory by reference (weight_sync.ipc_reference), the rest written into a buffer."""
         referenced, packed = split_bucket(bucket, self.pool.device)
         layout, bucket_id = describe_bucket(packed), self._next_id
-        handles, ready = share(self.pool, bucket_id, layout, self.copies, packed, wait=False) if packed else (
+        handles, ready = share(self.pool, bucket_id, layout, self.copies, packed, sync=False) if packed else (
             [""] * self.copies, None)
         self._next_id += 1
         shared = self._assign(bucket_id, layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
@@ -552,8 +552,9 @@ class IpcSender:
         """Wait for the call in flight; its answers free the buckets every worker let go of."""
         if self._inflight is None:
             return []
-        (futures, names, what), self._inflight = self._inflight, None
+        futures, names, what = self._inflight
         wait_for_engines(futures, names, self.timeout_s, what=what)
+        self._inflight = None  # only now: when one engine failed, abandon() waits for the others' calls
         answers = [f.result() for f in futures]
         for workers in answers:
             for released in _released_by_all(workers):

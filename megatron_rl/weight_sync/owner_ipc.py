@@ -55,7 +55,8 @@ import torch.distributed as dist
 from megatron_rl.weight_sync.broadcast import call_in_threads, gpu_uuid, pack_bucket, wait_for_engines
 from megatron_rl.weight_sync.ipc import BufferPool, _released_by_all, default_device, export_handle
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.parallel import MAX_PARTS, _meta_layout, _restore, begin_push, broken_push, check_round, commit_push, refuse_or_none
+from megatron_rl.weight_sync.protocol import restore_complete_versions
+from megatron_rl.weight_sync.parallel import MAX_PARTS, _meta_layout, begin_push, broken_push, check_round, commit_push, refuse_or_none
 from megatron_rl.weight_sync.push import _any_rank
 from megatron_rl.weight_sync.stream import AnnouncedPush
 
@@ -208,7 +209,7 @@ def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIp
                     "received_bytes": relay.received_bytes - received_before}
         if failure is not None and isinstance(failure, (KeyboardInterrupt, SystemExit)):
             raise failure
-        versions = _restore(targets) if targets is not None else []
+        versions = restore_complete_versions(targets) if targets is not None else []
         dist.barrier(group=relay.object_group)  # every engine is back on a complete version before a buffer goes
     finally:
         relay.close()

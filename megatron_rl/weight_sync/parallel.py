@@ -205,7 +205,7 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
         delta.reset()
     if failure is not None and isinstance(failure, (KeyboardInterrupt, SystemExit)):
         raise failure
-    versions = _restore(targets) if targets is not None else []
+    versions = restore_complete_versions(targets) if targets is not None else []
     raise broken_push("owner-parallel weight push", version, rank, failure, versions) from failure
 
 
@@ -315,5 +315,3 @@ def _round(targets: list | None, parts: list, bucket: list | None, rank: int, se
         wait_for_engines(futures, names, senders.timeout_s, what=f"a round of {len(parts)} senders' buckets")
 
 
-def _restore(targets: list) -> list[int | None]:
-    return restore_complete_versions(targets)
