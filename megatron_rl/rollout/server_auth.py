@@ -141,11 +141,17 @@ def refused(status: int | None) -> bool:
     return status in (401, 403)
 
 
-def refused_message(url: str, token: str | None) -> str:
-    """One line for a server that answered 401: which token to give the trainer."""
+def check_refused(status: int | None, url: str, token: str | None) -> None:
+    """ServerTokenError in one line when the server at `url` refused the token (see refused_message)."""
+    if refused(status):
+        raise ServerTokenError(refused_message(url, token, status))
+
+
+def refused_message(url: str, token: str | None, status: int | None = 401) -> str:
+    """One line for a server that answered 401 / 403: which token to give the trainer."""
     sent = "refused this process's token" if token else "needs a token and this process has none"
     return (
-        f"{url}: the vLLM server {sent} (HTTP 401): give this process the servers' token with "
+        f"{url}: the vLLM server {sent} (HTTP {status}): give this process the servers' token with "
         f"rollout.server_token_file=FILE (mode 600), {TOKEN_FILE_ENV}=FILE or {TOKEN_ENV}"
     )
 
@@ -161,8 +167,7 @@ def weight_sync_client(url: str, timeout_s: float, token: str | None) -> Any:
     class TokenWeightSyncClient(HTTPVLLMWeightSyncClient):
         def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
             response = requests.post(f"{self.base_url}/{path}", json=json, timeout=self.timeout, headers=headers)
-            if refused(response.status_code):
-                raise ServerTokenError(refused_message(self.base_url, token))
+            check_refused(response.status_code, self.base_url, token)
             response.raise_for_status()
 
     return TokenWeightSyncClient(url, timeout=timeout_s)

@@ -73,7 +73,7 @@ from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutErr
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
 from megatron_rl.rollout.server_auth import (
-    MIDDLEWARE, ServerTokenError, auth_headers, refused, refused_message, run_token, server_env, token_of, weight_sync_client,
+    MIDDLEWARE, auth_headers, check_refused, run_token, server_env, token_of, weight_sync_client,
 )
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
 from megatron_rl.rollout.push import WeightSyncedEngine
@@ -301,8 +301,7 @@ class VLLMServerEngine(WeightSyncedEngine):
             response = (client or self._http).post(f"{url}{path}", json=body)
         except httpx.HTTPError as error:
             raise ServerDeadError(f"{url}{path}: {type(error).__name__}: {error}") from error
-        if refused(response.status_code):
-            raise ServerTokenError(refused_message(url, self.token))
+        check_refused(response.status_code, url, self.token)
         if response.status_code >= 500:
             raise ServerDeadError(f"{url}{path}: HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code >= 400:
@@ -359,8 +358,7 @@ class VLLMServerEngine(WeightSyncedEngine):
         self.platform_sleep_mode = [bool(i.get("platform_sleep_mode")) for i in infos]
         try:
             answer = self._http.get(f"{self.urls[0]}/v1/models")
-            if refused(answer.status_code):
-                raise ServerTokenError(refused_message(self.urls[0], self.token))
+            check_refused(answer.status_code, self.urls[0], self.token)
             models = answer.json()["data"]
         except httpx.HTTPError as error:
             raise ServerDeadError(f"{self.urls[0]}/v1/models: {error}") from error
