@@ -26,8 +26,13 @@ from pathlib import Path
 from typing import Iterable
 
 
-_FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
-"""safetensors' codes of floating-point dtypes."""
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}
+"""safetensors' dtype codes -> torch's dtype names."""
+_FLOAT_CODES = frozenset(code for code, name in SAFETENSORS_DTYPES.items() if "float" in name)
 
 
 class WeightPushError(ValueError):
@@ -95,11 +100,11 @@ class WeightManifest:
         """Raise WeightPushError when a torch dtype is not of the kind (floating point or not) of the checkpoint's."""
         code = self.dtypes.get(name)
         is_float = getattr(dtype, "is_floating_point", None)
-        if code is None or is_float is None or (code in _FLOAT_CODES) == bool(is_float):
-            return
+        if code not in SAFETENSORS_DTYPES or is_float is None or (code in _FLOAT_CODES) == bool(is_float):
+            return  # (a code this table does not know is not judged)
         raise WeightPushError(
             f"weight push refused: tensor {name!r} comes as {str(dtype).removeprefix('torch.')} but the engine's "
-            f"checkpoint holds {code}: the kind of dtype must match (the engine casts between float dtypes only). "
+            f"checkpoint holds {code} ({SAFETENSORS_DTYPES[code]}): the kind of dtype must match (the engine casts between float dtypes only). "
             "Nothing was loaded."
         )
 
