@@ -94,9 +94,10 @@ def packed_layout(mb: Microbatch, lengths: torch.Tensor, *, multiple: int, cp_si
     real_length = torch.repeat_interleave(torch.tensor(seq_lengths, dtype=torch.int64), local_sizes)
     starts = local_sizes.cumsum(0) - local_sizes
     j = torch.arange(int(local_sizes.sum())) - torch.repeat_interleave(starts, local_sizes)
-    if cp_size > 1:  # models.attention.cp_chunk_indices: chunks cp_rank and 2 CP - 1 - cp_rank of each sequence
-        chunk = torch.repeat_interleave(local_sizes // 2, local_sizes)
-        local = torch.where(j < chunk, cp_rank * chunk + j, (2 * cp_size - 1 - cp_rank) * chunk + j - chunk)
+    if cp_size > 1:  # chunks cp_rank and 2 CP - 1 - cp_rank of each sequence (models.attention.cp_chunk_indices)
+        from megatron_rl.models.attention import cp_global_positions
+
+        local = cp_global_positions(j, torch.repeat_interleave(local_sizes // 2, local_sizes), cp_size, cp_rank)
     else:
         local = j
     inside = local < real_length

@@ -73,9 +73,13 @@ def cp_chunk_indices(seq_len_padded: int, cp_size: int, cp_rank: int) -> torch.T
             f"multiple of {2 * cp_size} (packed_seq_params(lengths, multiple={2 * cp_size}))"
         )
     chunk = seq_len_padded // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
-    return torch.cat([first, second])
+    return cp_global_positions(torch.arange(2 * chunk), torch.tensor(chunk), cp_size, cp_rank)
+
+
+def cp_global_positions(local: torch.Tensor, chunk: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The position in its sequence of local index `local` of CP rank `cp_rank` (elementwise; `chunk`: the
+    sequence's chunk length, length / (2 x cp_size), per element): chunk cp_rank, then chunk 2 x cp_size - 1 - cp_rank."""
+    return torch.where(local < chunk, cp_rank * chunk + local, (2 * cp_size - 1 - cp_rank) * chunk + local - chunk)
 
 
 def packed_seq_params(
