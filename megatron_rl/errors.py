@@ -172,6 +172,19 @@ def replay_bad_input() -> int | None:
     return exitcode
 
 
+def restart_resume(resume: str, checkpoint_dir: str) -> tuple[str, int, str]:
+    """(checkpoint.resume to use, torchrun's restart count, why, for the resume line): an attempt torchrun restarted
+    resumes from the newest complete checkpoint (`auto`) when one exists, whatever checkpoint.resume says."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not restart:
+        return resume, 0, ""
+    failures = previous_attempt_failures() or ["a rank ended without a message (killed by a signal: out of memory, "
+                                               "a lost node, a kill; torchrun's log names its exit)"]
+    why = (f" (torchrun restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}; the attempt "
+           f"before stopped: {'; '.join(failures)})")
+    return ("auto" if (Path(checkpoint_dir) / "latest").is_file() else resume), restart, why
+
+
 def previous_attempt_failures() -> list[str]:
     """Under torchrun after a restart: the one-line messages the ranks of this node left in the attempt before."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

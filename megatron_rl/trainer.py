@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -573,18 +572,9 @@ class Trainer:
     def _maybe_resume(self) -> bool:
         """checkpoint.resume; in an attempt torchrun restarted, always the newest complete checkpoint (`latest`)."""
         from megatron_rl.checkpoint.state import load_checkpoint, resolve_checkpoint
-        from megatron_rl.errors import previous_attempt_failures
+        from megatron_rl.errors import restart_resume
 
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        spec = self.cfg.checkpoint.resume
-        if restart and (Path(self.cfg.checkpoint.dir) / "latest").is_file():
-            spec = "auto"
-        why = ""
-        if restart:
-            failures = previous_attempt_failures() or ["a rank ended without a message (killed by a signal: out of memory, "
-                                                       "a lost node, a kill; torchrun's log names its exit)"]
-            why = (f" (torchrun restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}; the attempt "
-                   f"before stopped: {'; '.join(failures)})")
+        spec, restart, why = restart_resume(self.cfg.checkpoint.resume, self.cfg.checkpoint.dir)
         path = resolve_checkpoint(spec, self.cfg.checkpoint.dir)
         if path is None:
             if restart and self.ctx.rank == 0:
