@@ -53,5 +53,5 @@ setup(
     include_package_data=True,
     install_requires=CORE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:console_main"]},
 )

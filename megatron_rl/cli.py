@@ -240,5 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     return _plan(args)
 
 
+def finished(code: int) -> int:
+    """A process entry point's last step: its exit code, with every object alive now frozen (gc.freeze) so that the
+    interpreter's collections at exit pass them by. The run is over and what it opened is closed; a full collection
+    over torch's, megatron-core's and vLLM's objects took 2-3 s of every process's exit on a 2-core machine."""
+    import gc
+
+    gc.freeze()
+    return code
+
+
+def console_main() -> int:
+    """`megatron-rl ...` (setup.py's console script)."""
+    return finished(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -131,4 +131,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_rl.cli import finished
+
+    sys.exit(finished(main()))

@@ -2,7 +2,7 @@
 
 import sys
 
-from megatron_rl.cli import main
+from megatron_rl.cli import finished, main
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(finished(main(["train", *sys.argv[1:]])))

@@ -56,3 +56,18 @@ def _skip_gpu_tests(items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """What the collected modules imported (torch, megatron-core, vLLM, transformers: about 650k objects) lives as
+    long as the session: frozen, the interpreter's automatic full collections during the tests pass it by."""
+    import gc
+
+    gc.freeze()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """And the collections at the interpreter's exit (cli.finished does the same for the project's processes)."""
+    import gc
+
+    gc.freeze()

@@ -116,4 +116,7 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    from megatron_rl.cli import finished
+
     main(Path(sys.argv[1]))
+    sys.exit(finished(0))

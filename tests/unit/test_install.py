@@ -127,3 +127,25 @@ for argv in (
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.findall(r"^RC (\d+)$", result.stdout, flags=re.MULTILINE) == ["0", "0", "0", "0"], result.stdout[-3000:]
     assert result.stdout.count("fits:") == 3
+
+
+def test_every_process_entry_point_ends_through_cli_finished():
+    """`megatron-rl` (setup.py's console script) and `python -m megatron_rl.{cli,train,elastic,demo}` return their exit
+    code through cli.finished, which freezes what is alive so that the interpreter's collections at exit pass it by."""
+    import gc
+
+    from megatron_rl import cli
+
+    assert '"megatron-rl=megatron_rl.cli:console_main"' in (REPO / "setup.py").read_text()
+    for module in ("cli", "train", "elastic", "demo"):
+        tree = ast.parse((REPO / "megatron_rl" / f"{module}.py").read_text())
+        entry = [node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+        assert len(entry) == 1, module
+        calls = {getattr(node.func, "id", getattr(node.func, "attr", "")) for node in ast.walk(entry[0]) if isinstance(node, ast.Call)}
+        assert calls & {"finished", "console_main"}, (module, calls)
+    before = gc.get_freeze_count()
+    try:
+        assert cli.finished(3) == 3
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
