@@ -170,8 +170,8 @@ def measure_delta(lr: float, out_dir: Path) -> dict:
     encoder, steps = DeltaEncoder(full_every=10**9), []
     original = trainer.Trainer._sync_weights
 
-    def sync_and_measure(self, version: int) -> None:
-        original(self, version)
+    def sync_and_measure(self, version: int) -> dict[str, float]:
+        pushed = original(self, version)
         bucket = [(n, t.to(torch.bfloat16)) for b in self.actor.export_hf_weights(64 << 20) for n, t in b]
         full = sum(tensor_bytes(t) for _, t in bucket)
         had_base = encoder.base is not None
@@ -183,6 +183,7 @@ def measure_delta(lr: float, out_dir: Path) -> dict:
             steps.append({"version": version, "full_bytes": full, "delta_bytes": sum(tensor_bytes(t) for _, t in wire),
                           "changed_values": changed, "values": full // 2, "sparse_tensors": sparse,
                           "tensors": len(meta)})
+        return pushed
 
     trainer.Trainer._sync_weights = sync_and_measure
     try:

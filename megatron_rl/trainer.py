@@ -14,8 +14,10 @@ rollout.engines > 1); every rank holds its shard of the actor. One step:
    reference logprobs when algorithm.beta > 0;
 3. actor.train_step: mini-batches of microbatches through megatron's
    schedule, the loss normalised by the step's global counts;
-4. weight sync: every rank joins the export of HF-named buckets, rank 0
-   pushes them into the engine (version = step + 1);
+4. weight sync (weight_sync.pusher.WeightPusher, one call on every rank):
+   the actor's HF-named buckets into the engines as version step + 1, by
+   the path the placement picks (rank 0's funnel, every owner rank, or
+   vLLM's own engines);
 5. metrics (rank 0), evaluation, checkpoint.
 
 On a cluster (megatron_rl.parallel.watch): SIGTERM or SIGUSR1 (pre-emption, a
@@ -162,12 +164,13 @@ class Trainer:
         self.step, self.weight_version = 0, 0
         resumed = self._maybe_resume()
         self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
-        self._placement, self._vllm = None, None  # the engines' placement; vLLM's trainer engines (vllm_* transports)
+        self._placement = None  # the engines' placement (None for an engine started beforehand)
         self._own_engine = engine is None
         if engine is not None and ctx.world_size > 1:
             raise ValueError(f"an engine started beforehand serves a one-process run; this one has {ctx.world_size} ranks")
         with logs.engine_start() if logs is not None else contextlib.nullcontext():
             self.engine = self._start_engine() if engine is None else self._adopt(engine)
+        self._pusher = self._make_pusher()
         self.logger = MetricsLogger(
             cfg.logging.dir,
             enabled=ctx.rank == 0,
@@ -269,14 +272,8 @@ class Trainer:
         offload_s = time.perf_counter() - start
         start = time.perf_counter()
         with self._watch.phase(step, "push"):
-            self._sync_weights(step + 1)
+            metrics.update(self._sync_weights(step + 1))  # rollout.weight_senders=owners: what this rank sent
         metrics["time/weight_sync_s"] = time.perf_counter() - start
-        if getattr(self, "_owner_last", None) is not None:  # rollout.weight_senders=owners: what this rank sent
-            last = self._owner_last
-            metrics["weight_sync/sent_bytes"] = float(last["wire_bytes"] if "wire_bytes" in last else last["sent_bytes"])
-            metrics["weight_sync/delta"] = float(last.get("delta", False))
-            if "received_bytes" in last:  # colocated by memory handle: other owners' buckets for this rank's workers
-                metrics["weight_sync/received_bytes"] = float(last["received_bytes"])
         start = time.perf_counter()
         offloaded += self._offload.to_host()  # the parameters (train.offload=all): the device is the engine's
         offload_s += time.perf_counter() - start
@@ -313,7 +310,7 @@ class Trainer:
         (with several ranks, one broadcast of a flag per step tells them).
         """
         from megatron_rl.actor.distribute import broadcast_object
-        from megatron_rl.rollout.push import WeightsLostError
+        from megatron_rl.weight_sync.engine_side import WeightsLostError
 
         while True:
             experience, lost = None, False
@@ -343,153 +340,27 @@ class Trainer:
             self._pending = (self._executor.submit(self._collect, step + 1), position)
         return experience
 
-    def _sync_weights(self, version: int) -> None:
-        """Every rank joins the export; rank 0 streams it into the engine (made again if it breaks midway)."""
-        from megatron_rl.weight_sync import push_weights
-
-        bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
+    def _sync_weights(self, version: int) -> dict[str, float]:
+        """Every rank pushes the actor's weights as `version` (weight_sync.pusher, which picks the path); returns
+        this rank's push metrics. The engine's weights wake first, the actor's parameters come back for the push."""
         if self.engine is not None:
             self.engine.wake_up(["weights"])  # rollout.sleep_level: the weights for the push, the KV cache after it
-        relay = self._colocated.relay if self._colocated is not None else None
-        # a transport that copies each bucket out at once (a shared or packed buffer, bytes on a wire) takes the
-        # pushing rank's parameters themselves; an in-process engine gets tensors by reference: fresh copies
-        fresh = self._placement is None or self._placement.kind == "in_process"
-        if (self.engine is not None and self._placement is not None and self._placement.transport == "ipc"
-                and self._placement.kind == "engine_process" and self.ctx.device.type == "cpu"):
-            from megatron_rl.weight_sync.ipc_reference import share_host_memory
-
-            # the engine worker copies straight from the parameters (once in shared memory; a no-op after that)
-            share_host_memory([p for chunk in self.actor.model for p in chunk.parameters()])
-
-        def export():  # colocated servers by memory handles: every rank shares each bucket with its GPU's worker
-            buckets = self.actor.export_hf_weights(bucket_bytes, fresh=fresh)
-            return relay.wrap(buckets) if relay is not None else buckets
-
-        if self.cfg.rollout.weight_senders == "owners":
-            with self._offload.on_device(["params"]), self._engine_held():
-                self._owner_push(version, bucket_bytes)
-            self.weight_version = version
-            return
-        if self._placement is not None and self._placement.transport.startswith("vllm_"):  # vLLM's own engines (weight_sync.vllm_transfer)
-            with self._offload.on_device(["params"]), self._engine_held():
-                self._vllm_push(version)
-            self.weight_version = version
-            return
         with self._offload.on_device(["params"]), self._engine_held():
-            try:
-                push_weights(self.engine, export, version, group=self.ctx.world_group,
-                             max_attempts=self.cfg.rollout.max_restarts + 1)
-            finally:
-                if relay is not None:
-                    relay.close()
+            pushed = self._pusher.push(version)
         self.weight_version = version
+        return pushed
 
-    def _vllm_push(self, version: int) -> None:
-        """Every rank sends through vLLM's trainer engines (made on the first push, and again after a broken one:
-        the engine then says its weights are lost and the trainer pushes again, _experience)."""
-        from urllib.parse import urlparse
+    def _make_pusher(self):
+        """Every push of the run goes through one WeightPusher (weight_sync.pusher), which picks the path."""
+        from megatron_rl.weight_sync.pusher import WeightPusher
 
-        from megatron_rl.actor.distribute import broadcast_object
-        from megatron_rl.weight_sync.broadcast import default_host
-        from megatron_rl.weight_sync.push import _any_rank
-        from megatron_rl.weight_sync.stream import PushBrokenError
-        from megatron_rl.weight_sync.vllm_transfer import start_for_run
-
-        rollout, ctx = self._placement.rollout_config(self.cfg.rollout), self.ctx
-        if self._vllm is None:
-            urls = rollout.server_urls or (self._colocated.urls if self._colocated is not None else [])
-            host = rollout.weight_broadcast_host or default_host([urlparse(u).hostname or "" for u in urls])
-            clients = self.engine.weight_sync_clients() if self.engine is not None else None
-            self._vllm = start_for_run(rollout.weight_transport, rollout, ctx, self.actor.model,
-                                       engines=self._placement.engines, clients=clients, host=host,
-                                       share=lambda obj: broadcast_object(obj, ctx))
-            self._check_vllm_push(version)
-        error: PushBrokenError | None = None
-        try:
-            if self.engine is not None:
-                self.engine.vllm_push(self._vllm.send, version)
-            else:
-                self._vllm.send(version)
-        except PushBrokenError as raised:
-            error = raised
-        if _any_rank(error is not None, ctx.world_group):  # every rank drops its engines: made again next push
-            self._vllm.shutdown()
-            self._vllm = None
-            raise error or PushBrokenError(f"weight push v{version} by {rollout.weight_transport} broke on another "
-                                           "rank", [])
-
-    def _check_vllm_push(self, version: int) -> None:
-        """Every rank: refuse a push by vLLM's engines whose tensors do not fit the engines' manifest (checked on rank
-        0, which holds it), before any tensor moves: vLLM's own routes do not check names, shapes or dtypes."""
-        from megatron_rl.weight_sync.manifest import WeightPushError
-        from megatron_rl.weight_sync.push import _any_rank
-        from megatron_rl.weight_sync.stream import check_announced
-
-        refused: WeightPushError | None = None
-        if self.engine is not None:
-            try:
-                check_announced(self.engine.manifest, self._vllm.entries)
-            except WeightPushError as error:
-                refused = error
-        if _any_rank(refused is not None, self.ctx.world_group):
-            self._vllm.shutdown()
-            self._vllm = None
-            raise refused or WeightPushError(f"weight push v{version} refused by the engines' manifest (see rank 0)")
-
-    def _owner_push(self, version: int, bucket_bytes: int) -> None:
-        """Every owner rank broadcasts its own buckets (rollout.weight_senders=owners; weight_sync.parallel), made
-        again from a fresh export when a push breaks midway (every rank learns of it)."""
-        from megatron_rl.models.export_owners import export_owned_weights
-        from megatron_rl.weight_sync.broadcast import default_host
-        from megatron_rl.weight_sync.delta import DeltaEncoder
-        from megatron_rl.weight_sync.owner_ipc import owner_ipc_push
-        from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
-        from megatron_rl.weight_sync.stream import PushBrokenError
-
-        rollout, ctx = self.cfg.rollout, self.ctx
-        if getattr(self, "_owner_senders", None) is None:
-            from urllib.parse import urlparse
-
-            from megatron_rl.config.core import ConfigError
-            from megatron_rl.rollout import resolve_placement
-
-            placement = resolve_placement(rollout, world_size=ctx.world_size, cluster=self.cfg.cluster)
-            owner_relay = self._colocated.owner_relay if self._colocated is not None else None
-            if placement.transport != "broadcast" and owner_relay is None:  # decided on every rank alike
-                raise ConfigError(f"rollout.weight_senders=owners sends by broadcast, or by memory handle to colocated "
-                                  f"servers, but this placement ({placement.kind}) takes weights by {placement.transport}: "
-                                  "set rollout.weight_transport=broadcast (an engine process or servers) or "
-                                  "rollout.weight_senders=rank0")
-            if owner_relay is not None and rollout.weight_delta:
-                raise ConfigError("rollout.weight_delta=true sends by broadcast; colocated servers take weights by memory "
-                                  "handle here (rollout.weight_transport=ipc): set weight_transport=broadcast or "
-                                  "weight_delta=false")
-            backend = placement.broadcast_backend
-            if backend == "auto":  # servers on GPUs of their own: NCCL; an engine sharing a trainer GPU or CPU: gloo
-                backend = "nccl" if placement.kind == "remote_servers" and ctx.device.type == "cuda" else "gloo"
-            host = rollout.weight_broadcast_host or default_host([urlparse(u).hostname or "" for u in rollout.server_urls])
-            self._owner_senders = OwnerSenders(backend, host, rollout.request_timeout_s)
-            self._owner_delta = DeltaEncoder(rollout.weight_delta_full_every) if rollout.weight_delta else None
-        attempts = rollout.max_restarts + 1
-        relay = self._colocated.owner_relay if self._colocated is not None else None
-        for attempt in range(1, attempts + 1):
-            export = export_owned_weights(self.actor.model, ctx, bucket_bytes=bucket_bytes)
-            try:
-                if self.engine is not None:
-                    self._owner_last = self.engine.owner_push(export, version, senders=self._owner_senders, relay=relay,
-                                                              delta=self._owner_delta, group=ctx.world_group, rank=ctx.rank)
-                elif relay is not None:
-                    self._owner_last = owner_ipc_push(None, export, version, relay=relay, rank=ctx.rank,
-                                                      trainer_group=ctx.world_group)
-                else:
-                    self._owner_last = owner_parallel_push(None, export, version, senders=self._owner_senders,
-                                                           rank=ctx.rank, trainer_group=ctx.world_group,
-                                                           delta=self._owner_delta)
-                return
-            except PushBrokenError:
-                if attempt == attempts:
-                    raise
-                logger.warning("weight push v%d broke midway; exporting again (attempt %d of %d)", version, attempt + 1, attempts)
+        colocated = self._colocated
+        return WeightPusher(
+            self.cfg.rollout, self.ctx, self.actor.model, self.engine, placement=self._placement, cluster=self.cfg.cluster,
+            relay=colocated.relay if colocated is not None else None,
+            owner_relay=colocated.owner_relay if colocated is not None else None,
+            engine_urls=colocated.urls if colocated is not None else None,
+        )
 
     def _engine_held(self):
         """The engine to itself for a push or an evaluation: asynchronous generation pauses between engine calls."""
@@ -597,8 +468,7 @@ class Trainer:
         self.logger.close()
         if self.agent is not None:
             self.agent.close()
-        if self._vllm is not None:
-            self._vllm.shutdown()
+        self._pusher.close()
         if self.engine is not None and self._own_engine:
             self.engine.shutdown()
         if self._colocated is not None:

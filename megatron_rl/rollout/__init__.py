@@ -8,7 +8,8 @@ engine.py: protocol, errors, bounded restart-and-retry; vllm_engine.py:
 in-process vllm.LLM; server_engine.py: OpenAI-compatible vLLM servers;
 colocated.py: servers hosted by trainer ranks (rollout.engines > 1);
 config/placement.py: which of the four placements a config asks for (the one place
-the interacting settings are decided); push.py: the one push protocol;
+the interacting settings are decided); serving.py: what the engines share around
+generation (restarts, sleep mode; their end of the push is weight_sync.engine_side);
 worker_ext.py: runs inside vLLM's worker (weight pushes, MoE re-pack,
 routed-expert capture); routing.py: matching captures to samples;
 sampling.py: SamplingSpec -> vLLM; rewards.py: reward functions.

@@ -76,7 +76,7 @@ from megatron_rl.rollout.server_auth import (
     MIDDLEWARE, auth_headers, check_refused, run_token, server_env, token_of, weight_sync_client,
 )
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
-from megatron_rl.rollout.push import WeightSyncedEngine
+from megatron_rl.rollout.serving import ServingEngine
 from megatron_rl.weight_sync.protocol import PushTarget
 from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
@@ -251,9 +251,9 @@ class VLLMServer:
         self.start()
 
 
-class VLLMServerEngine(WeightSyncedEngine):
+class VLLMServerEngine(ServingEngine):
     """RolloutEngine over vLLM servers (see the module docstring); pushes, recovery and sleep mode are
-    rollout.push.WeightSyncedEngine's."""
+    rollout.serving.ServingEngine's (the push's engine end: weight_sync.engine_side)."""
 
     def __init__(
         self,
@@ -275,7 +275,7 @@ class VLLMServerEngine(WeightSyncedEngine):
             raise ValueError("VLLMServerEngine needs at least one server URL or VLLMServer")
         import httpx
 
-        self._init_weight_sync(config or RolloutConfig(), reexport_fn)
+        self._init_serving(config or RolloutConfig(), reexport_fn)
         self.servers: list[VLLMServer | None] = [s if isinstance(s, VLLMServer) else None for s in servers]
         self.urls = [s.url if isinstance(s, VLLMServer) else str(s).rstrip("/") for s in servers]
         self.model_dir = model_dir or next((s.model_dir for s in servers if isinstance(s, VLLMServer)), None)
@@ -408,7 +408,7 @@ class VLLMServerEngine(WeightSyncedEngine):
     def _is_engine_failure(self, error: BaseException) -> bool:
         return isinstance(error, (ServerDeadError, BroadcastError))
 
-    # ---- weights (the push protocol's hooks, rollout.push.WeightSyncedEngine; weight_sync.protocol) ---------------------
+    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.protocol) ----
     def _targets(self) -> list[PushTarget]:
         """Every server as the push protocol sees it."""
         def target(url: str) -> PushTarget:

@@ -64,8 +64,9 @@ from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest, check_partial_spec
 from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
+from megatron_rl.rollout.serving import ServingEngine
 from megatron_rl.weight_sync.broadcast import BroadcastSender
-from megatron_rl.rollout.push import WeightsLostError, WeightSyncedEngine
+from megatron_rl.weight_sync.engine_side import WeightsLostError
 from megatron_rl.weight_sync.protocol import PushTarget
 from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
@@ -79,9 +80,9 @@ logger = logging.getLogger(__name__)
 NOT_ENGINE_FAILURES = (PromptError, WeightPushError, RoutedExpertsError, EngineStartError, WeightsLostError, PushBrokenError)
 
 
-class VLLMEngine(WeightSyncedEngine):
+class VLLMEngine(ServingEngine):
     """RolloutEngine on an in-process vllm.LLM (see the module docstring); pushes, recovery and sleep mode are
-    rollout.push.WeightSyncedEngine's."""
+    rollout.serving.ServingEngine's (the push's engine end: weight_sync.engine_side)."""
 
     def __init__(
         self,
@@ -99,7 +100,7 @@ class VLLMEngine(WeightSyncedEngine):
         only, inside generate(), so it must not need other ranks (e.g. read
         the last saved HF checkpoint).
         """
-        self._init_weight_sync(config or RolloutConfig(), reexport_fn)
+        self._init_serving(config or RolloutConfig(), reexport_fn)
         self.model_dir = Path(model_dir)
         self.name = f"vLLM engine on {self.model_dir}"
         self.seed = seed
@@ -278,7 +279,7 @@ class VLLMEngine(WeightSyncedEngine):
     def _is_engine_failure(self, error: BaseException) -> bool:
         return not isinstance(error, NOT_ENGINE_FAILURES)
 
-    # ---- weights (the push protocol's hooks, rollout.push.WeightSyncedEngine; weight_sync.protocol) ---------------------
+    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.protocol) ----
     def _targets(self) -> list[PushTarget]:
         """This engine as the push protocol sees it."""
         def encode(bucket: Bucket) -> Any:

@@ -1,11 +1,16 @@
-"""Weight sync: trainer weights (HF-named buckets) -> the rollout engine.
+"""Weight sync: trainer weights (HF-named buckets) -> the rollout engine; every push path lives here.
 
-    push_weights(engine_or_None, export_hf_weights(chunks, ctx, bucket_bytes=...), version)
+    pusher = WeightPusher(cfg.rollout, ctx, actor.model, engine_or_None, placement=placement)  # weight_sync.pusher
+    pusher.push(version)    # every trainer rank; picks the funnel, owner-parallel or vLLM's engines
+    push_weights(engine_or_None, export_hf_weights(chunks, ctx, bucket_bytes=...), version)   # the funnel alone
 
-buckets.py: bucketing and the wire format (safetensors bytes);
+pusher.py: WeightPusher, the trainer's one call for a push (imported from
+its module: it brings in models' export); engine_side.py: the engine's end
+of every push (WeightSyncedEngine, WeightsLostError), which rollout's engines
+subclass; buckets.py: bucketing and the wire format (safetensors bytes);
 manifest.py: what the engine accepts; stream.py: a push announced up front
 (names, shapes, dtypes) and checked before any byte moves; push.py:
-push_weights on every trainer rank;
+push_weights, the funnel on every trainer rank;
 broadcast.py: buckets broadcast from the pushing rank into every engine worker
 over a group of their own (NCCL on GPU, gloo on CPU); parallel.py: no funnel,
 every owner rank broadcasts its own buckets (models.export_owners);

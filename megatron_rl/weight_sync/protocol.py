@@ -22,8 +22,8 @@ answering aborts its push, which brings it back to a complete version (the
 model directory's weights, rollout.worker_ext), and PushBrokenError says so:
 the caller restarts dead engines and the trainer pushes again.
 
-The engine side every placement shares around this protocol (the weight
-version, restarts, lost weights, sleep mode) is rollout.push.WeightSyncedEngine.
+The engine's end every placement shares around this protocol (the weight
+version, a broken push marked, lost weights) is weight_sync.engine_side.WeightSyncedEngine.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the
 
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import EngineStartError, PromptError, SamplingSpec, VLLMEngine  # noqa: E402
-from megatron_rl.rollout.push import WeightsLostError  # noqa: E402
+from megatron_rl.weight_sync.engine_side import WeightsLostError  # noqa: E402
 from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
 from tests.e2e.episode_routes import check_episode_routes  # noqa: E402
 from tests.e2e.vllm_helpers import (  # noqa: E402

@@ -239,7 +239,7 @@ def test_servers_sleep_through_vllms_endpoints_and_vllm_cpu_says_it_frees_nothin
     client = VLLMServerEngine([url], replace(server_engine.config, sleep_level=2), token=server_engine.token)
     try:
         assert (client.sleep_mode, client.platform_sleep_mode) == ([False], [False])
-        with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.push"):
+        with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.serving"):
             assert client.sleep() is False and sleeping()
             client.wake_up(["weights"])
             assert sleeping()  # the KV cache still sleeps: vLLM resumes scheduling only once all is awake

@@ -19,7 +19,7 @@ import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the
 from megatron_rl.config import RolloutConfig
 from megatron_rl.models.tiny import make_tiny_model_dir
 from megatron_rl.rollout import SamplingSpec, VLLMEngine
-from megatron_rl.rollout.push import WeightsLostError
+from megatron_rl.weight_sync.engine_side import WeightsLostError
 from megatron_rl.weight_sync import WeightStream, bucketize, push_weights
 from megatron_rl.weight_sync.stream import PushBrokenError, entries_of
 from tests.e2e.vllm_helpers import hf_state_dict, max_logprob_error

@@ -1,42 +1,37 @@
-"""The engine side of weight pushes, one implementation for every engine placement.
+"""The engine's end of every push, one implementation for every engine placement.
 
 `WeightSyncedEngine` is what every placement shares around the push protocol
-(weight_sync.protocol; the in-process engine and the server engines subclass
-it): the weight version, one push into the engine's targets, a broken push
-marked, lost weights recovered (re-exported, or WeightsLostError),
-generation under the engine's lock with restarts, and vLLM's sleep mode.
+(weight_sync.protocol): the weight version, one push into the engine's targets
+(by rpc, broadcast or memory handle; owner-parallel; vLLM's own engines), a
+broken push marked, lost weights recovered (re-exported, or WeightsLostError).
+rollout's engines subclass it through rollout.serving.ServingEngine, which adds
+generation and sleep mode around the same lock; this module imports nothing of
+rollout.
 """
-
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
-from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.data.batch import Rollouts
-from megatron_rl.rollout.common import SLEEP_TAGS
-from megatron_rl.rollout.engine import RolloutError, generate_with_restarts
 from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
+from megatron_rl.weight_sync.owner_ipc import owner_ipc_push
+from megatron_rl.weight_sync.parallel import owner_parallel_push
 from megatron_rl.weight_sync.protocol import PushResult, PushTarget, stream_push
 from megatron_rl.weight_sync.push import PushStats
 from megatron_rl.weight_sync.stream import PushBrokenError, WeightStream, as_weight_stream
 
-logger = logging.getLogger(__name__)
 
-
-class WeightsLostError(RolloutError):
+class WeightsLostError(RuntimeError):
     """The engine restarted on its model directory's weights and has no way to get the trainer's alone:
-    push the current weights again (weight_sync.push_weights on every trainer rank), then generate."""
+    push the current weights again (weight_sync.pusher.WeightPusher.push on every trainer rank), then generate."""
 
 
 class WeightSyncedEngine:
-    """The engine side of the push protocol, one implementation for every placement (see the module docstring).
+    """The engine's end of the push protocol, one implementation for every placement (see the module docstring).
 
     A subclass calls `_init_weight_sync` first in its __init__, sets `manifest` once its engines run, and
     provides what differs by placement:
@@ -46,35 +41,26 @@ class WeightSyncedEngine:
       _ipc_sender()             memory handles into an engine process (weight_transport=ipc)
       _prepare_push()           dead engines brought back before a push (their weights count as lost)
       _push_broke(error)        what a broken push leaves to clean up (the push is already aborted)
-      _restart(error)           bring dead engines back and recover the weights (generate's retries)
-      _is_engine_failure(error) whether a restart can answer this error
-      _sleep_engines(level), _wake_engines(tags), _sleep_frees_memory(), _no_sleep_mode_reason()
+      weight_sync_clients()     vLLM's weight-sync client of each engine (weight_transport=vllm_*)
     """
 
-    config: RolloutConfig
     manifest: WeightManifest
     weight_transport: str
     name: str
     """The engines, as messages name them."""
 
-    def _init_weight_sync(self, config: RolloutConfig, reexport_fn: Callable[[], Iterable[Bucket]] | None) -> None:
-        self.config = config
+    def _init_weight_sync(self, reexport_fn: Callable[[], Iterable[Bucket]] | None) -> None:
         self.reexport_fn = reexport_fn
         """Called to get the trainer's weights again after a restart (instead of a host copy of the last push);
         None: WeightsLostError, and the trainer pushes again on every rank."""
         self.weight_version = 0
-        self.restarts = 0
         self.weights_lost = False  # True while an engine serves other weights than weight_version says
         self.last_push: PushResult | None = None
         self._broadcast: BroadcastSender | None = None
         # generate() and pushes from different threads (off-policy lag) take turns: a batch is generated with
         # exactly one weight version, and vLLM's engine is not thread-safe
         self._lock = threading.RLock()
-        self.asleep: set[str] = set()
-        """What of the engines sleeps (vLLM's memory tags, rollout.sleep_level): nothing, or weights and KV cache."""
-        self._said_no_sleep_mode = False
 
-    # ---- pushes ----------------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[Bucket], version: int, *, repack_moe: bool = True) -> PushStats:
         """Push a full set of HF-named weights as `version` into every engine, streamed as the export produces them.
 
@@ -100,8 +86,7 @@ class WeightSyncedEngine:
                 sender={"broadcast": self._broadcaster, "ipc": self._ipc_sender}.get(self.weight_transport),
             )
         except PushBrokenError as error:
-            self.weights_lost = True
-            self._push_broke(error)
+            self._broke(error)
             raise
         self.weights_lost = False
         return result
@@ -110,9 +95,6 @@ class WeightSyncedEngine:
         """Rank 0's part of a push without a funnel (rollout.weight_senders=owners): every rank calls
         weight_sync.parallel.owner_parallel_push at once (by broadcast, `senders`), or with `relay` (colocated
         servers by memory handle) weight_sync.owner_ipc.owner_ipc_push, the others with no engine."""
-        from megatron_rl.weight_sync.owner_ipc import owner_ipc_push
-        from megatron_rl.weight_sync.parallel import owner_parallel_push
-
         wanted = "ipc" if relay is not None else "broadcast"
         if self.weight_transport != wanted:
             raise WeightPushError(f"rollout.weight_senders=owners sends by {wanted} here, but {self.name} takes weights "
@@ -128,8 +110,7 @@ class WeightSyncedEngine:
                                                  trainer_group=group, manifest=self.manifest,
                                                  workers_per_engine=self._broadcast_members()[1], delta=delta)
             except PushBrokenError as error:
-                self.weights_lost = True
-                self._push_broke(error)
+                self._broke(error)
                 raise
             self.weights_lost = False
             self.weight_version = int(version)
@@ -144,8 +125,7 @@ class WeightSyncedEngine:
             try:
                 send(int(version))
             except PushBrokenError as error:
-                self.weights_lost = True
-                self._push_broke(error)
+                self._broke(error)
                 raise
             for target in self._targets():
                 target.call("mrl_set_version", int(version))
@@ -153,9 +133,10 @@ class WeightSyncedEngine:
             self.weights_lost = False
             self.weight_version = int(version)
 
-    def weight_sync_clients(self) -> list[Any]:
-        """vLLM's control-plane client (VLLMWeightSyncClient) of each engine, for vLLM's weight-transfer engines."""
-        raise NotImplementedError
+    def _broke(self, error: PushBrokenError) -> None:
+        """A push broke midway: every engine went back to a complete version (not this one) or stopped."""
+        self.weights_lost = True
+        self._push_broke(error)
 
     def _broadcaster(self) -> BroadcastSender:
         """The weight-broadcast group with every engine's workers, formed on first use and after a restart."""
@@ -188,63 +169,12 @@ class WeightSyncedEngine:
             )
         self._push(as_weight_stream(self.reexport_fn()), self.weight_version)
 
-    # ---- generation ------------------------------------------------------------------------------
-    def _generate_with_restarts(self, generate_once: Callable[[], Rollouts], what: str) -> Rollouts:
-        """generate_once under the lock, the engines awake and on the trainer's weights, retried after restarts."""
-        with self.serving():
-            return generate_with_restarts(
-                generate_once, self._restart, max_restarts=self.config.max_restarts,
-                is_engine_failure=self._is_engine_failure, what=what,
-            )
-
-    @contextmanager
-    def serving(self) -> Iterator[None]:
-        """Generation outside generate() (episodes' turns, rollout.agents.turns): under the lock, the engines
-        awake and on the trainer's weights; a push waits until it ends."""
-        with self._lock:
-            self.wake_up()  # a sleeping engine's scheduler is paused: its requests would wait forever
-            self._recover_weights()
-            yield
-
-    def restart_after(self, error: BaseException) -> bool:
-        """After `error` while serving(): restart the engines and give them the trainer's weights again (True)
-        when it is an engine failure; False (nothing done) for the caller's errors."""
-        if not self._is_engine_failure(error):
-            return False
-        with self._lock:
-            self._restart(error)
-        return True
-
-    # ---- sleep mode (rollout.sleep_level) ---------------------------------------------------------
-    def sleep(self) -> bool:
-        """Put the engines to sleep at rollout.sleep_level while the trainer trains (RolloutConfig.sleep_level);
-        True when that releases their memory, False where it cannot (said once; the trainer logs it as
-        engine/sleep_frees_memory)."""
-        level = self.config.sleep_level
-        frees = bool(level) and self._sleep_frees_memory()
-        if not level or self.asleep:
-            return frees
-        if not frees and not self._said_no_sleep_mode:
-            self._said_no_sleep_mode = True
-            logger.warning("rollout.sleep_level=%d: the memory of %s stays while the trainer trains (%s)",
-                           level, self.name, self._no_sleep_mode_reason())
-        with self._lock:
-            self._sleep_engines(level)
-            self.asleep = set(SLEEP_TAGS)
-        return frees
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake what sleeps of `tags` ("weights", "kv_cache"; None = all): the weights for a push, the KV cache
-        once the trainer's memory has left the device, everything before generating."""
-        waking = [t for t in (SLEEP_TAGS if tags is None else tags) if t in self.asleep]
-        if not waking:
-            return
-        with self._lock:
-            self._wake_engines(waking)
-            self.asleep -= set(waking)
-
     # ---- what each placement provides ------------------------------------------------------------
     def _targets(self) -> list[PushTarget]:
+        raise NotImplementedError
+
+    def weight_sync_clients(self) -> list[Any]:
+        """vLLM's control-plane client (VLLMWeightSyncClient) of each engine, for vLLM's weight-transfer engines."""
         raise NotImplementedError
 
     def _broadcast_sender(self) -> BroadcastSender:
@@ -262,22 +192,4 @@ class WeightSyncedEngine:
         raise NotImplementedError
 
     def _push_broke(self, error: PushBrokenError) -> None:
-        raise NotImplementedError
-
-    def _restart(self, error: BaseException | None = None) -> None:
-        raise NotImplementedError
-
-    def _is_engine_failure(self, error: BaseException) -> bool:
-        raise NotImplementedError
-
-    def _sleep_engines(self, level: int) -> None:
-        raise NotImplementedError
-
-    def _wake_engines(self, tags: list[str]) -> None:
-        raise NotImplementedError
-
-    def _sleep_frees_memory(self) -> bool:
-        raise NotImplementedError
-
-    def _no_sleep_mode_reason(self) -> str:
         raise NotImplementedError
