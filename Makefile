@@ -1,4 +1,5 @@
-# make demo: the main job on a laptop CPU.  make test: the whole test suite.
+# make demo: the main job on a laptop CPU.  make test: the whole test suite, two test modules at a time
+# (pytest-xdist: most of its runs are one single-threaded process: imports, vLLM's engine, a tiny model).
 # make lint: ruff (settings in pyproject.toml) and shellcheck on the shell scripts.
 # make docs: the documentation site (docs/, mkdocs.yml) built with --strict into site/.
 # Each sets up .venv itself on a fresh machine (torch's CPU wheel first: an
@@ -32,7 +33,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: $(STAMP)
-	MEGATRON_RL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest tests -q -ra --timeout=900 --durations=25
+	MEGATRON_RL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest tests -q -ra --timeout=900 --durations=25 -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -ra --timeout=300

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LEARN_STEPS, TARGET, WARM_UP_STEPS = 150, 0.8, 200
+LEARN_STEPS, TARGET, WARM_UP_STEPS = 150, 0.6, 200  # TARGET: almost 5x chance (1/8), about 65 steps
 STALE_STEPS = 8  # the max_staleness=1 run shows the mechanics (pushes between turns, staleness 1), not learning again
 
 

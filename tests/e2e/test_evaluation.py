@@ -20,7 +20,7 @@ import pytest
 
 from megatron_rl.data.tasks import synthetic_rows
 from megatron_rl.metrics import read_metrics
-from tests.e2e.test_train_loop import REPO, TIMING, _command, _run, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.e2e.train_runs import REPO, TIMING, run_ok, train_command
 
 K = 4
 
@@ -63,11 +63,11 @@ def _by_hand(prompts: list[dict]) -> dict[str, float]:
     }
 
 
-def test_evaluation_leaves_training_unchanged_and_the_eval_command_reproduces_it(model_dir, tmp_path):  # noqa: F811
+def test_evaluation_leaves_training_unchanged_and_the_eval_command_reproduces_it(model_dir, tmp_path):
     common = ("train.steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=3")
-    _run(_command("tiny-gspo.yaml", model_dir, tmp_path / "plain", *common))
+    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path / "plain", *common))
     evaluated = tmp_path / "evaluated"
-    result = _run(_command("tiny-gspo.yaml", model_dir, evaluated, *common, "train.eval_every=1", _eval_sets(tmp_path)))
+    result = run_ok(train_command("tiny-gspo.yaml", model_dir, evaluated, *common, "train.eval_every=1", _eval_sets(tmp_path)))
 
     plain, with_eval = read_metrics(tmp_path / "plain" / "metrics.jsonl"), read_metrics(evaluated / "metrics.jsonl")
     assert [r["step"] for r in with_eval] == [0, 1]
@@ -95,7 +95,7 @@ def test_evaluation_leaves_training_unchanged_and_the_eval_command_reproduces_it
         out = tmp_path / f"cli{step}"
         command = [sys.executable, "-m", "megatron_rl.cli", "eval", "--config", str(REPO / "configs" / "tiny-gspo.yaml"),
                    f"model.path={model_dir}", load, f"logging.dir={out}", _eval_sets(tmp_path)]
-        cli = _run(command)
+        cli = run_ok(command)
         assert f"evaluation at step {step}" in cli.stdout, cli.stdout[-3000:]
         assert _scores(json.loads((out / "eval" / f"step_{step}.json").read_text())) == _scores(reports[step])
 
@@ -109,7 +109,7 @@ BAD_INPUT = [
 ]
 
 
-def test_bad_eval_input_is_one_line_before_any_engine(model_dir, tmp_path, capsys):  # noqa: F811
+def test_bad_eval_input_is_one_line_before_any_engine(model_dir, tmp_path, capsys):
     from megatron_rl.cli import main
 
     for override, message in BAD_INPUT:

