@@ -1,5 +1,6 @@
 # make demo: the main job on a laptop CPU.  make test: the whole test suite, two test modules at a time
-# (pytest-xdist: most of its runs are one single-threaded process: imports, vLLM's engine, a tiny model).
+# (pytest-xdist: most of its runs are one single-threaded process: imports, vLLM's engine, a tiny model),
+# in collection order: the distributed and e2e modules, the longest, first; the many short unit ones fill the end.
 # make lint: ruff (settings in pyproject.toml) and shellcheck on the shell scripts.
 # make docs: the documentation site (docs/, mkdocs.yml) built with --strict into site/.
 # Each sets up .venv itself on a fresh machine (torch's CPU wheel first: an
@@ -33,7 +34,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: $(STAMP)
-	MEGATRON_RL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest tests -q -ra --timeout=900 --durations=25 -n 2 --dist loadfile
+	MEGATRON_RL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest tests -q -ra --timeout=900 --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -ra --timeout=300

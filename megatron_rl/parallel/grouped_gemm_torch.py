@@ -58,18 +58,23 @@ def torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _probe_grouped_mm(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
-    """None where torch._grouped_mm runs a tiny grouped GEMM (with its backward) on the device, else the error."""
+    """None where torch._grouped_mm runs a tiny grouped GEMM (with its backward) on the device, else the error.
+    Autograd on whatever the caller's context (its first call may come under no_grad or inference_mode: cached,
+    a failure there would keep the per-expert loop for the whole process)."""
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
     try:
-        a = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
-        b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        out = torch._grouped_mm(a, b.transpose(-2, -1), offs=torch.tensor([8, 32], dtype=torch.int32, device=device))
-        out.backward(torch.ones_like(out))  # a contiguous gradient, as _ContiguousGrad hands it
-        if not bool((out == 16).all()):
-            return "a probe call gave wrong values"
+        with torch.inference_mode(False), torch.enable_grad():
+            return _grouped_mm_probe_call(device, dtype)
     except Exception as err:  # noqa: BLE001 - any failure means: use the per-expert loop here
         return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
-    return None
+
+
+def _grouped_mm_probe_call(device: torch.device, dtype: torch.dtype) -> str | None:
+    a = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
+    b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+    out = torch._grouped_mm(a, b.transpose(-2, -1), offs=torch.tensor([8, 32], dtype=torch.int32, device=device))
+    out.backward(torch.ones_like(out))  # a contiguous gradient, as _ContiguousGrad hands it
+    return None if bool((out == 16).all()) else "a probe call gave wrong values"
 
 
 def _aligned(*sizes: int, itemsize: int) -> bool:

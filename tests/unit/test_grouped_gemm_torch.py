@@ -66,3 +66,18 @@ def test_tiny_moe_experts_take_torch_grouped_mm():
         for tp in (1, 2):  # weight1 [E, hidden, 2 ffn / TP], weight2 [E, ffn / TP, hidden]
             assert provider_for(torch.zeros(1, hidden), torch.zeros(2, hidden, 2 * ffn // tp)) == "torch_grouped_mm"
             assert provider_for(torch.zeros(1, ffn // tp), torch.zeros(2, ffn // tp, hidden)) == "torch_grouped_mm"
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_the_probe_runs_whatever_autograd_context_its_first_caller_is_in(context):
+    """Its answer is cached for the process: a first call from an old-policy forward (no_grad, inference_mode) must
+    not leave the per-expert loop for the whole run (the probe's backward used to fail there)."""
+    from megatron_rl.parallel import grouped_gemm_torch
+
+    grouped_gemm_torch._probe_grouped_mm.cache_clear()
+    try:
+        with context():
+            assert grouped_gemm_torch._probe_grouped_mm("cpu", None, torch.float32) is None
+            assert provider_for(torch.zeros(4, 16), torch.zeros(2, 16, 16)) == "torch_grouped_mm"
+    finally:
+        grouped_gemm_torch._probe_grouped_mm.cache_clear()

@@ -127,3 +127,33 @@ def test_checkpoint_that_does_not_fit_its_config_is_named(parallel_ctx, model_ro
     (model_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(UnsupportedModelError, match=r"model.layers.0.mlp.gate_proj.weight.*linear_fc1.weight: shape \(256, 64\) does not fit .* \(192, 64\)"):
         build_model(ModelConfig(path=str(model_dir)), parallel_ctx)
+
+
+def test_a_model_build_leaves_megatrons_attention_environment_as_it_found_it(parallel_ctx, model_root):
+    """megatron's GPTModel writes its attention backend into the environment (NVTE_FLASH_ATTN=0 ... for the local
+    spec) and refuses a later build with another backend in the same process; without Transformer Engine the
+    variables mean nothing, and a build of megatron's default backend after ours must still run."""
+    import os
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_rl.config import ModelConfig
+    from megatron_rl.models import build_model
+    from megatron_rl.models.build import TE_ATTENTION_ENV, use_transformer_engine
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(model_root / "environment", "llama", with_tokenizer=False)
+    model_cfg = ModelConfig(path=str(model_dir), dtype="float32")
+    before = {name: os.environ.get(name) for name in TE_ATTENTION_ENV}
+    build_model(model_cfg, parallel_ctx)
+    if not use_transformer_engine(model_cfg):  # with TE the model is built with megatron's default backend (auto)
+        assert {name: os.environ.get(name) for name in TE_ATTENTION_ENV} == before
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+    assert config.attention_backend == AttnBackend.auto
+    GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8)
+    for name in TE_ATTENTION_ENV:  # what megatron's auto build set, for the rest of the session as before
+        if before[name] is None:
+            os.environ.pop(name, None)
