@@ -171,7 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     from megatron_rl.rollout import server_auth
     from megatron_rl.rollout.engine import EngineStartError
-    from megatron_rl.rollout.server_engine import VLLMServer
+    from megatron_rl.rollout.server_process import VLLMServer
 
     try:
         token = server_auth.configured_token(cfg.rollout.server_token_file)

@@ -27,7 +27,8 @@ from megatron_rl.rollout.engine import (
 )
 from megatron_rl.rollout.routing import RoutedExpertsError
 from megatron_rl.rollout.sampling import SamplingSpec
-from megatron_rl.rollout.server_engine import VLLMServer, VLLMServerEngine
+from megatron_rl.rollout.server_engine import VLLMServerEngine
+from megatron_rl.rollout.server_process import VLLMServer
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 
 

@@ -5,7 +5,7 @@
     push_weights(engine_or_None, export_hf_weights(chunks, ctx, bucket_bytes=...), version)   # the funnel alone
 
 pusher.py: WeightPusher, the trainer's one call for a push (imported from
-its module: it brings in models' export); engine_side.py: the engine's end
+its module: it brings in models' export and the actor's broadcast of an object); engine_side.py: the engine's end
 of every push (WeightSyncedEngine, WeightsLostError), which rollout's engines
 subclass; buckets.py: bucketing and the wire format (safetensors bytes);
 manifest.py: what the engine accepts; stream.py: a push announced up front

@@ -57,7 +57,7 @@ from megatron_rl.weight_sync.ipc import BufferPool, _released_by_all, default_de
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
 from megatron_rl.weight_sync.protocol import restore_complete_versions
 from megatron_rl.weight_sync.parallel import MAX_PARTS, _meta_layout, begin_push, broken_push, check_round, commit_push, refuse_or_none
-from megatron_rl.weight_sync.push import _any_rank
+from megatron_rl.weight_sync.push import any_rank
 from megatron_rl.weight_sync.stream import AnnouncedPush
 
 RECEIVE_METHOD = "mrl_ipc_receive"
@@ -187,7 +187,7 @@ def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIp
                 except BaseException as error:  # noqa: BLE001 - agreed below
                     failure = error
             for start in range(0, len(parts), relay.max_parts):  # slices bound the buffers, whatever the senders
-                if stopped := _any_rank(failure is not None, trainer_group):
+                if stopped := any_rank(failure is not None, trainer_group):
                     break
                 piece = parts[start : start + relay.max_parts]
                 try:
@@ -201,10 +201,10 @@ def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIp
             if stopped:
                 break
         result = None
-        broken = _any_rank(failure is not None, trainer_group)
+        broken = any_rank(failure is not None, trainer_group)
         if targets is not None and not broken:
             result, failure = commit_push(targets, announced, repack_moe)
-        if not _any_rank(failure is not None, trainer_group):
+        if not any_rank(failure is not None, trainer_group):
             return {**(result or {}), "sent_bytes": relay.sent_bytes - sent_before,
                     "received_bytes": relay.received_bytes - received_before}
         if failure is not None and isinstance(failure, (KeyboardInterrupt, SystemExit)):

@@ -49,7 +49,7 @@ from megatron_rl.weight_sync.broadcast import (
 from megatron_rl.weight_sync.delta import DeltaEncoder
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
 from megatron_rl.weight_sync.protocol import restore_complete_versions
-from megatron_rl.weight_sync.push import _any_rank
+from megatron_rl.weight_sync.push import any_rank
 from megatron_rl.weight_sync.stream import AnnouncedPush, PushBrokenError, check_announced
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class OwnerSenders:
                 wait_for_engines(futures, names, self.timeout_s, what=f"forming the weight groups of {len(senders)} senders")
         except BaseException as raised:  # noqa: BLE001 - agreed with the other ranks first
             error = raised
-        if _any_rank(error is not None, trainer_group):
+        if any_rank(error is not None, trainer_group):
             self.close()
             raise error if error is not None else BroadcastError("forming the weight groups failed on another trainer rank")
         self.senders = list(senders)
@@ -160,7 +160,7 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
     stale = senders.senders != export.senders or (senders.group is None and rank in export.senders)
     if targets is not None and not stale:  # an engine restarted since: its workers are in no group
         stale = any(joined != export.senders for target in targets for joined in _each(target, "mrl_owner_senders"))
-    if _any_rank(stale, trainer_group):
+    if any_rank(stale, trainer_group):
         senders.connect(export.senders, rank, trainer_group, targets, workers_per_engine)
     announced = AnnouncedPush(export.entries) if targets is not None else None
     use_delta = _delta_decision(targets, delta, version, trainer_group)
@@ -176,14 +176,14 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
                     bucket, meta = delta.encode(bucket, use_delta)
             except BaseException as error:  # noqa: BLE001 - agreed below
                 failure = error
-        if _any_rank(failure is not None, trainer_group):
+        if any_rank(failure is not None, trainer_group):
             break
         try:
             wire = _wire_parts(bucket, meta, trainer_group) if delta is not None else None
         except BaseException as error:  # noqa: BLE001 - agreed at the first slice
             failure = error
         for start in range(0, len(parts), max_parts):  # slices bound a worker's buffers, whatever the senders
-            if start and _any_rank(failure is not None, trainer_group):
+            if start and any_rank(failure is not None, trainer_group):
                 break
             if failure is None:
                 try:
@@ -193,10 +193,10 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
                     failure = error
                     senders.close()
     result = None
-    broken = _any_rank(failure is not None, trainer_group)  # every rank takes part: no short circuit
+    broken = any_rank(failure is not None, trainer_group)  # every rank takes part: no short circuit
     if targets is not None and not broken:
         result, failure = commit_push(targets, announced, repack_moe)
-    if not _any_rank(failure is not None, trainer_group):
+    if not any_rank(failure is not None, trainer_group):
         if delta is not None:
             delta.commit(version, use_delta)
         return {**(result or {}), "delta": use_delta, "wire_bytes": senders.sent_bytes - sent_before}
@@ -256,7 +256,7 @@ def refuse_or_none(targets: list | None, export, manifest: WeightManifest | None
             check_announced(manifest, export.entries)
         except WeightPushError as error:
             refused = error
-    if not _any_rank(refused is not None, trainer_group):
+    if not any_rank(refused is not None, trainer_group):
         return False
     for _ in export:  # a collective: every rank runs it to the end
         pass

@@ -79,7 +79,7 @@ def push_weights(
                 stats = engine.update_weights(stream, version)
             except BaseException as raised:  # noqa: BLE001 - agreed with the other ranks below, then raised or retried
                 error = raised
-        broken = _any_rank(error is not None and _is_broken_push(error), group)
+        broken = any_rank(error is not None and _is_broken_push(error), group)
         if error is not None and not _is_broken_push(error):
             raise error
         if not broken:
@@ -96,7 +96,7 @@ def _is_broken_push(error: BaseException) -> bool:
     return isinstance(error, PushBrokenError)
 
 
-def _any_rank(flag: bool, group: Any) -> bool:
+def any_rank(flag: bool, group: Any) -> bool:
     """Whether `flag` holds on any rank of `group` (this rank's own flag without a group)."""
     if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
         return flag

@@ -33,8 +33,7 @@ import logging
 from typing import Any
 from urllib.parse import urlparse
 
-import torch.distributed as dist
-
+from megatron_rl.actor.distribute import broadcast_object
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.placement import Placement, resolve_placement
 from megatron_rl.config.schema import ClusterConfig, RolloutConfig
@@ -47,7 +46,7 @@ from megatron_rl.weight_sync.ipc_reference import share_host_memory
 from megatron_rl.weight_sync.manifest import WeightPushError
 from megatron_rl.weight_sync.owner_ipc import owner_ipc_push
 from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
-from megatron_rl.weight_sync.push import _any_rank, push_weights
+from megatron_rl.weight_sync.push import any_rank, push_weights
 from megatron_rl.weight_sync.stream import PushBrokenError, check_announced
 from megatron_rl.weight_sync.vllm_transfer import VllmTransfer, start_for_run
 
@@ -157,7 +156,6 @@ class WeightPusher:
                 if attempt == attempts:
                     raise
                 logger.warning("weight push v%d broke midway; exporting again (attempt %d of %d)", version, attempt + 1, attempts)
-        return {}
 
     def _owner_senders(self) -> OwnerSenders:
         """The owners' broadcast groups (formed at the push), once the placement is known to allow owner pushes."""
@@ -189,7 +187,7 @@ class WeightPusher:
             clients = self.engine.weight_sync_clients() if self.engine is not None else None
             self._vllm = start_for_run(rollout.weight_transport, rollout, ctx, self.model_chunks,
                                        engines=self.placement.engines, clients=clients, host=host,
-                                       share=lambda obj: _from_rank0(obj, ctx))
+                                       share=lambda obj: broadcast_object(obj, ctx))
             self._check_vllm_push(version)
         error: PushBrokenError | None = None
         try:
@@ -199,7 +197,7 @@ class WeightPusher:
                 self._vllm.send(version)
         except PushBrokenError as raised:
             error = raised
-        if _any_rank(error is not None, ctx.world_group):  # every rank drops its engines: made again next push
+        if any_rank(error is not None, ctx.world_group):  # every rank drops its engines: made again next push
             self.close()
             raise error or PushBrokenError(f"weight push v{version} by {rollout.weight_transport} broke on another "
                                            "rank", [])
@@ -213,7 +211,7 @@ class WeightPusher:
                 check_announced(self.engine.manifest, self._vllm.entries)
             except WeightPushError as error:
                 refused = error
-        if _any_rank(refused is not None, self.ctx.world_group):
+        if any_rank(refused is not None, self.ctx.world_group):
             self.close()
             raise refused or WeightPushError(f"weight push v{version} refused by the engines' manifest (see rank 0)")
 
@@ -227,12 +225,3 @@ def _owner_metrics(sent: dict | None) -> dict[str, float]:
     if "received_bytes" in sent:  # colocated by memory handle: other owners' buckets for this rank's workers
         metrics["weight_sync/received_bytes"] = float(sent["received_bytes"])
     return metrics
-
-
-def _from_rank0(obj: Any, ctx) -> Any:
-    """Rank 0's `obj` on every rank (pickled over the host group)."""
-    if ctx.world_size == 1:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0, group=ctx.host_group)
-    return holder[0]

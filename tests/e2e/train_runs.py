@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-
-
 TIMING = ("time/", "rollout/generate_s")
 
 
 def train_env() -> dict[str, str]:
+    """This environment, offline, with the repository first on the import path (the child runs this checkout)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     return env

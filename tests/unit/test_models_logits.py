@@ -148,12 +148,16 @@ def test_a_model_build_leaves_megatrons_attention_environment_as_it_found_it(par
     model_dir = make_tiny_model_dir(model_root / "environment", "llama", with_tokenizer=False)
     model_cfg = ModelConfig(path=str(model_dir), dtype="float32")
     before = {name: os.environ.get(name) for name in TE_ATTENTION_ENV}
-    build_model(model_cfg, parallel_ctx)
-    if not use_transformer_engine(model_cfg):  # with TE the model is built with megatron's default backend (auto)
-        assert {name: os.environ.get(name) for name in TE_ATTENTION_ENV} == before
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
-    assert config.attention_backend == AttnBackend.auto
-    GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8)
-    for name in TE_ATTENTION_ENV:  # what megatron's auto build set, for the rest of the session as before
-        if before[name] is None:
-            os.environ.pop(name, None)
+    try:
+        build_model(model_cfg, parallel_ctx)
+        if not use_transformer_engine(model_cfg):  # with TE the model is built with megatron's default backend (auto)
+            assert {name: os.environ.get(name) for name in TE_ATTENTION_ENV} == before
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+        assert config.attention_backend == AttnBackend.auto
+        GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8)
+    finally:  # what megatron's auto build set goes, for the rest of the session as before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

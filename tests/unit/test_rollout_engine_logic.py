@@ -133,7 +133,7 @@ def test_to_padded_aligns_tokens_logprobs_and_routes():
 
 
 def test_server_command_line(tmp_path):
-    from megatron_rl.rollout.server_engine import VLLMServer
+    from megatron_rl.rollout.server_process import VLLMServer
 
     config = RolloutConfig(kv_cache_gib=0.5, max_model_len=512, return_routed_experts=True, dtype="float32")
     cmd = VLLMServer(tmp_path, config, port=8123).command()

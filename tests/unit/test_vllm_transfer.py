@@ -93,7 +93,7 @@ def test_engine_arguments_name_vllms_backend():
     args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", "m", flag, value])
     parsed = args.weight_transfer_config
     assert (parsed["backend"] if isinstance(parsed, dict) else parsed.backend) == "ipc"
-    from megatron_rl.rollout.server_engine import VLLMServer
+    from megatron_rl.rollout.server_process import VLLMServer
 
     command = VLLMServer("unused", RolloutConfig(weight_transport="vllm_ipc", engines=2)).command()
     assert command[command.index(flag) + 1] == value

@@ -1,0 +1,187 @@
+"""VLLMServer: a vLLM OpenAI-compatible server process this process starts, supervises and restarts.
+
+    server = VLLMServer(model_dir, config=cfg.rollout).start()
+    VLLMServerEngine([server], cfg.rollout)      # rollout.server_engine: rollouts from it
+
+The command line is `python -m vllm.entrypoints.openai.api_server` with
+VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc and /reset_prefix_cache),
+`--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension`,
+`--logprobs-mode processed_logprobs` and the run's token checked by
+`--middleware` (rollout.server_auth).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable
+
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.rollout.client_limits import start_timeout_s
+from megatron_rl.rollout.common import WORKER_EXTENSION, default_dtype, prefix_caching_off, sleep_mode_available
+from megatron_rl.rollout.engine import EngineStartError
+from megatron_rl.rollout.server_auth import MIDDLEWARE, run_token, server_env
+from megatron_rl.weight_sync import vllm_transfer
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServer:
+    """A vLLM OpenAI-compatible server process started (and restartable) by this process."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        config: RolloutConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        seed: int = 0,
+        log_path: str | os.PathLike | None = None,
+        extra_args: Iterable[str] = (),
+        env: dict[str, str] | None = None,
+        token: str | None = None,
+        open_control_plane: bool = False,
+    ):
+        """token: what every request must carry (rollout.server_auth); None: rollout.server_token_file, else
+        $MEGATRON_RL_SERVER_TOKEN_FILE / $MEGATRON_RL_SERVER_TOKEN, else a new random one.
+        open_control_plane: no token at all (`megatron-rl serve` on a loopback address without one)."""
+        self.model_dir = Path(model_dir)
+        self.config = config or RolloutConfig()
+        self.host = host
+        self.port = port or free_port(host)
+        self.seed = seed
+        self.log_path = Path(log_path) if log_path else None
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.token = None if open_control_plane else (token or run_token(self.config.server_token_file))
+        self.process: subprocess.Popen | None = None
+        self.start_seconds = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cfg = self.config
+        dtype = default_dtype() if cfg.dtype == "auto" else cfg.dtype
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--host", self.host, "--port", str(self.port),
+            "--dtype", dtype, "--seed", str(self.seed),
+            "--logprobs-mode", "processed_logprobs",
+            "--worker-extension-cls", WORKER_EXTENSION,
+            "--tensor-parallel-size", str(cfg.tensor_parallel),
+            "--pipeline-parallel-size", str(cfg.pipeline_parallel),
+            "--disable-log-stats",
+        ]
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
+        if cfg.max_model_len:
+            cmd += ["--max-model-len", str(cfg.max_model_len)]
+        if dtype == "float32":
+            cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30)))]
+        else:
+            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        if prefix_caching_off(cfg):
+            cmd.append("--no-enable-prefix-caching")
+        if cfg.sleep_level and sleep_mode_available():  # vLLM refuses the flag where the platform has none (CPU)
+            cmd.append("--enable-sleep-mode")
+        if self.token:  # the token itself goes in the environment: a command line is every user's to read
+            cmd += ["--middleware", MIDDLEWARE]
+        return cmd + vllm_transfer.server_args(cfg.weight_transport) + self.extra_args
+
+    def check_model_dir(self) -> None:
+        """EngineStartError unless model_dir is an HF model directory."""
+        if not (self.model_dir / "config.json").is_file():
+            raise EngineStartError(
+                f"{self.model_dir}: not an HF model directory (no config.json); give the directory model.path names"
+            )
+
+    def environment(self) -> dict[str, str]:
+        """Variables the server needs on top of the caller's environment."""
+        # the server imports the worker extension: make this package importable there even when not installed
+        package_root = str(Path(__file__).resolve().parents[2])
+        python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+        env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path}
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))
+        token = server_env(self.token) if self.token else {}
+        return {**env, **vllm_transfer.server_env(self.config.weight_transport), **self.env, **token}
+
+    def start(self) -> "VLLMServer":
+        """Start the server and wait until /health answers (EngineStartError with the log tail if it dies)."""
+        self.check_model_dir()
+        # the server's whole output goes to its log file: not to the trainer's vLLM log (megatron_rl.console);
+        # a server without a token must not take one from this process's environment
+        dropped = {"VLLM_LOGGING_CONFIG_PATH", *server_env("")}
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
+        env.update(self.environment())
+        if self.log_path is None:
+            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-server-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.wait_ready(start_timeout_s(self.config.server_start_timeout_s, self.model_dir))
+        self.start_seconds = time.perf_counter() - start
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise EngineStartError(
+                    f"vLLM server for {self.model_dir} exited with code {self.process.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise EngineStartError(f"vLLM server for {self.model_dir} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the server and its engine-core child (its own process group)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
