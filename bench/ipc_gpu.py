@@ -7,9 +7,12 @@ The pushing process holds a bf16 model (LAYERS layers of attention and MLP
 matrices) on the device and pushes it bucket by bucket as the trainer's
 export yields it on the pushing rank (models.export_hf_weights(fresh=False):
 its parameters themselves) through weight_sync.protocol's protocol with
-weight_sync.ipc's IpcSender (reduce_tensor handles): each bucket is written
-straight into a shared buffer (the one copy on the pushing side) while the
-worker loads the one before. The engine-worker
+weight_sync.ipc's IpcSender (reduce_tensor handles). By reference (the
+default rows) the worker maps the parameters' own memory and copies straight
+from it (weight_sync.ipc_reference: CUDA IPC handles of their blocks on a GPU,
+shared memory on the host); otherwise (by_reference false: a TP gather's
+results) each bucket is written into a shared buffer (the one copy on the
+pushing side) while the worker loads the one before. The engine-worker
 process runs the real worker extension (rollout.worker_ext: rebuild from the
 handle, manifest check, streaming load) over a model runner that copies each
 tensor into a torch module's parameters on the same device: what vLLM's load
@@ -76,7 +79,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
     from megatron_rl.weight_sync.protocol import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
     from megatron_rl.weight_sync.ipc import IpcSender
-    from megatron_rl.weight_sync.ipc_reference import share_host_memory
+    from megatron_rl.weight_sync.ipc_reference import allow_by_reference
     from megatron_rl.weight_sync.stream import entries_of
     from tests.worker_process import WorkerProcess
 
@@ -84,8 +87,8 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         model_dir = make_checkpoint(Path(tmp) / "model", hidden, layers)
         manifest = manifest_from_checkpoint(model_dir)
         state = _random_state(model_dir, device)
-        if device == "cpu" and by_reference:  # as the trainer's parameters for a host push (weight_sync.ipc_reference)
-            share_host_memory(list(state.values()))
+        if by_reference:  # as the trainer's parameters for a push (weight_sync.ipc_reference; on the host they move
+            allow_by_reference(list(state.values()))  # into shared memory, on a GPU their blocks are noted)
         num_bytes = sum(t.numel() * t.element_size() for t in state.values())
         buckets = list(bucketize(state.items(), bucket_mb << 20))
         worker = WorkerProcess(model_dir, device)
@@ -113,7 +116,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         try:
             for version in range(1, REPEATS + 2):
                 # the export's buckets as models.export_hf_weights(fresh=False) yields them on the pushing rank: its
-                # parameters themselves, which the push writes straight into the shared buffers
+                # parameters themselves (by reference, or written straight into the shared buffers)
                 stream = WeightStream(entries_of(buckets), (list(b) for b in buckets))
                 copy_time = plain_copy()  # the same bytes copied once, just before each push (a shared machine)
                 if version > 1:
@@ -132,7 +135,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
         expected = float(sum(t.float().sum() for t in state.values()))
     return {
         "hidden": hidden, "layers": layers, "bytes": num_bytes, "bucket_mb": bucket_mb, "buckets": len(buckets),
-        "batch_buckets": batch_buckets, "by_reference": device == "cpu" and by_reference, "worker_calls_per_push": calls, "worker_buffers_mapped_per_push": mapped,
+        "batch_buckets": batch_buckets, "by_reference": by_reference, "worker_calls_per_push": calls, "worker_buffers_mapped_per_push": mapped,
         "weights_arrived": abs(pushed - expected) <= 1e-3 * max(1.0, abs(expected)),
         "push_s": [round(x, 4) for x in push_s],
         "push_gb_per_s": round(num_bytes / min(push_s) / 1e9, 3),
@@ -284,8 +287,10 @@ def main() -> None:
     if args.device == "cuda":
         device, name = "cuda:0", torch.cuda.get_device_name(0)
         # bf16, 16 x hidden^2 parameters a layer: 16 x 4096^2 x 2 bytes = 537 MB; 2 and 16 layers (1.1 / 8.6 GB)
-        # 128 MB buckets with their handles sent 1 and 4 at a time (IpcSender.batch_buckets)
-        runs = [(4096, 2, 512), (4096, 16, 512), (4096, 16, 128), (4096, 16, 128, 4)]
+        # 128 MB buckets with their handles sent 1 and 4 at a time (IpcSender.batch_buckets); the parameters'
+        # own blocks by reference (CUDA IPC), and last as a TP gather's results would go: through the buffers
+        runs = [(4096, 2, 512), (4096, 16, 512), (4096, 16, 128), (4096, 16, 128, 4), (4096, 16, 512, 1, False),
+                (4096, 16, 128, 1, False)]
     else:
         device, name = "cpu", "cpu"
         # 16 x 1024^2 x 2 bytes = 33.5 MB a layer, 268 MB in all; the parameters in shared memory (by reference),
@@ -305,10 +310,10 @@ def main() -> None:
         "dtype": "bfloat16",
         "load_average_1min": [load_before, round(os.getloadavg()[0], 2)],  # before and after: a shared machine
         "runs": rows,
-        "note": "push = wall time from the first bucket to the worker's commit (each bucket written from the "
-                "parameters straight into a shared buffer, the worker loading the one before meanwhile; on the host "
-                "with by_reference the parameters live in shared memory and the worker copies straight from them, "
-                "weight_sync.ipc_reference); ratio = "
+        "note": "push = wall time from the first bucket to the worker's commit (with by_reference the worker copies "
+                "straight from the parameters: their blocks by CUDA IPC handle, on the host in shared memory, "
+                "weight_sync.ipc_reference; without, each bucket is written from the parameters into a shared "
+                "buffer, the worker loading the one before meanwhile); ratio = "
                 "plain-copy time / push time of the same bytes on the same device in the same run (a copy timed just "
                 "before each push); shared bytes alive = buffers the pushing side kept for the worker at once.",
     }

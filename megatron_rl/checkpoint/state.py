@@ -177,6 +177,7 @@ def _save(root: Path, step: int, sharded_state_dict: dict, trainer_state: dict[s
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
         partial.mkdir()
     _barrier()
+    _write_results_in_process()
     dist_checkpointing.save(sharded_state_dict, str(partial))
     rank_file = partial / f"rank_{_rank():05d}.pt"
     torch.save({"rng": capture_rng_state(), **(rank_state or {})}, rank_file)
@@ -192,6 +193,25 @@ def _save(root: Path, step: int, sharded_state_dict: dict, trainer_state: dict[s
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _write_results_in_process() -> None:
+    """Give megatron's torch_dist writer a queue of this process for its results.
+
+    The writer (dist_checkpointing.strategies.filesystem_async) hands the write results of a save back through a
+    module-wide queue it makes at the first save, a multiprocessing Manager's, whose server is a spawned process:
+    a new interpreter that imports the trainer's main module again (torch, megatron-core, vLLM), 2-5 s of CPU on
+    every rank at its first save. The queue only crosses processes for megatron's asynchronous saves; this save is
+    synchronous (`dist_checkpointing.save` runs the writer in this process and reads the queue back here), so a
+    plain queue carries the same results. A megatron-core without that module-wide queue is left as it is."""
+    import queue
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", False) is None:  # not made yet (False: no such queue)
+        filesystem_async._results_queue = queue.Queue()
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:

@@ -5,9 +5,9 @@ needs no process group with the trainer: both can map the same memory. Per
 bucket:
 1. the export's tensors are written straight into a shared buffer on the
    trainer's device (the layout of weight_sync.broadcast: one uint8 buffer,
-   64-byte aligned offsets), the one copy on this side; host tensors already
-   in shared memory (the trainer's parameters) need none and go by reference
-   (weight_sync.ipc_reference);
+   64-byte aligned offsets), the one copy on this side; the trainer's own
+   tensors (its parameters: in host shared memory, or on its GPU) need none
+   and go by reference (weight_sync.ipc_reference);
 2. the buffer's `reduce_tensor` handle (a CUDA IPC handle; on the host shared
    memory named by a file, torch's file_system strategy, which any process of
    the host can map) is pickled, base64;
@@ -52,6 +52,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import pickle
 import uuid
 from collections import Counter
@@ -66,9 +67,11 @@ from megatron_rl.weight_sync.broadcast import (
 )
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.ipc_reference import (
-    describe_references, host_memory_by_name, open_references, split_bucket, storage_view,
+    describe_references, forget_references, host_memory_by_name, open_references, split_bucket, storage_view,
 )
 from megatron_rl.weight_sync.stream import WeightStream, as_weight_stream
+
+logger = logging.getLogger(__name__)
 
 
 class IpcError(RuntimeError):
@@ -179,7 +182,7 @@ class IpcReceiver:
                            "the trainer counts fewer workers than the engine has")
         bucket = self._buffered(message, handles[worker_rank], str(gpus[worker_rank])) if handles[worker_rank] else []
         if message["layout"].get("referenced"):
-            storages = [self._source(handle) for handle in message["sources"][worker_rank]]
+            storages = [self._source(handle, str(gpus[worker_rank])) for handle in message["sources"][worker_rank]]
             bucket += open_references(message["layout"]["referenced"], storages)
         return bucket
 
@@ -195,9 +198,9 @@ class IpcReceiver:
         self._open[(str(message["sender"]), int(message["bucket_id"]))] = (storage, device)
         return unpack_bucket(message["layout"], flat)
 
-    def _source(self, handle: str) -> Any:
+    def _source(self, handle: str, trainer_gpu: str = "") -> Any:
         """A storage of the trainer's taken by reference, mapped (or found among those kept)."""
-        storage = import_handle(handle).untyped_storage()
+        storage = import_handle(handle, trainer_gpu).untyped_storage()
         key = storage.data_ptr()
         if key not in self._sources:
             self.mapped += 1
@@ -220,13 +223,17 @@ class IpcReceiver:
 
     def close(self) -> None:
         """The push ended: every CUDA mapping goes (a CUDA block stays allocated on the trainer's GPU while a worker
-        maps it); the last `keep_mapped` host mappings stay for the next push, which writes the same buffers."""
+        maps it), once the copies out of the trainer's own storages have run (it writes them again after the push);
+        the last `keep_mapped` host mappings stay for the next push, which writes the same buffers, and so do the
+        trainer's host storages this push named (not those of earlier pushes only)."""
         host = [storage for storage, device in self._open.values() if device is None]
         self._open.clear()
         self._idle = [s for s in self._idle + host if s.device.type == "cpu"][-self.keep_mapped :]
-        if self._used:  # the trainer's storages this push named stay mapped (not those of earlier pushes only)
-            self._sources = {key: storage for key, storage in self._sources.items() if key in self._used}
-            self._used = set()
+        for device in {storage.device for storage in self._sources.values() if storage.device.type == "cuda"}:
+            torch.cuda.synchronize(device)
+        self._sources = {key: storage for key, storage in self._sources.items()
+                         if storage.device.type == "cpu" and (key in self._used or not self._used)}
+        self._used = set()
 
 
 def _use_count(storage: Any) -> int:
@@ -402,19 +409,32 @@ class IpcRelay:
         self.current = None
 
     def share_here(self, bucket: Bucket) -> SharedBucket:
-        """(one rank, nothing collective) Share `bucket` from this rank's device with every worker: host tensors
-        already in shared memory by reference (weight_sync.ipc_reference), the rest written into a buffer."""
-        referenced, packed = split_bucket(bucket, self.pool.device)
+        """(one rank, nothing collective) Share `bucket` from this rank's device with every worker: the trainer's
+        own tensors by reference (weight_sync.ipc_reference), the rest written into a buffer."""
+        device = self.pool.device
+        referenced, packed = split_bucket(bucket, device)
+        references, sources = None, None
+        if referenced:
+            references, storages = describe_references(referenced)
+            try:
+                sources = [[[export_handle(storage_view(s)) for s in storages] for _ in ranks]
+                           for ranks in self.engine_ranks]
+            except RuntimeError as error:  # torch gives this CUDA block no IPC handle: the buffer, from now on
+                logger.warning("weights by memory handle: %s; they go through shared buffers instead of by "
+                               "reference from now on", error)
+                forget_references()
+                referenced, packed, references = [], list(bucket), None
         layout, bucket_id = describe_bucket(packed), self._next_id
         handles, ready = share(self.pool, bucket_id, layout, self.copies, packed, sync=False) if packed else (
             [""] * self.copies, None)
+        if references is not None and ready is None and device.type == "cuda":
+            ready = torch.cuda.Event()  # the parameters' last writes (the optimizer step) precede the worker's reads
+            ready.record(torch.cuda.current_stream(device))
         self._next_id += 1
-        shared = self._assign(bucket_id, layout, {self.rank: (handles, gpu_uuid(self.pool.device))})
+        shared = self._assign(bucket_id, layout, {self.rank: (handles, gpu_uuid(device))})
         shared.ready = ready
-        if referenced:
-            layout["referenced"], storages = describe_references(referenced)
-            shared.sources = [[[export_handle(storage_view(s)) for s in storages] for _ in ranks]
-                              for ranks in self.engine_ranks]
+        if references is not None:
+            layout["referenced"], shared.sources = references, sources
         return shared
 
     def _assign(self, bucket_id: int, layout: dict, by_rank: dict[int, tuple[list[str], str]]) -> SharedBucket:

@@ -1,21 +1,33 @@
-"""Host tensors that already live in shared memory go to the engine workers by reference: no copy on the way.
+"""The trainer's own tensors go to the engine workers by reference: no copy on the way.
 
 A push by memory handle (weight_sync.ipc) writes each bucket into a shared
 buffer the worker maps, and the worker copies it into its parameters: two
-passes over the bytes. On the host the trainer's parameters can live in shared
-memory themselves (`share_host_memory`, once: torch moves a storage there in
-place, every view of it keeps working), and the export yields them as they are
+passes over the bytes. The trainer's parameters can be mapped themselves
+(`allow_by_reference`, once), and the export yields them as they are
 (models.export_hf_weights(fresh=False)). Such a tensor needs no buffer: the
 bucket's layout names its storage (a handle per worker, as for a buffer), its
 offset, shape and strides, and the worker copies straight from the trainer's
 memory into its own parameters, the one pass a plain copy makes. What is not
-in shared memory (TP shards gathered from other ranks, re-laid-out tensors)
+the trainer's own (TP shards gathered from other ranks, re-laid-out tensors)
 is written into the bucket's buffer as before.
 
-The worker keeps its mappings of the storages a push used for the next push
-(mapping a file anew faults its pages in, which took longer than the copy);
-the trainer does not write its parameters while a push runs (the push holds
-the engine, and the optimizer step comes after it).
+- On the host, a storage must live in shared memory to be mapped: torch moves
+  it there in place (`share_host_memory`), every view of it keeps working.
+- On a GPU, any block of torch's CUDA allocator has an IPC handle (what vLLM's
+  own IPC weight transfer sends for unpacked weights); the storages of the
+  tensors passed are noted, so that only they go by reference: a temporary of
+  the export, shared and dropped, would stay allocated until the worker let go
+  of it. A block whose handle torch refuses (an allocator configuration
+  without IPC) sends its bucket through the buffer, and nothing more goes by
+  reference (`forget_references`).
+
+The worker keeps its mappings of the host storages a push used for the next
+push (mapping a file anew faults its pages in, which took longer than the
+copy); CUDA ones go when the push ends, after the worker's copies have run
+(weight_sync.ipc.IpcReceiver.close: an offloaded trainer must get its GPU
+memory back). The trainer does not write its parameters while a push runs
+(the push holds the engine, and the optimizer step comes after it), and on a
+GPU their last writes have completed before a handle goes out (IpcRelay).
 """
 
 from __future__ import annotations
@@ -76,10 +88,40 @@ def share_host_memory(tensors: list[torch.Tensor]) -> int:
     return needed
 
 
+_DEVICE_STORAGES: dict[tuple[str, int], Any] = {}
+"""(device, data pointer) -> a weak reference to a device storage `allow_by_reference` noted."""
+
+
+def allow_by_reference(tensors: list[torch.Tensor]) -> int:
+    """Let the tensors among `tensors` go to a push's workers by reference (see the module docstring): host ones
+    move into shared memory (`share_host_memory`, whose bytes moved are returned; it raises SharedMemoryFullError),
+    the storages of CUDA ones are noted (nothing moves)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    moved = share_host_memory(tensors)
+    for key in [key for key, noted in _DEVICE_STORAGES.items() if noted.expired()]:  # freed since (an offload)
+        del _DEVICE_STORAGES[key]
+    for tensor in tensors:
+        if tensor.is_cuda and tensor.numel():
+            storage = tensor.untyped_storage()
+            _DEVICE_STORAGES[(str(tensor.device), storage.data_ptr())] = StorageWeakRef(storage)
+    return moved
+
+
+def forget_references() -> None:
+    """No device storage goes by reference from now on (torch refused a handle of one: weight_sync.ipc)."""
+    _DEVICE_STORAGES.clear()
+
+
 def by_reference(tensor: torch.Tensor, device: torch.device) -> bool:
     """Whether `tensor` can go to the workers of a push from `device` by reference (see the module docstring)."""
-    return (device.type == "cpu" and tensor.device.type == "cpu" and tensor_bytes(tensor) > 0
-            and tensor.untyped_storage().is_shared())
+    if tensor.device != device or tensor_bytes(tensor) == 0:
+        return False
+    storage = tensor.untyped_storage()
+    if device.type == "cpu":
+        return storage.is_shared()
+    noted = _DEVICE_STORAGES.get((str(tensor.device), storage.data_ptr()))
+    return noted is not None and not noted.expired() and noted.cdata == storage._cdata  # the noted storage itself
 
 
 def split_bucket(bucket: Bucket, device: torch.device) -> tuple[Bucket, Bucket]:

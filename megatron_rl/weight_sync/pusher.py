@@ -42,7 +42,7 @@ from megatron_rl.models.export_owners import export_owned_weights
 from megatron_rl.weight_sync.broadcast import default_host
 from megatron_rl.weight_sync.delta import DeltaEncoder
 from megatron_rl.weight_sync.engine_side import WeightSyncedEngine
-from megatron_rl.weight_sync.ipc_reference import share_host_memory
+from megatron_rl.weight_sync.ipc_reference import allow_by_reference
 from megatron_rl.weight_sync.manifest import WeightPushError
 from megatron_rl.weight_sync.owner_ipc import owner_ipc_push
 from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
@@ -125,12 +125,14 @@ class WeightPusher:
                 relay.close()
 
     def _share_parameters(self) -> None:
-        """An engine process on the host that takes memory handles copies straight from the parameters: they move
-        into shared memory once (a no-op after that)."""
+        """An engine process on this rank's device that takes memory handles copies straight from the parameters
+        (weight_sync.ipc_reference): on the host they move into shared memory once (a no-op after that); on a GPU
+        their storages are noted at every push (an offloaded actor's come back as new ones)."""
         placement = self.placement
         if (self.engine is not None and placement is not None and placement.transport == "ipc"
-                and placement.kind == "engine_process" and self.ctx.device.type == "cpu"):
-            share_host_memory([p for chunk in self.model_chunks for p in chunk.parameters()])
+                and placement.kind == "engine_process"):
+            device = self.ctx.device.type  # (not an offloaded actor's host copies on a GPU)
+            allow_by_reference([p for chunk in self.model_chunks for p in chunk.parameters() if p.device.type == device])
 
     # ---- owners: every rank sends its own buckets --------------------------------------------------
     def _owner_push(self, version: int) -> dict[str, float]:

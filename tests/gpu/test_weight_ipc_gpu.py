@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from tests.distributed.test_weight_ipc_relay import check_relay
-from tests.unit.test_weight_ipc import check_push_by_handles, make_model_dir, push_by_handles, stream_of
+from tests.unit.test_weight_ipc import (
+    check_push_by_handles, check_push_by_reference, make_model_dir, push_by_handles, stream_of,
+)
 from tests.worker_process import WorkerProcess, load_state
 
 
@@ -23,6 +25,13 @@ from tests.worker_process import WorkerProcess, load_state
 def test_a_push_by_cuda_ipc_handles_loads_bit_exact_with_a_few_buckets_alive(tmp_path):
     torch.cuda.set_device(0)
     check_push_by_handles(tmp_path, "cuda:0")
+
+
+@pytest.mark.gpu
+def test_the_trainers_own_gpu_tensors_go_by_reference_and_load_bit_exact(tmp_path):
+    # CUDA IPC handles of the parameters' own blocks: no buffer, one copy (the worker's), as on the host
+    torch.cuda.set_device(0)
+    check_push_by_reference(tmp_path, "cuda:0")
 
 
 @pytest.mark.gpu

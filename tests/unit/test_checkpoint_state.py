@@ -200,3 +200,32 @@ def test_torchs_checkpoint_exception_is_read_through_its_failed_ranks(tmp_path):
     assert not _disk_full(other)
     message = _load_failure(tmp_path, other)
     assert message.startswith("KeyError: 'decoder.layers.0.weight'; a checkpoint saved by another model"), message
+
+
+def test_a_save_starts_no_process_for_its_write_results_and_loads_back(tmp_path, monkeypatch):
+    """megatron's torch_dist writer would hand its results back through a multiprocessing Manager's queue made at the
+    first save: a spawned server process importing the trainer's main module again (2-5 s on every rank). The
+    trainer's save is synchronous: its results come through a queue of this process, and what it wrote loads back."""
+    import multiprocessing
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_rl.checkpoint.dist_format import single_process_megatron
+    from megatron_rl.checkpoint.state import save_checkpoint
+    from megatron_rl.models import load_hf_config
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)  # no save yet in this process
+    hf_config = load_hf_config(make_tiny_model_dir(tmp_path / "model", "qwen3_moe", seed=0))
+    value = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    before = set(multiprocessing.active_children())
+    with single_process_megatron(hf_config):
+        path = save_checkpoint(tmp_path / "ckpt", 1, {"w": ShardedTensor.from_rank_offsets("w", value.clone())},
+                               {"weight_version": 1})
+        started = set(multiprocessing.active_children()) - before
+        loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))}, str(path))
+    assert not started, started
+    assert torch.equal(loaded["w"], value)

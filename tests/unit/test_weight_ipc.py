@@ -23,7 +23,7 @@ from megatron_rl.rollout import resolve_placement
 from megatron_rl.weight_sync.protocol import PushTarget, stream_push
 from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
 from megatron_rl.weight_sync.ipc import IpcError, IpcSender, export_handle, import_handle, shared_buffer
-from megatron_rl.weight_sync.ipc_reference import SharedMemoryFullError, share_host_memory
+from megatron_rl.weight_sync.ipc_reference import SharedMemoryFullError, allow_by_reference, share_host_memory
 from megatron_rl.weight_sync.stream import PushBrokenError, entries_of
 from tests.worker_process import WorkerProcess, load_state
 
@@ -166,39 +166,46 @@ def test_a_push_broken_midway_by_handles_restores_the_model_directory(tmp_path):
         worker.stop()
 
 
-def test_host_tensors_in_shared_memory_go_by_reference_and_load_bit_exact(tmp_path):
-    """The trainer's tensors moved into shared memory (as its parameters for a host push) reach the worker by
-    reference: no buffer is written, the worker copies straight from them; tensors not in shared memory (a TP
-    gather's results) still go through buffers; the next push maps nothing anew."""
+def check_push_by_reference(tmp_path: Path, device: str) -> None:
+    """The trainer's tensors let go by reference (`allow_by_reference`: its parameters) reach the worker with no
+    buffer written: the worker copies straight from them, bit-exact; tensors not let go (a TP gather's results)
+    still go through buffers. On the host they move into shared memory once and the next push maps nothing
+    anew; on a GPU nothing moves and the worker maps them again at every push (its CUDA mappings go at the end)."""
     first, second = make_model_dir(tmp_path / "a", 0), make_model_dir(tmp_path / "b", 1)
-    target, original = load_state(second), load_state(first)
+    target = {n: t.to(device) for n, t in load_state(second).items()}
+    original = {n: t.to(device) for n, t in load_state(first).items()}
     model_bytes = sum(t.numel() * t.element_size() for t in target.values())
-    assert share_host_memory(list(target.values())) == model_bytes and share_host_memory(list(target.values())) == 0
+    moved = model_bytes if device == "cpu" else 0
+    assert allow_by_reference(list(target.values())) == moved and allow_by_reference(list(target.values())) == 0
     views = {name: tensor.view(tensor.shape) for name, tensor in target.items()}  # views keep their storage
     addresses = {name: tensor.untyped_storage().data_ptr() for name, tensor in target.items()}
     buckets = list(bucketize(views.items(), BUCKET_BYTES))
-    worker = WorkerProcess(first)
+    worker = WorkerProcess(first, device)
     try:
         for version in (1, 2):
             answers: list = []
             stream = WeightStream(entries_of(buckets), (list(b) for b in buckets))
-            result, sender = push_by_handles(worker, first, stream, version, "cpu", answers=answers)
+            result, sender = push_by_handles(worker, first, stream, version, device, answers=answers)
             state = worker.call("state")
-            assert all(state[n].dtype == t.dtype and torch.equal(state[n], t) for n, t in target.items())
+            assert all(state[n].dtype == t.dtype and torch.equal(state[n].to(device), t) for n, t in target.items())
             assert sender.pool.allocations == 0 and result.buffer_bytes == 0  # nothing was copied on this side
-            # each tensor has a storage of its own: mapped once, in the first push only
-            assert sum(a["mapped"] for a in answers) == (len(target) if version == 1 else 0)
-            # the handles name the memory the tensors were moved to: a push copies none of it to a new file
+            # each tensor has a storage of its own: mapped once, in the first push only (on a GPU at every push)
+            assert sum(a["mapped"] for a in answers) == (len(target) if version == 1 or device != "cpu" else 0)
+            # the handles name the tensors' own memory: a push copies none of it elsewhere
             assert {n: t.untyped_storage().data_ptr() for n, t in target.items()} == addresses
-        # half the tensors fresh copies (not in shared memory): those go through buffers, the rest by reference
+        # half the tensors fresh copies (not let go by reference): those go through buffers, the rest by reference
         mixed = {n: (t.clone() if i % 2 else t) for i, (n, t) in enumerate(original.items())}
-        share_host_memory([t for i, t in enumerate(original.values()) if i % 2 == 0])
+        allow_by_reference([t for i, t in enumerate(original.values()) if i % 2 == 0])
         result, sender = push_by_handles(worker, first, WeightStream(entries_of([list(mixed.items())]),
-                                         bucketize(mixed.items(), BUCKET_BYTES)), 3, "cpu")
+                                         bucketize(mixed.items(), BUCKET_BYTES)), 3, device)
         state = worker.call("state")
-        assert all(torch.equal(state[n], t) for n, t in original.items()) and sender.pool.allocations > 0
+        assert all(torch.equal(state[n].to(device), t) for n, t in original.items()) and sender.pool.allocations > 0
     finally:
         worker.stop()
+
+
+def test_host_tensors_in_shared_memory_go_by_reference_and_load_bit_exact(tmp_path):
+    check_push_by_reference(tmp_path, "cpu")
 
 
 def test_shared_memory_too_small_for_the_weights_is_refused_before_moving_anything(monkeypatch):
