@@ -147,8 +147,9 @@ def describe_references(referenced: Bucket) -> tuple[list[dict], list[Any]]:
 
 
 def storage_view(storage: Any) -> torch.Tensor:
-    """A uint8 tensor over all of `storage` (what weight_sync.ipc.export_handle takes)."""
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    """A uint8 tensor over all of `storage` (what weight_sync.ipc.export_handle takes), on its device (torch refuses
+    a storage of another device than the tensor's)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def open_references(entries: list[dict], storages: list[Any]) -> Bucket:
@@ -156,7 +157,8 @@ def open_references(entries: list[dict], storages: list[Any]) -> Bucket:
     bucket: Bucket = []
     for entry in entries:
         dtype = getattr(torch, entry["dtype"])
-        view = torch.empty(0, dtype=dtype).set_(storages[int(entry["source"])], int(entry["offset"]),
-                                                [int(d) for d in entry["shape"]], [int(d) for d in entry["stride"]])
+        storage = storages[int(entry["source"])]
+        view = torch.empty(0, dtype=dtype, device=storage.device).set_(
+            storage, int(entry["offset"]), [int(d) for d in entry["shape"]], [int(d) for d in entry["stride"]])
         bucket.append((entry["name"], view))
     return bucket

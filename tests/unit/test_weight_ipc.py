@@ -23,7 +23,9 @@ from megatron_rl.rollout import resolve_placement
 from megatron_rl.weight_sync.protocol import PushTarget, stream_push
 from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
 from megatron_rl.weight_sync.ipc import IpcError, IpcSender, export_handle, import_handle, shared_buffer
-from megatron_rl.weight_sync.ipc_reference import SharedMemoryFullError, allow_by_reference, share_host_memory
+from megatron_rl.weight_sync.ipc_reference import (
+    SharedMemoryFullError, allow_by_reference, describe_references, open_references, share_host_memory, storage_view,
+)
 from megatron_rl.weight_sync.stream import PushBrokenError, entries_of
 from tests.worker_process import WorkerProcess, load_state
 
@@ -206,6 +208,22 @@ def check_push_by_reference(tmp_path: Path, device: str) -> None:
 
 def test_host_tensors_in_shared_memory_go_by_reference_and_load_bit_exact(tmp_path):
     check_push_by_reference(tmp_path, "cpu")
+
+
+def test_references_are_viewed_on_the_device_of_their_storage():
+    """A push from a GPU describes its parameters' CUDA storages and the worker opens views of the mapped ones:
+    each view is made on its storage's device (torch refuses to set a storage of another device than the tensor's).
+    The meta device takes CUDA's place here: the same calls, no memory; tests/gpu runs the push itself."""
+    base = torch.empty(6, 4, dtype=torch.bfloat16, device="meta")
+    bucket = [("q", base[:2]), ("k_t", base[2:].t())]  # a slice and a strided view of one storage
+    entries, storages = describe_references(bucket)
+    assert len(storages) == 1
+    whole = storage_view(storages[0])
+    assert whole.device.type == "meta" and whole.dtype == torch.uint8 and whole.numel() == 6 * 4 * 2
+    for (name, want), (got_name, got) in zip(bucket, open_references(entries, storages)):
+        assert got_name == name and got.device == want.device and got.dtype == want.dtype
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert got.storage_offset() == want.storage_offset()
 
 
 def test_shared_memory_too_small_for_the_weights_is_refused_before_moving_anything(monkeypatch):
