@@ -28,7 +28,7 @@ Reported: push GB/s (fastest of REPEATS after a warm-up, and the median; a
 plain copy of the same bytes is timed just before each push, so both see the
 same load on a shared machine),
 the engine-worker calls per push and the buffers the worker had to map anew
-per push (weight_sync.ipc.IpcReceiver keeps the mapping of a buffer the
+per push (weight_sync.ipc_receive.IpcReceiver keeps the mapping of a buffer the
 pushing side writes again; `batch_buckets` > 1 sends that many buckets'
 handles in one call),
 the same bytes copied once with `Tensor.copy_` on the device in the same run

@@ -72,7 +72,7 @@ from megatron_rl.weight_sync.broadcast import (
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
 from megatron_rl.weight_sync.delta import DeltaHolder
-from megatron_rl.weight_sync.ipc import IpcReceiver
+from megatron_rl.weight_sync.ipc_receive import IpcReceiver
 from megatron_rl.weight_sync.manifest import WeightPushError, manifest_from_checkpoint
 from megatron_rl.weight_sync.streaming_load import StreamingLoad
 

@@ -16,8 +16,8 @@ over a group of their own (NCCL on GPU, gloo on CPU); parallel.py: no funnel,
 every owner rank broadcasts its own buckets (models.export_owners);
 delta.py: sparse deltas against what the engines hold, checked by checksum;
 ipc.py / owner_ipc.py / ipc_reference.py: buckets by memory handle to engine
-workers on the trainer's own device (host tensors in shared memory by
-reference); vllm_transfer.py / vllm_source.py: vLLM's own weight-transfer
+workers on the trainer's own device (the trainer's own tensors, host or GPU, by
+reference), ipc_receive.py the worker's end; vllm_transfer.py / vllm_source.py: vLLM's own weight-transfer
 engines over our shards; protocol.py: the one push protocol every placement
 drives (stream_push, PushTarget); streaming_load.py: a push loaded into a
 worker's model as its buckets arrive. vLLM's worker extension that calls it

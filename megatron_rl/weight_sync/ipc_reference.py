@@ -24,7 +24,7 @@ is written into the bucket's buffer as before.
 The worker keeps its mappings of the host storages a push used for the next
 push (mapping a file anew faults its pages in, which took longer than the
 copy); CUDA ones go when the push ends, after the worker's copies have run
-(weight_sync.ipc.IpcReceiver.close: an offloaded trainer must get its GPU
+(weight_sync.ipc_receive.IpcReceiver.close: an offloaded trainer must get its GPU
 memory back). The trainer does not write its parameters while a push runs
 (the push holds the engine, and the optimizer step comes after it), and on a
 GPU their last writes have completed before a handle goes out (IpcRelay).

@@ -22,7 +22,8 @@ from megatron_rl.config import ConfigError, RolloutConfig
 from megatron_rl.rollout import resolve_placement
 from megatron_rl.weight_sync.protocol import PushTarget, stream_push
 from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
-from megatron_rl.weight_sync.ipc import IpcError, IpcSender, export_handle, import_handle, shared_buffer
+from megatron_rl.weight_sync.ipc import IpcSender, export_handle, shared_buffer
+from megatron_rl.weight_sync.ipc_receive import IpcError, import_handle
 from megatron_rl.weight_sync.ipc_reference import (
     SharedMemoryFullError, allow_by_reference, describe_references, open_references, share_host_memory, storage_view,
 )
