@@ -219,7 +219,10 @@ def _token_source(token_file: str) -> str:
     return f'"$(cat {shlex.quote(path)})"' if path else f'"${TOKEN_ENV}"'
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, process: bool = False) -> int:
+    """Run one command. process: this is the process's command (a console script or `python -m` entry point):
+    train's run imports its long-lived packages frozen, and the closes of a train or eval run skip their garbage
+    collections, which the exit makes pointless (megatron_rl.heap)."""
     parser = build_parser()
     # key=value overrides may also come after options (`serve --config c.yaml --port 8001 model.path=...`)
     args, extra = parser.parse_known_args(argv)
@@ -227,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
+    if process and args.command in ("train", "eval"):
+        from megatron_rl.heap import process_ends_after_close
+
+        process_ends_after_close()
     if args.command == "train":
         return _train(args)
     if args.command == "serve":
@@ -252,7 +259,7 @@ def finished(code: int) -> int:
 
 def console_main() -> int:
     """`megatron-rl ...` (setup.py's console script)."""
-    return finished(main())
+    return finished(main(process=True))
 
 
 if __name__ == "__main__":

@@ -5,4 +5,4 @@ import sys
 from megatron_rl.cli import finished, main
 
 if __name__ == "__main__":
-    sys.exit(finished(main(["train", *sys.argv[1:]])))
+    sys.exit(finished(main(["train", *sys.argv[1:]], process=True)))

@@ -81,6 +81,7 @@ def run(cfg: RLConfig, engine=None, *, stop=None) -> dict[str, float]:
     engine: a rollout engine already started on cfg.model.path (one process only), which the run
     uses instead of starting its own and leaves running: several runs in one process share it.
     """
+    from megatron_rl.heap import TRAINER_PACKAGES, ends_after_close, import_long_lived
     from megatron_rl.models import load_hf_config, model_shape
     from megatron_rl.models.tiny import ensure_tiny_model_dir, tiny_family_to_build
     from megatron_rl.preflight import check_before_start
@@ -94,6 +95,8 @@ def run(cfg: RLConfig, engine=None, *, stop=None) -> dict[str, float]:
     require_fit(cfg)  # GPU clusters: a layout that does not fit its GPUs stops here, before any device is touched
     check_before_start(cfg)  # writable directories, lengths, resume checkpoint: before any work
     with library_logs(cfg.logging.dir) as logs:
+        if ends_after_close():  # the process's own run: what it imports lives as long as the process
+            import_long_lived(*TRAINER_PACKAGES)
         shape = model_shape(load_hf_config(cfg.model.path))
         ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
         trainer = None

@@ -31,7 +31,6 @@ also works (each rank trains its rows; results are assembled over DP).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from typing import NamedTuple
 
@@ -62,6 +61,7 @@ from megatron_rl.algorithms.metrics import fraction_metric
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import ModelConfig, OptimizerConfig, TrainConfig
+from megatron_rl.heap import collect_after_close
 from megatron_rl.models import build_model, export_hf_weights, load_hf_config, parse_hf_config, resolve_dtype
 
 
@@ -567,7 +567,7 @@ class Actor:
 
         free_device_memory(list(self.model) + list(self.reference or []), self.optimizer)
         self.model, self.reference, self.optimizer, self.scheduler = None, None, None, None
-        gc.collect()
+        collect_after_close()
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()
 

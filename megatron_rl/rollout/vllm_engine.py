@@ -56,6 +56,7 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
+from megatron_rl.heap import collect_after_close, import_long_lived
 from megatron_rl.rollout.common import (
     WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample, prefix_caching_off, sleep_mode_available,
 )
@@ -166,6 +167,7 @@ class VLLMEngine(ServingEngine):
         start = time.perf_counter()
         threads = torch.get_num_threads()
         try:
+            import_long_lived("vllm", "vllm.entrypoints.llm")  # vLLM freezes the heap at start-up itself; first, cheaply
             from vllm import LLM
 
             self._llm = LLM(**self.engine_args())
@@ -241,7 +243,8 @@ class VLLMEngine(ServingEngine):
             done.set()
             thread.join()
 
-    def _stop_llm(self) -> None:
+    def _stop_llm(self, *, last: bool = False) -> None:
+        """last: the engine's shutdown (else a restart, which needs the old engine's memory back first)."""
         self._close_broadcast()  # its peers die with the engine; a new engine forms a new group
         llm, self._llm = self._llm, None
         if llm is None:
@@ -251,11 +254,14 @@ class VLLMEngine(ServingEngine):
         except Exception as error:  # a dead engine may fail to shut down cleanly; it is being discarded
             logger.warning("engine shutdown: %s: %s", type(error).__name__, error)
         del llm
-        gc.collect()
+        if last:
+            collect_after_close()
+        else:
+            gc.collect()
 
     def shutdown(self) -> None:
         with self._lock:
-            self._stop_llm()
+            self._stop_llm(last=True)
             self._close_broadcast(shutdown=True)
 
     def _fresh_engine(self) -> None:

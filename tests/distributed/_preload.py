@@ -2,9 +2,10 @@
 
 Importing megatron-core and the modules the CPU layer patches costs ~6 s per
 process; paid here once per test session instead of once per rank per launch.
-Nothing here starts threads or process groups (forking must stay safe).
+Nothing here starts threads or process groups (forking must stay safe). The imported heap is frozen at the end.
 """
 
+import gc
 import warnings
 
 with warnings.catch_warnings():
@@ -34,3 +35,8 @@ with warnings.catch_warnings():
         import tests.worker_process  # noqa: F401
     except ImportError:
         pass
+
+# What was imported here (about 450k objects) lives as long as every rank forked from here: frozen, a rank's full
+# collections (actor.close, megatron's optimizer state dict, the interpreter's own) pass it by. Unfrozen, they took
+# 35-47% of a rank's time in the layout and replay tests (7.1 of 15.0 s on one rank); frozen, 0.2 s.
+gc.freeze()

@@ -143,6 +143,12 @@ def test_every_process_entry_point_ends_through_cli_finished():
         assert len(entry) == 1, module
         calls = {getattr(node.func, "id", getattr(node.func, "attr", "")) for node in ast.walk(entry[0]) if isinstance(node, ast.Call)}
         assert calls & {"finished", "console_main"}, (module, calls)
+    # a command run as its process's own (console script, python -m ...train) says so: megatron_rl.heap
+    for module, function in (("cli", "console_main"), ("train", None)):
+        tree = ast.parse((REPO / "megatron_rl" / f"{module}.py").read_text())
+        body = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function) if function else tree
+        mains = [n for n in ast.walk(body) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "main"]
+        assert mains and all(any(k.arg == "process" and ast.unparse(k.value) == "True" for k in n.keywords) for n in mains), module
     before = gc.get_freeze_count()
     try:
         assert cli.finished(3) == 3
