@@ -33,6 +33,21 @@ def sleep_mode_available() -> bool:
     return current_platform.is_sleep_mode_available()
 
 
+def worker_in_engine_core(config) -> bool:
+    """Whether an engine whose core runs in a process of its own (a server; rollout.multiprocessing) should run its
+    one worker inside that core process: vLLM's "uni" executor, two interpreters instead of three.
+
+    For a world of one worker (tensor_parallel x pipeline_parallel = 1) vLLM picks the uni executor, but its CPU
+    platform replaces it with a spawned worker process (the mp executor) unless VLLM_ENABLE_V1_MULTIPROCESSING=0:
+    one more interpreter that imports vLLM, 7-9 s of a 17-27 s start on 2 cores (bench/engine_start.py). On GPU
+    platforms vLLM's own choice already is the uni executor, so this says False there."""
+    if config.tensor_parallel * config.pipeline_parallel != 1:
+        return False
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def default_dtype() -> str:
     """float32 on CPU (engine logprobs match the trainer's to ~1e-6; bf16 differs by ~0.4), bfloat16 on GPU."""
     return "bfloat16" if torch.cuda.is_available() else "float32"

@@ -59,6 +59,7 @@ from megatron_rl.data.batch import Rollouts
 from megatron_rl.heap import collect_after_close, import_long_lived
 from megatron_rl.rollout.common import (
     WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample, prefix_caching_off, sleep_mode_available,
+    worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
@@ -156,6 +157,12 @@ class VLLMEngine(ServingEngine):
             args["max_model_len"] = cfg.max_model_len
         if cfg.sleep_level and sleep_mode_available():
             args["enable_sleep_mode"] = True
+        if self.multiprocessing and worker_in_engine_core(cfg):
+            # the engine core's own process runs the worker: vLLM's CPU platform swaps only the name "uni" for its
+            # spawned mp executor, not the executor class itself (common.worker_in_engine_core)
+            from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+            args["distributed_executor_backend"] = UniProcExecutor
         args.update(vllm_transfer.engine_args(self.weight_transport))  # vLLM's own engine (rollout.weight_transport)
         args.update(self.engine_kwargs)
         return args

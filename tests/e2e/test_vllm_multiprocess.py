@@ -1,6 +1,6 @@
 """Engine core in a child process (rollout.multiprocessing): broadcast and bytes pushes, capture, real kills.
 
-Three engine-core starts (~20-30 s each on 2 idle cores): the tests that kill
+Three engine-core starts (~10 s each on 2 idle cores: the worker runs inside the engine core): the tests that kill
 a real engine process, once in the middle of a streamed push (the push is made
 again from a fresh export into the restarted engine) and once during
 generation (the restarted engine gets a re-export); the in-process recovery
@@ -21,7 +21,13 @@ from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import SamplingSpec, VLLMEngine  # noqa: E402
 from megatron_rl.weight_sync import WeightStream, bucketize, push_weights  # noqa: E402
 from megatron_rl.weight_sync.stream import entries_of  # noqa: E402
-from tests.e2e.vllm_helpers import build_models, hf_router_topk, hf_state_dict, max_logprob_error  # noqa: E402
+from tests.e2e.vllm_helpers import (  # noqa: E402
+    build_models,
+    hf_router_topk,
+    hf_state_dict,
+    max_logprob_error,
+    vllm_processes_below,
+)
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10]]
 
@@ -37,6 +43,8 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
     engine = VLLMEngine(models["moe0"], config)
     try:
         assert engine.weight_transport == "broadcast"  # gloo group with the engine's worker
+        # the worker runs inside the engine-core process: vLLM's CPU platform would spawn a third (worker_in_engine_core)
+        assert vllm_processes_below(_core_pid(engine)) == []
         # a push broken midway by a killed engine core: made again from a fresh export on a restarted engine
         exports = []
 

@@ -1,7 +1,7 @@
 """`megatron-rl serve` starts a server the trainer's engine can use: it waits for it, pushes, samples, with the
 token of rollout.server_token_file; a client without it is refused in one line.
 
-One server start (~30-60 s on 2 cores).
+One server start (~20-40 s on 2 cores).
 """
 
 from __future__ import annotations

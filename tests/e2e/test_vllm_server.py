@@ -3,7 +3,7 @@
 Pushes go by gloo broadcast (the default for servers) and as base64 bytes over
 HTTP; a killed server is restarted and gets the pushed weights again; without
 the run's token every route but /health is refused and changes nothing. One
-server start (~30-60 s on 2 cores) for the module, one more for the restart.
+server start (~20-40 s on 2 cores) for the module, one more for the restart.
 """
 
 from __future__ import annotations
@@ -22,7 +22,13 @@ from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import SamplingSpec, VLLMServer, VLLMServerEngine  # noqa: E402
 from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
 from tests.e2e.episode_routes import check_episode_routes  # noqa: E402
-from tests.e2e.vllm_helpers import build_models, hf_router_topk, hf_state_dict, max_logprob_error  # noqa: E402
+from tests.e2e.vllm_helpers import (  # noqa: E402
+    build_models,
+    hf_router_topk,
+    hf_state_dict,
+    max_logprob_error,
+    vllm_processes_below,
+)
 
 TOL = 1e-4
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13, 14, 15], [1, 20]]
@@ -80,6 +86,16 @@ def test_server_weight_push(server_engine, models):
         assert not (differ & (margin[:-1] > 1e-5)).any()
     # and over multi-turn episodes: every turn's request recorded on the server (rollout.agents.routes)
     check_episode_routes(server_engine, models["moe1"], PROMPTS, seed=5)
+
+
+def test_a_cpu_server_runs_its_worker_inside_its_engine_core(server_engine):
+    # vLLM's CPU platform would spawn a third interpreter for the one worker (its mp executor); the server's
+    # environment keeps it in the engine core (VLLMServer.worker_in_engine_core)
+    server = server_engine.servers[0]
+    assert server.worker_in_engine_core()
+    assert vllm_processes_below(server.process.pid) == ["VLLM::EngineCore"]
+    log = server.log_path.read_text()
+    assert "(EngineCore" in log and "(VllmWorker" not in log and "(Worker" not in log, log[-3000:]
 
 
 def test_without_the_token_every_route_is_refused_and_changes_nothing(server_engine, models, monkeypatch):
