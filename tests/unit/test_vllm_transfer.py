@@ -145,3 +145,31 @@ def test_failures_become_our_errors_naming_transport_and_fallback():
     assert exit_code_for(raised.value) == EXIT_BAD_INPUT  # the message says what to set: the user's input
     with pytest.raises(RuntimeError, match="only trainer rank 0"):
         vt.NoClient().start_weight_update()
+
+
+@needs_vllm
+def test_an_engine_core_of_its_own_runs_its_one_worker_inside_it_on_cpu(tmp_path):
+    # vLLM's CPU platform (its real check_and_update_config) would turn a world of one into a spawned worker process;
+    # servers get VLLM_ENABLE_V1_MULTIPROCESSING=0, multiprocess engines the uni executor class (which it keeps).
+    # More than one worker is vLLM's mp executor everywhere; on GPU vLLM already keeps one worker in the core.
+    from vllm.platforms import current_platform
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    from megatron_rl.rollout import VLLMEngine, VLLMServer
+    from megatron_rl.rollout.common import worker_in_engine_core
+
+    on_cpu = current_platform.is_cpu()
+    assert worker_in_engine_core(RolloutConfig()) is on_cpu
+    assert not worker_in_engine_core(RolloutConfig(tensor_parallel=2)) and not worker_in_engine_core(RolloutConfig(pipeline_parallel=2))
+    assert VLLMServer(tmp_path, RolloutConfig(), port=1).environment().get("VLLM_ENABLE_V1_MULTIPROCESSING") == ("0" if on_cpu else None)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in VLLMServer(tmp_path, RolloutConfig(tensor_parallel=2), port=1).environment()
+
+    def executor(config: RolloutConfig):  # the arguments VLLMEngine gives vllm.LLM, without starting it
+        engine = VLLMEngine.__new__(VLLMEngine)
+        engine.config, engine.model_dir, engine.seed, engine.engine_kwargs = config, tmp_path, 0, {}
+        engine.weight_transport = "rpc"
+        return engine.engine_args().get("distributed_executor_backend")
+
+    assert executor(RolloutConfig(multiprocessing=True)) is (UniProcExecutor if on_cpu else None)
+    assert executor(RolloutConfig(multiprocessing=False)) is None  # in the trainer's process: vLLM's own in-process core
+    assert executor(RolloutConfig(multiprocessing=True, tensor_parallel=2)) is None
