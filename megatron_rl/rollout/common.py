@@ -43,8 +43,10 @@ def worker_in_engine_core(config) -> bool:
     platforms vLLM's own choice already is the uni executor, so this says False there."""
     if config.tensor_parallel * config.pipeline_parallel != 1:
         return False
-    from vllm.platforms import current_platform
-
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # no vLLM here (a dry run on a login node): the engine's own start reports it
+        return False
     return current_platform.is_cpu()
 
 
