@@ -39,7 +39,7 @@ def worker_in_engine_core(config) -> bool:
 
     For a world of one worker (tensor_parallel x pipeline_parallel = 1) vLLM picks the uni executor, but its CPU
     platform replaces it with a spawned worker process (the mp executor) unless VLLM_ENABLE_V1_MULTIPROCESSING=0:
-    one more interpreter that imports vLLM, 7-9 s of a 17-27 s start on 2 cores (bench/engine_start.py). On GPU
+    one more interpreter that imports vLLM: 6-7 s of a 17-24 s start on 2 cores (bench/engine_start.py). On GPU
     platforms vLLM's own choice already is the uni executor, so this says False there."""
     if config.tensor_parallel * config.pipeline_parallel != 1:
         return False
