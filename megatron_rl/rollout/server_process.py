@@ -116,21 +116,15 @@ class VLLMServer:
                 f"{self.model_dir}: not an HF model directory (no config.json); give the directory model.path names"
             )
 
-    def worker_in_engine_core(self) -> bool:
-        """Whether the server's one worker runs inside its engine-core process (common.worker_in_engine_core).
-
-        A server's engine core always is a process of its own; VLLM_ENABLE_V1_MULTIPROCESSING=0 in the server's
-        environment keeps vLLM's CPU platform from moving the worker out of it (the variable otherwise selects only
-        LLMEngine's in-process core, which a server does not use)."""
-        return worker_in_engine_core(self.config)
-
     def environment(self) -> dict[str, str]:
         """Variables the server needs on top of the caller's environment."""
         # the server imports the worker extension: make this package importable there even when not installed
         package_root = str(Path(__file__).resolve().parents[2])
         python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
         env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": python_path}
-        if self.worker_in_engine_core():
+        if worker_in_engine_core(self.config):
+            # the API server always starts its engine core as a process of its own; this keeps vLLM's CPU platform
+            # from moving the one worker out of it (the variable otherwise selects only LLMEngine's in-process core)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -62,17 +63,13 @@ def _wait_for(what: str, ready, proc: subprocess.Popen, console: Path, timeout: 
 
 
 def _rank_pid(launcher: int, rank: int) -> int:
-    """The pid of the trainer process of `rank` among the launcher's children (its RANK in /proc/<pid>/environ)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    """The pid of the trainer process of `rank` among the launcher's children (its RANK environment variable)."""
+    for child in psutil.Process(launcher).children():
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
+            if child.environ().get("RANK") == str(rank):
+                return child.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
     raise AssertionError(f"no child of {launcher} runs rank {rank}")
 
 

@@ -90,9 +90,8 @@ def test_server_weight_push(server_engine, models):
 
 def test_a_cpu_server_runs_its_worker_inside_its_engine_core(server_engine):
     # vLLM's CPU platform would spawn a third interpreter for the one worker (its mp executor); the server's
-    # environment keeps it in the engine core (VLLMServer.worker_in_engine_core)
+    # environment keeps it in the engine core (rollout.common.worker_in_engine_core)
     server = server_engine.servers[0]
-    assert server.worker_in_engine_core()
     assert vllm_processes_below(server.process.pid) == ["VLLM::EngineCore"]
     log = server.log_path.read_text()
     assert "(EngineCore" in log and "(VllmWorker" not in log and "(Worker" not in log, log[-3000:]

@@ -91,25 +91,16 @@ def hf_router_topk(model_dir: str | Path, token_ids: torch.Tensor, top_k: int) -
 
 
 def vllm_processes_below(pid: int) -> list[str]:
-    """The names of vLLM's processes below `pid` (it names them by role: VLLM::EngineCore, VLLM::Worker...), from
-    /proc; the spawn context's resource tracker, which imports nothing of vLLM, is left out."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    """The names of vLLM's processes below `pid` (it names them by role: VLLM::EngineCore, VLLM::Worker...); the
+    spawn context's resource tracker, which imports nothing of vLLM, is left out."""
+    import psutil
+
+    names = []
+    for child in psutil.Process(pid).children(recursive=True):
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], list(children.get(pid, []))
-    while stack:
-        child = stack.pop()
-        try:
-            name = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except OSError:
+            name = " ".join(child.cmdline()).strip()  # a retitled process pads its command line
+        except psutil.NoSuchProcess:
             continue
         if "multiprocessing.resource_tracker" not in name:
-            found.append(name)
-        stack += children.get(child, [])
-    return sorted(found)
+            names.append(name)
+    return sorted(names)
