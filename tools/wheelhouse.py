@@ -42,8 +42,8 @@ def core_requirements() -> list[str]:
 
 
 def tested_megatron_version() -> str:
-    """megatron-core's version the compatibility layer is written against (parallel/compat_sites.py)."""
-    text = (ROOT / "megatron_rl" / "parallel" / "compat_sites.py").read_text()
+    """megatron-core's version the compatibility layer is written against (parallel/patch_site.py)."""
+    text = (ROOT / "megatron_rl" / "parallel" / "patch_site.py").read_text()
     return re.search(r'^TESTED_MEGATRON_VERSION = "([^"]+)"', text, flags=re.MULTILINE).group(1)
 
 

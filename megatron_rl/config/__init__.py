@@ -3,6 +3,7 @@
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.core import ConfigError, from_dict, load_config, to_dict
 from megatron_rl.config.layout import ModelShape, check_layout, data_parallel_size
+from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.schema import (
     CheckpointConfig,
     ClusterConfig,
@@ -12,7 +13,6 @@ from megatron_rl.config.schema import (
     OptimizerConfig,
     ParallelConfig,
     RLConfig,
-    RolloutConfig,
     TrainConfig,
 )
 

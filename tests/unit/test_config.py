@@ -60,8 +60,9 @@ def test_every_field_has_a_docstring():
     import dataclasses
 
     from megatron_rl.config import schema
+    from megatron_rl.config.rollout import RolloutConfig
 
-    classes = [AlgorithmConfig] + [c for c in vars(schema).values() if dataclasses.is_dataclass(c) and c.__module__ == schema.__name__]
+    classes = [AlgorithmConfig, RolloutConfig] + [c for c in vars(schema).values() if dataclasses.is_dataclass(c) and c.__module__ == schema.__name__]
     for cls in classes:
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
