@@ -6,9 +6,10 @@ Two engines on the tiny Qwen3-MoE (the e2e tests'), float32, a 0.25 GiB KV cache
 - server: a VLLMServer (`python -m vllm.entrypoints.openai.api_server`), timed from its start to /health answering;
 - multiprocess: an in-process VLLMEngine with rollout.multiprocessing=true (the engine core in a child process: what
   rank 0 of every multi-rank trainer run starts), timed over vllm.LLM's construction.
-Each then generates 64 prompts x 4 samples x 48 tokens twice (the second timed: tokens/s).
-Each in two variants: "core" (the worker inside the engine-core process, rollout.common.worker_in_engine_core: what
-the project does on CPU) and "spawned" (vLLM's CPU default, its mp executor: one more interpreter, asked for with
+Each then generates 64 prompts x 4 samples x 48 tokens once to warm up and 3 times timed (the median: tokens/s).
+Each in two variants: "core" (the worker inside the engine-core process, rollout.common.worker_in_engine_core, a
+server's with every CPU but one for its model's threads, rollout.common.engine_core_worker_threads: what the
+project does on CPU) and "spawned" (vLLM's CPU default, its mp executor: one more interpreter, asked for with
 VLLM_ENABLE_V1_MULTIPROCESSING=1 in the server's environment, or distributed_executor_backend="uni", which the CPU
 platform turns into "mp"). Every start is a fresh interpreter; the variants alternate, REPEATS each, so both see the
 same machine load. Reported: the start seconds, vLLM's processes below the engine, the generation tokens/s, and the
@@ -39,15 +40,18 @@ kind, variant, model = sys.argv[1], sys.argv[2], sys.argv[3]
 
 
 def generate(engine):
-    # 64 prompts x 4 samples x 48 new tokens (EOS ignored), once to warm up, then timed
-    import time
+    # 64 prompts x 4 samples x 48 new tokens (EOS ignored), once to warm up, then 3 times timed: the median
+    import statistics, time
     from megatron_rl.rollout import SamplingSpec
     prompts = [[1, 5 + i % 40, 6 + i % 30, 7, 8 + i % 20] for i in range(64)]
     spec = SamplingSpec(n=4, max_new_tokens=48, seed=1, temperature=1.0, ignore_eos=True)
     engine.generate(prompts, spec)
-    start = time.perf_counter()
-    rollouts = engine.generate(prompts, spec)
-    return round(sum(len(s.response_token_ids) for s in rollouts) / (time.perf_counter() - start))
+    rates = []
+    for _ in range(3):
+        start = time.perf_counter()
+        rollouts = engine.generate(prompts, spec)
+        rates.append(sum(len(s.response_token_ids) for s in rollouts) / (time.perf_counter() - start))
+    return round(statistics.median(rates))
 
 if kind == "server":
     from megatron_rl.rollout import VLLMServer

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 
@@ -48,6 +50,40 @@ def worker_in_engine_core(config) -> bool:
     except ImportError:  # no vLLM here (a dry run on a login node): the engine's own start reports it
         return False
     return current_platform.is_cpu()
+
+
+def engine_core_worker_threads() -> int:
+    """The OpenMP threads of a worker inside its engine core on CPU (worker_in_engine_core): the CPUs this process
+    may run on, less one. vLLM's own CPU executor keeps that one CPU for the process that feeds the core (the API
+    server, or the LLM client's output processing) and the core's scheduler when it spawns the worker
+    (vllm.utils.ompmultiprocessing); inside the core, torch's default of every CPU has the model's threads contend
+    with that process for the same cores (bench/engine_start.py)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def engine_core_environment(config) -> dict[str, str]:
+    """What the environment of an engine core process that runs its worker inside it needs: OMP_NUM_THREADS of
+    engine_core_worker_threads(). Empty where the worker has a process of its own, or where the user set
+    OMP_NUM_THREADS (theirs stands)."""
+    if "OMP_NUM_THREADS" in os.environ or not worker_in_engine_core(config):
+        return {}
+    return {"OMP_NUM_THREADS": str(engine_core_worker_threads())}
+
+
+@contextmanager
+def environment_set(variables: dict[str, str]) -> Iterator[None]:
+    """This process's environment with `variables` set, as it was again afterwards: for a child process that
+    reads them at its start (vLLM spawns its engine core while vllm.LLM is built)."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def default_dtype() -> str:

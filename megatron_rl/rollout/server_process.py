@@ -27,6 +27,7 @@ from megatron_rl.rollout.client_limits import start_timeout_s
 from megatron_rl.rollout.common import (
     WORKER_EXTENSION,
     default_dtype,
+    engine_core_environment,
     prefix_caching_off,
     sleep_mode_available,
     worker_in_engine_core,
@@ -126,6 +127,7 @@ class VLLMServer:
             # the API server always starts its engine core as a process of its own; this keeps vLLM's CPU platform
             # from moving the one worker out of it (the variable otherwise selects only LLMEngine's in-process core)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.update(engine_core_environment(self.config))  # its model's threads leave the API server a CPU
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))
         token = server_env(self.token) if self.token else {}

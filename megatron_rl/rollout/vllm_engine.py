@@ -58,8 +58,8 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.heap import collect_after_close, import_long_lived
 from megatron_rl.rollout.common import (
-    WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, make_sample, prefix_caching_off, sleep_mode_available,
-    worker_in_engine_core,
+    WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, engine_core_environment, environment_set, make_sample,
+    prefix_caching_off, sleep_mode_available, worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
@@ -177,7 +177,9 @@ class VLLMEngine(ServingEngine):
             import_long_lived("vllm", "vllm.entrypoints.llm")  # vLLM freezes the heap at start-up itself; first, cheaply
             from vllm import LLM
 
-            self._llm = LLM(**self.engine_args())
+            # a core process of its own (rollout.multiprocessing) reads its threads at its start
+            with environment_set(engine_core_environment(self.config) if self.multiprocessing else {}):
+                self._llm = LLM(**self.engine_args())
         except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"
             self._llm = None
             raise EngineStartError(

@@ -443,7 +443,8 @@ class RolloutWorkerExtension:
 
     def mrl_model_info(self) -> dict:
         """{'workers' (TP x PP), 'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len',
-        'model_dir', 'max_num_seqs', 'sleep_mode' (started with it), 'platform_sleep_mode' (the platform has one)}."""
+        'model_dir', 'max_num_seqs', 'sleep_mode' (started with it), 'platform_sleep_mode' (the platform has one),
+        'cpu_threads' (torch's intra-op threads in the worker's process)}."""
         runner = self.model_runner  # type: ignore[attr-defined]
         routers = find_moe_routers(runner.get_model())
         return {
@@ -456,6 +457,7 @@ class RolloutWorkerExtension:
             "max_num_seqs": int(self.vllm_config.scheduler_config.max_num_seqs),  # type: ignore[attr-defined]
             "sleep_mode": bool(runner.model_config.enable_sleep_mode),
             "platform_sleep_mode": _platform_sleep_mode(),
+            "cpu_threads": torch.get_num_threads(),
         }
 
     def mrl_capture_start(self) -> None:

@@ -45,6 +45,9 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         assert engine.weight_transport == "broadcast"  # gloo group with the engine's worker
         # the worker runs inside the engine-core process: vLLM's CPU platform would spawn a third (worker_in_engine_core)
         assert vllm_processes_below(_core_pid(engine)) == []
+        # with every CPU but one for its model's threads, the one vLLM's spawned worker leaves the client's processing
+        cpus = len(os.sched_getaffinity(0))
+        assert engine.model_info["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS", max(1, cpus - 1)))
         # a push broken midway by a killed engine core: made again from a fresh export on a restarted engine
         exports = []
 

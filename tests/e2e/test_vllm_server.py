@@ -95,6 +95,9 @@ def test_a_cpu_server_runs_its_worker_inside_its_engine_core(server_engine):
     assert vllm_processes_below(server.process.pid) == ["VLLM::EngineCore"]
     log = server.log_path.read_text()
     assert "(EngineCore" in log and "(VllmWorker" not in log and "(Worker" not in log, log[-3000:]
+    # and its model's threads leave one CPU to the API server, as vLLM's spawned worker would
+    cpus = len(os.sched_getaffinity(0))
+    assert server_engine.model_info["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS", max(1, cpus - 1)))
 
 
 def test_without_the_token_every_route_is_refused_and_changes_nothing(server_engine, models, monkeypatch):

@@ -173,3 +173,21 @@ def test_an_engine_core_of_its_own_runs_its_one_worker_inside_it_on_cpu(tmp_path
     assert executor(RolloutConfig(multiprocessing=True)) is (UniProcExecutor if on_cpu else None)
     assert executor(RolloutConfig(multiprocessing=False)) is None  # in the trainer's process: vLLM's own in-process core
     assert executor(RolloutConfig(multiprocessing=True, tensor_parallel=2)) is None
+
+
+@needs_vllm
+def test_a_worker_inside_its_server_core_leaves_one_cpu_to_the_api_server(tmp_path, monkeypatch):
+    # vLLM's spawned CPU worker gets every CPU but one (the one it reserves for the API server and the scheduler);
+    # inside the core, torch's default (every CPU) contended with the API server: a user's OMP_NUM_THREADS stands
+    from vllm.platforms import current_platform
+
+    from megatron_rl.rollout import VLLMServer
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cpus, threads in (({0, 1}, "1"), ({0, 1, 2, 3, 4, 5, 6, 7}, "7"), ({3}, "1")):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, cpus=cpus: cpus)
+        env = VLLMServer(tmp_path, RolloutConfig(), port=1).environment()
+        assert env.get("OMP_NUM_THREADS") == (threads if current_platform.is_cpu() else None), (cpus, env)
+    assert "OMP_NUM_THREADS" not in VLLMServer(tmp_path, RolloutConfig(tensor_parallel=2), port=1).environment()
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # inherited by the server as it is
+    assert "OMP_NUM_THREADS" not in VLLMServer(tmp_path, RolloutConfig(), port=1).environment()
