@@ -57,8 +57,10 @@ def engine_core_worker_threads() -> int:
     may run on, less one. vLLM's own CPU executor keeps that one CPU for the process that feeds the core (the API
     server, or the LLM client's output processing) and the core's scheduler when it spawns the worker
     (vllm.utils.ompmultiprocessing); inside the core, torch's default of every CPU has the model's threads contend
-    with that process for the same cores (bench/engine_start.py)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    with that process for the same cores (bench/engine_start.py). Where the platform has no CPU affinity (macOS),
+    every CPU counts."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus - 1)
 
 
 def engine_core_environment(config) -> dict[str, str]:

@@ -189,5 +189,9 @@ def test_a_worker_inside_its_server_core_leaves_one_cpu_to_the_api_server(tmp_pa
         env = VLLMServer(tmp_path, RolloutConfig(), port=1).environment()
         assert env.get("OMP_NUM_THREADS") == (threads if current_platform.is_cpu() else None), (cpus, env)
     assert "OMP_NUM_THREADS" not in VLLMServer(tmp_path, RolloutConfig(tensor_parallel=2), port=1).environment()
+    monkeypatch.delattr("os.sched_getaffinity")  # macOS: every CPU
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert VLLMServer(tmp_path, RolloutConfig(), port=1).environment().get("OMP_NUM_THREADS") == (
+        "3" if current_platform.is_cpu() else None)
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # inherited by the server as it is
     assert "OMP_NUM_THREADS" not in VLLMServer(tmp_path, RolloutConfig(), port=1).environment()
