@@ -87,7 +87,8 @@ def started_engines(model_dir: Path, cfg) -> Iterator:
             for i in range(placement.engines):  # engine i on GPUs i*size .. (i+1)*size-1 of this node
                 env = {"CUDA_VISIBLE_DEVICES": engine_devices(i * size, size, visible_devices())} if torch.cuda.is_available() else {}
                 log = Path(cfg.logging.dir) / "logs" / f"vllm-eval-engine{i}.log"
-                servers.append(VLLMServer(model_dir, rollout, seed=cfg.train.seed, log_path=log, env=env, token=token))
+                servers.append(VLLMServer(model_dir, rollout, seed=cfg.train.seed, log_path=log, env=env, token=token,
+                                          engines_on_host=placement.engines))
             for server in servers:  # started one after the other: a failed start names its log
                 server.start()
             engine = VLLMServerEngine(servers, rollout, model_dir=model_dir)

@@ -158,8 +158,9 @@ def start_colocated_servers(
             if torch.cuda.is_available():
                 size = rollout.tensor_parallel * rollout.pipeline_parallel
                 env["CUDA_VISIBLE_DEVICES"] = engine_devices(local_rank, size, visible_devices())
+            on_host = sum(names[r] == names[rank] for r in hosts)  # their threads share this host's CPUs
             server = VLLMServer(model_dir, rollout, host=address, seed=seed + engine_index, log_path=log_path, env=env,
-                                token=token)
+                                token=token, engines_on_host=on_host)
             server.start()
             outcome = ("ok", server.url)
         except (EngineStartError, OSError) as error:

@@ -52,24 +52,24 @@ def worker_in_engine_core(config) -> bool:
     return current_platform.is_cpu()
 
 
-def engine_core_worker_threads() -> int:
-    """The OpenMP threads of a worker inside its engine core on CPU (worker_in_engine_core): the CPUs this process
-    may run on, less one. vLLM's own CPU executor keeps that one CPU for the process that feeds the core (the API
-    server, or the LLM client's output processing) and the core's scheduler when it spawns the worker
-    (vllm.utils.ompmultiprocessing); inside the core, torch's default of every CPU has the model's threads contend
-    with that process for the same cores (bench/engine_start.py). Where the platform has no CPU affinity (macOS),
-    every CPU counts."""
+def engine_core_worker_threads(engines: int = 1) -> int:
+    """The OpenMP threads of a worker inside its engine core on CPU (worker_in_engine_core), one of `engines` such
+    engines on this host's CPUs: the CPUs this process may run on, less one per engine, shared among them. vLLM's
+    own CPU executor keeps one CPU per worker for the process that feeds its core (the API server, or the LLM
+    client's output processing) and the core's scheduler when it spawns the worker (vllm.utils.ompmultiprocessing);
+    inside the core, torch's default of every CPU has the model's threads contend with that process for the same
+    cores (bench/engine_start.py). Where the platform has no CPU affinity (macOS), every CPU counts."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cpus - 1)
+    return max(1, (cpus - engines) // max(1, engines))
 
 
-def engine_core_environment(config) -> dict[str, str]:
-    """What the environment of an engine core process that runs its worker inside it needs: OMP_NUM_THREADS of
-    engine_core_worker_threads(). Empty where the worker has a process of its own, or where the user set
-    OMP_NUM_THREADS (theirs stands)."""
+def engine_core_environment(config, engines: int = 1) -> dict[str, str]:
+    """What the environment of an engine core process that runs its worker inside it needs, one of `engines` on
+    this host: OMP_NUM_THREADS of engine_core_worker_threads(engines). Empty where the worker has a process of its
+    own, or where OMP_NUM_THREADS is set (the user's, or torchrun's 1 for each of several ranks: it stands)."""
     if "OMP_NUM_THREADS" in os.environ or not worker_in_engine_core(config):
         return {}
-    return {"OMP_NUM_THREADS": str(engine_core_worker_threads())}
+    return {"OMP_NUM_THREADS": str(engine_core_worker_threads(engines))}
 
 
 @contextmanager

@@ -61,10 +61,13 @@ class VLLMServer:
         env: dict[str, str] | None = None,
         token: str | None = None,
         open_control_plane: bool = False,
+        engines_on_host: int = 1,
     ):
         """token: what every request must carry (rollout.server_auth); None: rollout.server_token_file, else
         $MEGATRON_RL_SERVER_TOKEN_FILE / $MEGATRON_RL_SERVER_TOKEN, else a new random one.
-        open_control_plane: no token at all (`megatron-rl serve` on a loopback address without one)."""
+        open_control_plane: no token at all (`megatron-rl serve` on a loopback address without one).
+        engines_on_host: the vLLM engines this host's CPUs serve, this one included (on CPU they share its cores:
+        common.engine_core_worker_threads)."""
         self.model_dir = Path(model_dir)
         self.config = config or RolloutConfig()
         self.host = host
@@ -73,6 +76,7 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
+        self.engines_on_host = engines_on_host
         self.token = None if open_control_plane else (token or run_token(self.config.server_token_file))
         self.process: subprocess.Popen | None = None
         self.start_seconds = 0.0
@@ -127,7 +131,7 @@ class VLLMServer:
             # the API server always starts its engine core as a process of its own; this keeps vLLM's CPU platform
             # from moving the one worker out of it (the variable otherwise selects only LLMEngine's in-process core)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env.update(engine_core_environment(self.config))  # its model's threads leave the API server a CPU
+        env.update(engine_core_environment(self.config, self.engines_on_host))  # the API server keeps a CPU
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))
         token = server_env(self.token) if self.token else {}

@@ -208,10 +208,11 @@ def test_a_worker_inside_its_server_core_leaves_one_cpu_to_the_api_server(tmp_pa
     from megatron_rl.rollout import VLLMServer
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for cpus, threads in (({0, 1}, "1"), ({0, 1, 2, 3, 4, 5, 6, 7}, "7"), ({3}, "1")):
-        monkeypatch.setattr("os.sched_getaffinity", lambda pid, cpus=cpus: cpus)
-        env = VLLMServer(tmp_path, RolloutConfig(), port=1).environment()
-        assert env.get("OMP_NUM_THREADS") == (threads if current_platform.is_cpu() else None), (cpus, env)
+    # (CPUs, engines on the host): each engine keeps one CPU for its feeder, the rest are shared
+    for cpus, engines, threads in ((2, 1, "1"), (8, 1, "7"), (1, 1, "1"), (8, 2, "3"), (2, 2, "1"), (16, 3, "4")):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, cpus=cpus: set(range(cpus)))
+        env = VLLMServer(tmp_path, RolloutConfig(), port=1, engines_on_host=engines).environment()
+        assert env.get("OMP_NUM_THREADS") == (threads if current_platform.is_cpu() else None), (cpus, engines, env)
     assert "OMP_NUM_THREADS" not in VLLMServer(tmp_path, RolloutConfig(tensor_parallel=2), port=1).environment()
     monkeypatch.delattr("os.sched_getaffinity")  # macOS: every CPU
     monkeypatch.setattr("os.cpu_count", lambda: 4)
