@@ -39,6 +39,11 @@ from megatron_rl.weight_sync import vllm_transfer
 logger = logging.getLogger(__name__)
 
 
+PORT_TRIES = 3
+PORT_TAKEN = "Address already in use"
+"""What the server's log says when its port was taken (OSError errno 98, EADDRINUSE)."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -72,6 +77,8 @@ class VLLMServer:
         self.config = config or RolloutConfig()
         self.host = host
         self.port = port or free_port(host)
+        self._chosen_port = port is None  # free_port's: another may take it before the server binds it
+        self._started = False
         self.seed = seed
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = list(extra_args)
@@ -138,7 +145,24 @@ class VLLMServer:
         return {**env, **vllm_transfer.server_env(self.config.weight_transport), **self.env, **token}
 
     def start(self) -> "VLLMServer":
-        """Start the server and wait until /health answers (EngineStartError with the log tail if it dies)."""
+        """Start the server and wait until /health answers (EngineStartError with the log tail if it dies).
+
+        A port this server chose itself (free_port) is free when chosen, not when the server binds it seconds later,
+        after importing vLLM: another process may take it in between. A first start that fails on "Address already
+        in use" is made again on a newly chosen port (3 tries). A restart keeps its port: its URL is known."""
+        for attempt in range(PORT_TRIES):
+            try:
+                self._start()
+                self._started = True
+                return self
+            except EngineStartError as error:
+                if self._started or not self._chosen_port or PORT_TAKEN not in str(error) or attempt + 1 == PORT_TRIES:
+                    raise
+                taken, self.port = self.port, free_port(self.host)
+                logger.warning("vLLM server port %d was taken before the server bound it; starting on %d", taken, self.port)
+        raise AssertionError("unreachable")
+
+    def _start(self) -> None:
         self.check_model_dir()
         # the server's whole output goes to its log file: not to the trainer's vLLM log (megatron_rl.console);
         # a server without a token must not take one from this process's environment
@@ -155,7 +179,6 @@ class VLLMServer:
             )
         self.wait_ready(start_timeout_s(self.config.server_start_timeout_s, self.model_dir))
         self.start_seconds = time.perf_counter() - start
-        return self
 
     def wait_ready(self, timeout_s: float) -> None:
         import httpx

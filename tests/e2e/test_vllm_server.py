@@ -20,6 +20,7 @@ import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the
 
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import SamplingSpec, VLLMServer, VLLMServerEngine  # noqa: E402
+from megatron_rl.rollout.engine import EngineStartError  # noqa: E402
 from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
 from tests.e2e.episode_routes import check_episode_routes  # noqa: E402
 from tests.e2e.vllm_helpers import (  # noqa: E402
@@ -98,6 +99,34 @@ def test_a_cpu_server_runs_its_worker_inside_its_engine_core(server_engine):
     # and its model's threads leave one CPU to the API server, as vLLM's spawned worker would
     cpus = len(os.sched_getaffinity(0))
     assert server_engine.model_info["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS", max(1, cpus - 1)))
+
+
+def test_a_chosen_port_taken_before_the_server_binds_it_is_chosen_again(models, tmp_path):
+    # the race a chosen port has: free when VLLMServer picks it, taken by another process before the server,
+    # seconds later, binds it (a colocated CI run lost its server so). Here a socket holds it the whole time.
+    import socket
+
+    import httpx
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, server_start_timeout_s=240)
+        server = VLLMServer(models["moe0"], config, log_path=tmp_path / "server.log")
+        taken = server.port = holder.getsockname()[1]
+        try:
+            server.start()
+            assert server.port != taken and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+            assert "Address already in use" in server.log_path.read_text()  # the first try met the taken port
+        finally:
+            server.stop()
+    # a port given by the caller is kept: its failure is the caller's to see
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        given = VLLMServer(models["moe0"], config, port=holder.getsockname()[1], log_path=tmp_path / "given.log")
+        with pytest.raises(EngineStartError, match="Address already in use"):
+            given.start()
 
 
 def test_without_the_token_every_route_is_refused_and_changes_nothing(server_engine, models, monkeypatch):
