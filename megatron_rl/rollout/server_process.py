@@ -12,6 +12,7 @@ VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc and /reset_prefix_cache),
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -40,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 
 PORT_TRIES = 3
-PORT_TAKEN = "Address already in use"
-"""What the server's log says when its port was taken (OSError errno 98, EADDRINUSE)."""
+PORT_TAKEN = os.strerror(errno.EADDRINUSE)
+"""What the server's log says when its port was taken: this platform's text for EADDRINUSE."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -138,7 +139,7 @@ class VLLMServer:
             # the API server always starts its engine core as a process of its own; this keeps vLLM's CPU platform
             # from moving the one worker out of it (the variable otherwise selects only LLMEngine's in-process core)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env.update(engine_core_environment(self.config, self.engines_on_host))  # the API server keeps a CPU
+            env.update(engine_core_environment(self.config, self.engines_on_host))  # the API server keeps a CPU
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))
         token = server_env(self.token) if self.token else {}
@@ -156,7 +157,11 @@ class VLLMServer:
                 self._started = True
                 return self
             except EngineStartError as error:
-                if self._started or not self._chosen_port or PORT_TAKEN not in str(error) or attempt + 1 == PORT_TRIES:
+                taken = PORT_TAKEN in str(error)
+                if taken and not self._chosen_port:
+                    raise EngineStartError(f"port {self.port} on {self.host}, given to the vLLM server, is in use by "
+                                           "another process: give a free port, or none to have one chosen") from error
+                if self._started or not taken or attempt + 1 == PORT_TRIES:
                     raise
                 taken, self.port = self.port, free_port(self.host)
                 logger.warning("vLLM server port %d was taken before the server bound it; starting on %d", taken, self.port)
