@@ -273,9 +273,8 @@ def init_parallel(
             init = {"store": store} if store is not None else {"init_method": "env://"}
             dist.init_process_group(backend=backend, world_size=world_size, rank=rank, timeout=timeout, **init)
         else:
-            dist.init_process_group(
-                backend=backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", world_size=1, rank=0, timeout=timeout
-            )
+            # One process: its rendezvous store lives in this process (no port, none to lose to another process).
+            dist.init_process_group(backend=backend, store=dist.HashStore(), world_size=1, rank=0, timeout=timeout)
     elif dist.get_backend() != backend:
         raise ConfigError(f"torch.distributed is already initialised with backend {dist.get_backend()}, but parallel.backend wants {backend}")
 

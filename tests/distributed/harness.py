@@ -16,6 +16,8 @@ runs ``fn(rank, world_size, *args)``. Return values come back through a
 temporary directory, in rank order. If a rank raises, its traceback is
 re-raised here (naming the rank) and the other ranks are killed at once; if the
 timeout passes, every rank is killed and the ranks still running are named.
+If rank 0 cannot bind MASTER_PORT because another process took it after it
+was chosen, the launch starts again on another port (3 tries): nothing has run.
 
 Start-up is cheap: processes are forked from a forkserver that has already
 imported torch, megatron-core and megatron_rl (and applied the CPU
@@ -46,12 +48,46 @@ class DistributedTestError(RuntimeError):
     """A rank raised, died or timed out; the message names the rank(s) and carries the traceback."""
 
 
+class _StorePortTaken(DistributedTestError):
+    """Rank 0 could not bind MASTER_PORT: another process took the port after it was chosen. The launch is retried."""
+
+
+LAUNCH_ATTEMPTS = 3
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def _free_port() -> int:
+    """A port that was free a moment ago, drawn below the kernel's ephemeral range where one exists.
+
+    A port the kernel hands out for ``bind(0)`` is in the ephemeral range, and so is every port the kernel
+    gives the outgoing connections of gloo, vLLM and the tests' servers: such a port can be taken again by any
+    of those between this call and rank 0's bind. Below the range only an explicit bind takes a port.
+    """
+    import random
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    low, _ = _ephemeral_range()
+    candidates = random.sample(range(max(1024, low - 8192), low), 32) if low > 2048 else []
+    for port in candidates + [0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
+
+
+def _store_port_taken(text: str, port: int) -> bool:
+    """Whether a rank's traceback is rank 0's store failing to bind MASTER_PORT (torch's TCPStore message)."""
+    return "EADDRINUSE" in text and f"port: {port}," in text
 
 
 _CTX: Any = None
@@ -169,8 +205,20 @@ def run_distributed(
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = mp.get_context("spawn") if cuda else _context()
-    port = _free_port()
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    for attempt in range(1, LAUNCH_ATTEMPTS + 1):
+        try:
+            return _launch(ctx, fn, world_size, args, timeout, env, threads, cuda, _free_port())
+        except _StorePortTaken:
+            # Nothing ran yet: rank 0 failed in its rendezvous, before any rank could do work.
+            if attempt == LAUNCH_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch(
+    ctx: Any, fn: Callable, world_size: int, args: tuple, timeout: float, env: dict | None, threads: int, cuda: bool, port: int
+) -> list[Any]:
     procs: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="mrl-dist-") as out_dir:
         try:
@@ -195,7 +243,8 @@ def run_distributed(
                 )
                 proc.start()
                 procs.append(proc)
-            return _wait(procs, Path(out_dir), world_size, timeout, getattr(fn, "__qualname__", repr(fn)))
+            name = getattr(fn, "__qualname__", repr(fn))
+            return _wait(procs, Path(out_dir), world_size, timeout, name, port)
         finally:
             _kill(procs)
 
@@ -208,7 +257,7 @@ def _read(path: Path) -> Any:
 FAILURE_GRACE_S = 1.0
 
 
-def _raise_first_failure(procs: list[Any], out_dir: Path, world_size: int, name: str) -> None:
+def _raise_first_failure(procs: list[Any], out_dir: Path, world_size: int, name: str, port: int) -> None:
     """Raise for the rank that failed first, after giving its peers a moment to report too.
 
     When one rank raises and exits, its peers fail in their next collective with
@@ -232,13 +281,15 @@ def _raise_first_failure(procs: list[Any], out_dir: Path, world_size: int, name:
             silent.append(f"rank {rank} exited with code {exitcodes[rank]} without a result")
     failures.sort()
     _, rank, text = failures[0]
+    if rank == 0 and _store_port_taken(text, port):
+        raise _StorePortTaken(f"{name}: rank 0 could not bind MASTER_PORT={port}, taken by another process:\n{text}")
     others = [r for _, r, _ in failures[1:]]
     notes = ([f"ranks {others} failed after it"] if others else []) + silent
     also = f" ({'; '.join(notes)})" if notes else ""
     raise DistributedTestError(f"{name}: rank {rank} of {world_size} failed{also}:\n{text}")
 
 
-def _wait(procs: list[Any], out_dir: Path, world_size: int, timeout: float, name: str) -> list[Any]:
+def _wait(procs: list[Any], out_dir: Path, world_size: int, timeout: float, name: str, port: int) -> list[Any]:
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
     while True:
@@ -249,7 +300,7 @@ def _wait(procs: list[Any], out_dir: Path, world_size: int, timeout: float, name
             if path.exists():
                 status, value = _read(path)
                 if status == "error":
-                    _raise_first_failure(procs, out_dir, world_size, name)
+                    _raise_first_failure(procs, out_dir, world_size, name, port)
                 results[rank] = value
             elif proc.exitcode is not None:
                 if path.exists():
