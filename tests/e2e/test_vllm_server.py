@@ -4,6 +4,7 @@ Pushes go by gloo broadcast (the default for servers) and as base64 bytes over
 HTTP; a killed server is restarted and gets the pushed weights again; without
 the run's token every route but /health is refused and changes nothing. One
 server start (~20-40 s on 2 cores) for the module, one more for the restart.
+The module's server meets a taken port at its first start and chooses another.
 """
 
 from __future__ import annotations
@@ -43,13 +44,25 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server_engine(models, tmp_path_factory):
+    """The module's server. The port it chose first is taken before it binds it (by a socket here; in a CI run by
+    another process's connection): the race a chosen port has, seen by test_a_chosen_port_taken_..."""
+    import socket
+
     config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, return_routed_experts=True, server_start_timeout_s=240)
     server = VLLMServer(models["moe0"], config, log_path=tmp_path_factory.mktemp("vllm-server") / "server.log",
                         extra_args=["--max-num-seqs", "6"])
-    server.start()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        FIRST_START["taken"] = server.port = holder.getsockname()[1]
+        server.start()
+    FIRST_START["port"], FIRST_START["log"] = server.port, server.log_path.read_text()
     engine = VLLMServerEngine([server], config)
     yield engine
     engine.shutdown()
+
+
+FIRST_START: dict = {}
 
 
 def test_server_weight_push(server_engine, models):
@@ -102,29 +115,21 @@ def test_a_cpu_server_runs_its_worker_inside_its_engine_core(server_engine):
     assert server_engine.model_info["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS", max(1, cpus - 1)))
 
 
-def test_a_chosen_port_taken_before_the_server_binds_it_is_chosen_again(models, tmp_path):
+def test_a_chosen_port_taken_before_the_server_binds_it_is_chosen_again(server_engine, models, tmp_path):
     # the race a chosen port has: free when VLLMServer picks it, taken by another process before the server,
-    # seconds later, binds it (a colocated CI run lost its server so). Here a socket holds it the whole time.
+    # seconds later, binds it (a colocated CI run lost its server so). The module's server met it at its start.
     import socket
 
     import httpx
 
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, server_start_timeout_s=240)
-        server = VLLMServer(models["moe0"], config, log_path=tmp_path / "server.log")
-        taken = server.port = holder.getsockname()[1]
-        try:
-            server.start()
-            assert server.port != taken and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-            assert os.strerror(errno.EADDRINUSE) in server.log_path.read_text()  # the first try met the taken port
-        finally:
-            server.stop()
+    assert FIRST_START["port"] != FIRST_START["taken"]
+    assert os.strerror(errno.EADDRINUSE) in FIRST_START["log"]  # the first try met the taken port
+    assert httpx.get(f"{server_engine.urls[0]}/health", timeout=10).status_code == 200
     # a port given by the caller is kept: its failure is the caller's to see
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
+        config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, server_start_timeout_s=240)
         given = VLLMServer(models["moe0"], config, port=holder.getsockname()[1], log_path=tmp_path / "given.log")
         with pytest.raises(EngineStartError, match=r"port \d+ on 127.0.0.1, given to the vLLM server, is in use"):
             given.start()

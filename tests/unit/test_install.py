@@ -155,3 +155,18 @@ def test_every_process_entry_point_ends_through_cli_finished():
         assert gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
+
+
+def test_the_process_hosting_a_vllm_worker_freezes_what_is_alive_at_its_exit():
+    """vLLM's engine core (where its one worker runs, on the CPU and on one GPU) is not our entry point: importing the
+    worker extension there registers gc.freeze at exit, before the interpreter's final collection. Checked in a fresh
+    interpreter by an exit handler registered before the import (exit handlers run last registered, first)."""
+    body = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('FROZEN', gc.get_freeze_count(), flush=True))\n"
+        "import megatron_rl.rollout.worker_ext\n"
+    )
+    result = subprocess.run([sys.executable, "-c", body], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    frozen = re.findall(r"^FROZEN (\d+)$", result.stdout, flags=re.MULTILINE)
+    assert len(frozen) == 1 and int(frozen[0]) > 10_000, result.stdout[-2000:]  # torch's objects alone are more

@@ -1,0 +1,101 @@
+"""Shutdown time of a vLLM engine whose core runs in a process of its own: the project's engine against vLLM's own.
+
+    python bench/engine_stop.py          # writes bench/results/engine_stop.json
+
+On the tiny Qwen3-MoE (the e2e tests'), float32, a 0.25 GiB KV cache, the worker inside the engine core (what rank 0
+of every multi-rank trainer run starts on the CPU), two variants built from the same vllm.LLM arguments
+(VLLMEngine.engine_args):
+- "project": VLLMEngine(rollout.multiprocessing=true), whose core imports the worker extension
+  (megatron_rl.rollout.worker_ext, which freezes what is alive at the core's exit);
+- "vllm": vllm.LLM with the same arguments less the worker extension.
+Each generates once (so the core has served), then is timed from the shutdown call until its engine-core process is
+gone (llm_engine.engine_core.shutdown(), which waits for it). Every run is a fresh interpreter; the variants
+alternate, REPEATS each. Reported: the seconds, their medians and the ratio of the medians.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REPEATS = 3
+
+CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[3])
+from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout import SamplingSpec, VLLMEngine
+variant, model = sys.argv[1], sys.argv[2]
+
+
+def main():
+    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, multiprocessing=True)
+    engine = VLLMEngine(model, config)
+    engine.generate([[1, 5, 6, 7, 8]], SamplingSpec(n=2, max_new_tokens=8, seed=1))
+    if variant == "vllm":
+        import vllm
+        args = engine.engine_args()
+        del args["worker_extension_cls"]
+        engine.shutdown()
+        from megatron_rl.rollout.common import engine_core_environment, environment_set
+        with environment_set(engine_core_environment(config)):  # the core's threads, as VLLMEngine gives them
+            llm = vllm.LLM(**args)
+        llm.generate([{"prompt_token_ids": [1, 5, 6, 7, 8]}], vllm.SamplingParams(max_tokens=8))
+        start = time.perf_counter()
+        llm.llm_engine.engine_core.shutdown()
+    else:
+        start = time.perf_counter()
+        engine.shutdown()
+    print("RESULT " + json.dumps({"shutdown_s": round(time.perf_counter() - start, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _run(variant: str, model_dir: Path, script: Path) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, str(script), variant, str(model_dir), str(ROOT)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise SystemExit(f"{variant} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def main() -> None:
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    load_start = os.getloadavg()[0]
+    runs: dict[str, list[dict]] = {"project": [], "vllm": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model_dir(Path(tmp) / "model" / "tiny-moe", "qwen3_moe", seed=0)
+        script = Path(tmp) / "child.py"  # a file, not -c: the engine core is spawned and imports its parent's main
+        script.write_text(CHILD)
+        for _ in range(REPEATS):
+            for variant, rows in runs.items():
+                rows.append(_run(variant, model_dir, script))
+                print(variant, rows[-1], flush=True)
+    median = {variant: statistics.median(r["shutdown_s"] for r in rows) for variant, rows in runs.items()}
+    result = {
+        "what": __doc__.split("\n\n")[0].strip() + " (bench/engine_stop.py docstring)",
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                    "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2)},
+        "runs": runs,
+        "median_shutdown_s": median,
+        "ratio_project_over_vllm": round(median["project"] / median["vllm"], 2),
+    }
+    out = ROOT / "bench" / "results" / "engine_stop.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("median_shutdown_s", "ratio_project_over_vllm")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
