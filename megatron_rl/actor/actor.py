@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
+from megatron_rl.actor.packing import layout_metrics, write_rows
 from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, init_optimizer_state, kernel_choice_kept, unshare_step_counters
 from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
@@ -57,7 +58,6 @@ from megatron_rl.algorithms import (
     merge_metrics,
     rejection_response_mask,
 )
-from megatron_rl.algorithms.metrics import fraction_metric
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import ModelConfig, OptimizerConfig, TrainConfig
@@ -319,7 +319,7 @@ class Actor:
                     routing.reset()
             if self._is_logprob_owner():
                 for inputs, out in zip(items, outputs):
-                    _write_rows(logprobs, out["logprobs"].float().cpu(), inputs.mb.rows, lengths)
+                    write_rows(logprobs, out["logprobs"].float().cpu(), inputs.mb.rows, lengths)
         # Each row was written on one rank of its model-parallel group (last stage, TP rank 0).
         logprobs = self._assemble(batch, logprobs)
         routes = recorded.finish(routing.layer_ids) if recorded is not None else None
@@ -570,37 +570,6 @@ class Actor:
         collect_after_close()
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _write_rows(dest: torch.Tensor, values: torch.Tensor, rows: tuple[int, ...], lengths: torch.Tensor) -> None:
-    """dest[rows[i], t] = values[i, t] for t below row rows[i]'s length (padding rows, -1, skipped): whole-tensor
-    ops, no per-row Python or scalar read."""
-    index = torch.tensor(rows, dtype=torch.int64)
-    real = torch.nonzero(index >= 0).flatten()
-    if not real.numel():
-        return
-    width = min(values.shape[1], dest.shape[1])
-    target = index[real]
-    inside = torch.arange(width)[None] < lengths[target][:, None]
-    dest[target, :width] = torch.where(inside, values[real, :width], dest[target, :width])
-
-
-def layout_metrics(items: list, lengths: torch.Tensor, device) -> dict[str, torch.Tensor]:
-    """How this rank's microbatches were laid out, as exact fractions over the step's ranks.
-
-    ``batch/packed_fraction``: microbatches packed (THD) / microbatches; ``batch/padding_fraction``:
-    model input positions holding no real token / input positions (under CP, each rank's chunks).
-    A run with train.pack_sequences=true shows packed_fraction 1; padded rows of uneven lengths
-    show the padding they cost.
-    """
-    packed = sum(1 for item in items if item.mb.packed)
-    positions = sum(item.layout.rows.numel() for item in items)
-    real = sum(int(item.layout.real(lengths).sum()) for item in items)
-    counts = torch.tensor([packed, len(items), positions - real, positions], dtype=torch.float64, device=device)
-    return {
-        "batch/packed_fraction": fraction_metric(counts[0], counts[1]),
-        "batch/padding_fraction": fraction_metric(counts[2], counts[3]),
-    }
 
 
 __all__ = ["Actor", "LogprobsWithRoutes"]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.actor.plan import Microbatch
+from megatron_rl.algorithms.metrics import fraction_metric
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -151,4 +152,36 @@ def unpack_index(layout: TokenLayout, mb: Microbatch, lengths: torch.Tensor, wid
     return index[:, :width], valid[:, :width]
 
 
-__all__ = ["TokenLayout", "gather_positions", "microbatch_layout", "packed_layout", "padded_layout", "unpack_index"]
+def write_rows(dest: torch.Tensor, values: torch.Tensor, rows: tuple[int, ...], lengths: torch.Tensor) -> None:
+    """dest[rows[i], t] = values[i, t] for t below row rows[i]'s length (padding rows, -1, skipped): whole-tensor
+    ops, no per-row Python or scalar read."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    real = torch.nonzero(index >= 0).flatten()
+    if not real.numel():
+        return
+    width = min(values.shape[1], dest.shape[1])
+    target = index[real]
+    inside = torch.arange(width)[None] < lengths[target][:, None]
+    dest[target, :width] = torch.where(inside, values[real, :width], dest[target, :width])
+
+
+def layout_metrics(items: list, lengths: torch.Tensor, device) -> dict[str, torch.Tensor]:
+    """How this rank's microbatches were laid out, as exact fractions over the step's ranks.
+
+    ``batch/packed_fraction``: microbatches packed (THD) / microbatches; ``batch/padding_fraction``:
+    model input positions holding no real token / input positions (under CP, each rank's chunks).
+    A run with train.pack_sequences=true shows packed_fraction 1; padded rows of uneven lengths
+    show the padding they cost.
+    """
+    packed = sum(1 for item in items if item.mb.packed)
+    positions = sum(item.layout.rows.numel() for item in items)
+    real = sum(int(item.layout.real(lengths).sum()) for item in items)
+    counts = torch.tensor([packed, len(items), positions - real, positions], dtype=torch.float64, device=device)
+    return {
+        "batch/packed_fraction": fraction_metric(counts[0], counts[1]),
+        "batch/padding_fraction": fraction_metric(counts[2], counts[3]),
+    }
+
+
+__all__ = ["TokenLayout", "gather_positions", "layout_metrics", "microbatch_layout", "packed_layout", "padded_layout",
+           "unpack_index", "write_rows"]

@@ -69,12 +69,12 @@ def test_packed_layout_refuses_sequences_cp_cannot_split():
 
 
 def test_logprobs_are_written_back_to_their_rows_up_to_each_length():
-    from megatron_rl.actor.actor import _write_rows
+    from megatron_rl.actor.packing import write_rows
 
     lengths = torch.tensor([5, 2, 7, 4])
     values = torch.arange(1.0, 1.0 + 3 * 6).reshape(3, 6)  # microbatch rows (3, -1, 0), width 6
     dest = torch.full((4, 7), -1.0)
-    _write_rows(dest, values, (3, -1, 0), lengths)
+    write_rows(dest, values, (3, -1, 0), lengths)
     expected = torch.full((4, 7), -1.0)
     for i, row in enumerate((3, -1, 0)):  # the definition, row by row
         if row >= 0:
