@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -86,6 +88,28 @@ def environment_set(variables: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+class SocketDir:
+    """A directory of one vLLM engine's own for the ZMQ sockets between its processes (VLLM_RPC_BASE_PATH), removed
+    with it. vLLM names them by uuid in the system temp directory and leaves them there: every engine start left 3
+    socket files behind, a server 3 more, and a machine's /tmp collects thousands over restarts and runs."""
+
+    VARIABLE = "VLLM_RPC_BASE_PATH"
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+
+    def environment(self) -> dict[str, str]:
+        """A new directory (the one before removed) as the variable vLLM reads when it names a socket."""
+        self.remove()
+        self.path = tempfile.mkdtemp(prefix="megatron_rl-vllm-")
+        return {self.VARIABLE: self.path}
+
+    def remove(self) -> None:
+        path, self.path = self.path, None
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def default_dtype() -> str:

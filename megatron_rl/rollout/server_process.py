@@ -27,6 +27,7 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.client_limits import start_timeout_s
 from megatron_rl.rollout.common import (
     WORKER_EXTENSION,
+    SocketDir,
     default_dtype,
     engine_core_environment,
     prefix_caching_off,
@@ -49,6 +50,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _processes_below(pid: int) -> list:
+    """psutil's handles on the processes below `pid` (each remembers its start time: a pid used again by another
+    process later is not mistaken for it)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_all(processes: list, timeout_s: float = 5.0) -> None:
+    """SIGKILL those of `processes` still running, and wait for them to be gone."""
+    import psutil
+
+    for each in processes:
+        try:
+            each.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=timeout_s)
 
 
 class VLLMServer:
@@ -87,6 +111,8 @@ class VLLMServer:
         self.engines_on_host = engines_on_host
         self.token = None if open_control_plane else (token or run_token(self.config.server_token_file))
         self.process: subprocess.Popen | None = None
+        self._below: list = []  # the server's processes below it (engine core, workers) once it answered: psutil's
+        self._sockets = SocketDir()
         self.start_seconds = 0.0
 
     @property
@@ -174,6 +200,7 @@ class VLLMServer:
         dropped = {"VLLM_LOGGING_CONFIG_PATH", *server_env("")}
         env = {k: v for k, v in os.environ.items() if k not in dropped}
         env.update(self.environment())
+        env.update(self._sockets.environment())  # a start's own, removed at its stop (not in environment(): `serve`)
         if self.log_path is None:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-server-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,7 +209,11 @@ class VLLMServer:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        self.wait_ready(start_timeout_s(self.config.server_start_timeout_s, self.model_dir))
+        try:
+            self.wait_ready(start_timeout_s(self.config.server_start_timeout_s, self.model_dir))
+        except BaseException:
+            self.stop()  # what it started before it died goes with it
+            raise
         self.start_seconds = time.perf_counter() - start
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -190,12 +221,15 @@ class VLLMServer:
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is None:
+                self._below = _processes_below(self.process.pid) or self._below
             if self.process is not None and self.process.poll() is not None:
                 raise EngineStartError(
                     f"vLLM server for {self.model_dir} exited with code {self.process.returncode}:\n{self.log_tail()}"
                 )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    self._below = _processes_below(self.process.pid) if self.process is not None else []
                     return
             except httpx.HTTPError:
                 pass
@@ -212,19 +246,25 @@ class VLLMServer:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the server and its engine-core child (its own process group)."""
+        """Stop the server and its engine core (its own process group), also when the server died alone: its engine
+        core then lives on (vLLM's core does not watch its parent) holding the engine's memory, the KV cache on a GPU,
+        and a restart would not fit beside it."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
+        below, self._below = self._below, []
         try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=timeout_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+            if process is not None and process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGTERM)
+                    process.wait(timeout=timeout_s)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(process.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    process.wait()
+            _kill_all(below)
+        finally:
+            self._sockets.remove()
 
     def restart(self) -> None:
         self.stop()

@@ -58,8 +58,8 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.heap import collect_after_close, import_long_lived
 from megatron_rl.rollout.common import (
-    WORKER_EXTENSION, attach_routes, check_prompts, default_dtype, engine_core_environment, environment_set, make_sample,
-    prefix_caching_off, sleep_mode_available, worker_in_engine_core,
+    WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, default_dtype, engine_core_environment, environment_set,
+    make_sample, prefix_caching_off, sleep_mode_available, worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
@@ -108,6 +108,7 @@ class VLLMEngine(ServingEngine):
         self.seed = seed
         self.engine_kwargs = dict(engine_kwargs or {})
         self._llm: Any = None
+        self._sockets = SocketDir()  # a multiprocess engine's sockets between this process and its core
         self._route_capture = False  # between start_route_capture and collect_route_capture
         self.weight_transport = self._resolve_transport()
         self._start()
@@ -177,11 +178,14 @@ class VLLMEngine(ServingEngine):
             import_long_lived("vllm", "vllm.entrypoints.llm")  # vLLM freezes the heap at start-up itself; first, cheaply
             from vllm import LLM
 
-            # a core process of its own (rollout.multiprocessing) reads its threads at its start
-            with environment_set(engine_core_environment(self.config) if self.multiprocessing else {}):
+            # a core process of its own (rollout.multiprocessing) reads its threads at its start; the sockets
+            # between it and this process go in a directory of this start's own (common.SocketDir)
+            variables = {**engine_core_environment(self.config), **self._sockets.environment()} if self.multiprocessing else {}
+            with environment_set(variables):
                 self._llm = LLM(**self.engine_args())
         except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"
             self._llm = None
+            self._sockets.remove()
             raise EngineStartError(
                 f"vLLM could not start on model directory {self.model_dir}: {type(error).__name__}: {error}"
             ) from error
@@ -262,6 +266,7 @@ class VLLMEngine(ServingEngine):
             llm.llm_engine.engine_core.shutdown()
         except Exception as error:  # a dead engine may fail to shut down cleanly; it is being discarded
             logger.warning("engine shutdown: %s: %s", type(error).__name__, error)
+        self._sockets.remove()
         del llm
         if last:
             collect_after_close()

@@ -26,6 +26,7 @@ from tests.e2e.vllm_helpers import (  # noqa: E402
     hf_router_topk,
     hf_state_dict,
     max_logprob_error,
+    socket_files,
     vllm_processes_below,
 )
 
@@ -48,6 +49,9 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         # with every CPU but one for its model's threads, the one vLLM's spawned worker leaves the client's processing
         cpus = len(os.sched_getaffinity(0))
         assert engine.model_info["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS", max(1, cpus - 1)))
+        # vLLM's sockets between this process and its core are in a directory of this start's own (common.SocketDir)
+        first_sockets = engine._sockets.path
+        assert len(socket_files(first_sockets)) >= 2, first_sockets
         # a push broken midway by a killed engine core: made again from a fresh export on a restarted engine
         exports = []
 
@@ -65,6 +69,8 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
 
         push_weights(engine, export, version=3, max_attempts=2)
         assert len(exports) == 2 and engine.restarts == 1
+        # the killed start's directory went with it; the restarted one has its own
+        assert not os.path.exists(first_sockets) and socket_files(engine._sockets.path)
         spec = SamplingSpec(n=2, max_new_tokens=10, seed=1, return_routed_experts=True)
         before = engine.generate(PROMPTS, spec)
         # moe1's logprobs, not the directory's moe0: the restarted engine got the whole second export
@@ -89,4 +95,6 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         by_rpc = engine.generate(PROMPTS, spec)
         assert by_rpc.weight_version == 5 and max_logprob_error(models["moe0"], by_rpc, 1.0) < 1e-4
     finally:
+        last_sockets = engine._sockets.path
         engine.shutdown()
+    assert last_sockets and not os.path.exists(last_sockets)  # removed with the engine

@@ -15,6 +15,7 @@ import signal
 import time
 from dataclasses import replace
 
+import psutil
 import pytest
 import torch
 
@@ -30,6 +31,7 @@ from tests.e2e.vllm_helpers import (  # noqa: E402
     hf_router_topk,
     hf_state_dict,
     max_logprob_error,
+    socket_files,
     vllm_processes_below,
 )
 
@@ -235,7 +237,11 @@ def test_killed_server_is_restarted_with_the_pushed_weights(server_engine, model
     assert max_logprob_error(models["moe1"], before, 0.9) < TOL
 
     server = server_engine.servers[0]
-    os.killpg(server.process.pid, signal.SIGKILL)  # the API server and its engine core
+    # the API server dies alone (a crash, the OOM killer): its engine core would live on, holding the engine's
+    # memory (on a GPU the restart would not fit beside it); the restart ends it. Its sockets' directory goes too.
+    core, sockets = psutil.Process(server.process.pid).children(recursive=True), server._sockets.path
+    assert socket_files(sockets), sockets  # vLLM's sockets are in the server's own directory
+    os.kill(server.process.pid, signal.SIGKILL)
     server.process.wait()
     # no host copy of the last push is kept: the restarted server gets a fresh export from the trainer
     server_engine.reexport_fn = lambda: bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10)
@@ -244,6 +250,8 @@ def test_killed_server_is_restarted_with_the_pushed_weights(server_engine, model
     finally:
         server_engine.reexport_fn = None
     assert after.metrics["restarts"] == 1 and after.weight_version == 8
+    assert core and not [p for p in core if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], core
+    assert not os.path.exists(sockets) and socket_files(server._sockets.path)
     # the restarted server loaded moe0 from its directory; these are moe1's logprobs, so the push was repeated
     assert max_logprob_error(models["moe1"], after, 0.9) < TOL
     assert [s.response_token_ids.tolist() for s in after] == [s.response_token_ids.tolist() for s in before]

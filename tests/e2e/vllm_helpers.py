@@ -7,6 +7,7 @@ checked against a plain HF forward of the same token sequences.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -104,3 +105,12 @@ def vllm_processes_below(pid: int) -> list[str]:
         if "multiprocessing.resource_tracker" not in name:
             names.append(name)
     return sorted(names)
+
+
+def socket_files(directory: str | None) -> list[str]:
+    """The Unix socket files in `directory` (vLLM's ZMQ sockets between an engine's processes); [] if it is gone."""
+    import stat
+
+    if directory is None or not os.path.isdir(directory):
+        return []
+    return sorted(name for name in os.listdir(directory) if stat.S_ISSOCK(os.lstat(os.path.join(directory, name)).st_mode))
