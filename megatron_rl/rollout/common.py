@@ -96,14 +96,20 @@ class SocketDir:
     socket files behind, a server 3 more, and a machine's /tmp collects thousands over restarts and runs."""
 
     VARIABLE = "VLLM_RPC_BASE_PATH"
+    MAX_PATH = 107 - 1 - 36  # a Unix socket's path holds 107 bytes (Linux sun_path); vLLM adds "/" and a uuid4
+    PREFIX = "mrl-vllm-"
 
     def __init__(self) -> None:
         self.path: str | None = None
 
     def environment(self) -> dict[str, str]:
-        """A new directory (the one before removed) as the variable vLLM reads when it names a socket."""
+        """A new directory (the one before removed) as the variable vLLM reads when it names a socket; nothing (vLLM's
+        own temp directory) where the temp directory's path is too long for a directory in it to hold the sockets."""
         self.remove()
-        self.path = tempfile.mkdtemp(prefix="megatron_rl-vllm-")
+        room = self.MAX_PATH - len(os.path.join(tempfile.gettempdir(), self.PREFIX)) - 8  # mkdtemp's 8 characters
+        if room < 0:
+            return {}
+        self.path = tempfile.mkdtemp(prefix=self.PREFIX)
         return {self.VARIABLE: self.path}
 
     def remove(self) -> None:

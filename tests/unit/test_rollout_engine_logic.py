@@ -152,3 +152,48 @@ def test_a_server_engine_without_urls_names_both_ways_to_get_them():
 
     with pytest.raises(ConfigError, match=r"needs rollout.server_urls=\[http://host:port, ...\].*launch/slurm.sbatch"):
         make_engine("unused", RolloutConfig(engine="vllm_server"))
+
+
+def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(tmp_path, monkeypatch):
+    """common.SocketDir: vLLM names a socket <VLLM_RPC_BASE_PATH>/<uuid4>; the directory is one the kernel can bind
+    such a name in, or none at all (vLLM's own temp directory) where the temp directory's path leaves no room."""
+    import os
+    import shutil
+    import socket
+    import tempfile
+    import uuid
+
+    from megatron_rl.rollout.common import SocketDir
+
+    def binds(path: str) -> bool:
+        with socket.socket(socket.AF_UNIX) as sock:
+            try:
+                sock.bind(path)
+                return True
+            except OSError:
+                return False
+
+    # the kernel's limit, found by binding: a name of MAX_PATH + 37 bytes binds, one byte more does not
+    deep = tmp_path / ("d" * max(1, SocketDir.MAX_PATH - len(str(tmp_path)) - 1))
+    deep.mkdir()
+    assert len(str(deep)) == SocketDir.MAX_PATH, "tmp_path is too long for this check"
+    assert binds(f"{deep}/{uuid.uuid4()}") and not binds(f"{deep}/{uuid.uuid4()}x")
+
+    short = tempfile.mkdtemp(prefix="s", dir="/tmp")  # pytest's tmp_path is itself too long to leave room
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        sockets = SocketDir()
+        first = sockets.environment()[SocketDir.VARIABLE]
+        assert os.path.dirname(first) == short and binds(f"{first}/{uuid.uuid4()}")
+        second = sockets.environment()[SocketDir.VARIABLE]  # a restart: a new directory, the one before removed
+        assert second != first and not os.path.exists(first) and os.path.isdir(second)
+        sockets.remove()
+        assert not os.path.exists(second) and sockets.path is None and os.listdir(short) == []
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+    # a temp directory whose path leaves no room for the socket names: vLLM's default, nothing made
+    long_dir = tmp_path / ("l" * max(1, SocketDir.MAX_PATH - len(str(tmp_path)) - len(SocketDir.PREFIX) - 1))
+    long_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
+    assert sockets.environment() == {} and sockets.path is None and os.listdir(long_dir) == []
