@@ -154,7 +154,7 @@ def test_a_server_engine_without_urls_names_both_ways_to_get_them():
         make_engine("unused", RolloutConfig(engine="vllm_server"))
 
 
-def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(tmp_path, monkeypatch):
+def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(monkeypatch):
     """common.SocketDir: vLLM names a socket <VLLM_RPC_BASE_PATH>/<uuid4>; the directory is one the kernel can bind
     such a name in, or none at all (vLLM's own temp directory) where the temp directory's path leaves no room."""
     import os
@@ -173,14 +173,14 @@ def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(tmp
             except OSError:
                 return False
 
-    # the kernel's limit, found by binding: a name of MAX_PATH + 37 bytes binds, one byte more does not
-    deep = tmp_path / ("d" * max(1, SocketDir.MAX_PATH - len(str(tmp_path)) - 1))
-    deep.mkdir()
-    assert len(str(deep)) == SocketDir.MAX_PATH, "tmp_path is too long for this check"
-    assert binds(f"{deep}/{uuid.uuid4()}") and not binds(f"{deep}/{uuid.uuid4()}x")
-
-    short = tempfile.mkdtemp(prefix="s", dir="/tmp")  # pytest's tmp_path is itself too long to leave room
+    short = tempfile.mkdtemp(prefix="s", dir="/tmp")  # pytest's tmp_path (under xdist: .../popen-gw0/...) is too long
     try:
+        # the kernel's limit, found by binding: a name of MAX_PATH + 37 bytes binds, one byte more does not
+        deep = os.path.join(short, "d" * (SocketDir.MAX_PATH - len(short) - 1))
+        os.mkdir(deep)
+        assert len(deep) == SocketDir.MAX_PATH
+        assert binds(f"{deep}/{uuid.uuid4()}") and not binds(f"{deep}/{uuid.uuid4()}x")
+
         monkeypatch.setattr(tempfile, "tempdir", short)
         sockets = SocketDir()
         first = sockets.environment()[SocketDir.VARIABLE]
@@ -188,12 +188,12 @@ def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(tmp
         second = sockets.environment()[SocketDir.VARIABLE]  # a restart: a new directory, the one before removed
         assert second != first and not os.path.exists(first) and os.path.isdir(second)
         sockets.remove()
-        assert not os.path.exists(second) and sockets.path is None and os.listdir(short) == []
+        assert not os.path.exists(second) and sockets.path is None
+
+        # a temp directory whose path leaves no room for the socket names: vLLM's default, nothing made
+        long_dir = os.path.join(short, "l" * (SocketDir.MAX_PATH - len(short) - len(SocketDir.PREFIX) - 1))
+        os.mkdir(long_dir)
+        monkeypatch.setattr(tempfile, "tempdir", long_dir)
+        assert sockets.environment() == {} and sockets.path is None and os.listdir(long_dir) == []
     finally:
         shutil.rmtree(short, ignore_errors=True)
-
-    # a temp directory whose path leaves no room for the socket names: vLLM's default, nothing made
-    long_dir = tmp_path / ("l" * max(1, SocketDir.MAX_PATH - len(str(tmp_path)) - len(SocketDir.PREFIX) - 1))
-    long_dir.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
-    assert sockets.environment() == {} and sockets.path is None and os.listdir(long_dir) == []
