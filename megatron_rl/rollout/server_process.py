@@ -111,7 +111,7 @@ class VLLMServer:
         self.engines_on_host = engines_on_host
         self.token = None if open_control_plane else (token or run_token(self.config.server_token_file))
         self.process: subprocess.Popen | None = None
-        self._below: list = []  # the server's processes below it (engine core, workers) once it answered: psutil's
+        self._below: list = []  # psutil's handles on the server's processes below it (engine core, workers)
         self._sockets = SocketDir()
         self.start_seconds = 0.0
 
