@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.layout import ModelShape, check_layout
 from megatron_rl.config.schema import ParallelConfig
+from megatron_rl.ports import free_port as find_free_port  # noqa: F401  (megatron_rl.parallel's name for it)
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup (kept loose for type checkers)
 
@@ -151,13 +151,6 @@ class ParallelContext:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         return ProcessGroupCollection.use_mpu_process_groups()
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _env_int(name: str) -> int | None:

@@ -16,7 +16,6 @@ import errno
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Iterable
 
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.ports import free_port
 from megatron_rl.rollout.client_limits import start_timeout_s
 from megatron_rl.rollout.common import (
     WORKER_EXTENSION,
@@ -44,12 +44,6 @@ logger = logging.getLogger(__name__)
 PORT_TRIES = 3
 PORT_TAKEN = os.strerror(errno.EADDRINUSE)
 """What the server's log says when its port was taken: this platform's text for EADDRINUSE."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _processes_below(pid: int) -> list:
@@ -221,20 +215,19 @@ class VLLMServer:
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is None:
+            if self.process is not None:
+                if self.process.poll() is not None:
+                    raise EngineStartError(
+                        f"vLLM server for {self.model_dir} exited with code {self.process.returncode}:\n{self.log_tail()}"
+                    )
+                # what it has started so far (its engine core before /health answers): stop() ends those that outlive it
                 self._below = _processes_below(self.process.pid) or self._below
-            if self.process is not None and self.process.poll() is not None:
-                raise EngineStartError(
-                    f"vLLM server for {self.model_dir} exited with code {self.process.returncode}:\n{self.log_tail()}"
-                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    self._below = _processes_below(self.process.pid) if self.process is not None else []
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise EngineStartError(f"vLLM server for {self.model_dir} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config.placement import VLLM_ENGINE_OF
+from megatron_rl.ports import free_port
 from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.vllm_source import make_megatron_source
 
@@ -342,16 +342,10 @@ def start_for_run(transport: str, rollout: Any, ctx, model_chunks: list, *, engi
         client = FanOutClient(clients) if clients else NoClient()
         return start_transfer(transport, lambda: make_full_source(model_chunks, ctx, wire_dtype=dtype),
                               [ipc_init_info(rank=ctx.rank, bucket_bytes=bucket_bytes)], [client])
-    ports = share([_free_port() for _ in range(engines)] if ctx.rank == 0 else None)
+    # on this host's every address: trainer rank 0 hosts nccl_m2n's rendezvous there
+    ports = share([free_port("") for _ in range(engines)] if ctx.rank == 0 else None)
     workers = rollout.tensor_parallel * rollout.pipeline_parallel
     infos = [m2n_init_info(rank=ctx.rank, trainer_ranks=ctx.world_size, workers=workers, address=host, port=port,
                            engine_pp=rollout.pipeline_parallel) for port in ports]
     return start_transfer(transport, lambda: make_m2n_source(model_chunks, ctx, wire_dtype=dtype), infos,
                           clients if clients else [NoClient()] * engines)
-
-
-def _free_port() -> int:
-    """A port free on this host's every address (trainer rank 0 hosts nccl_m2n's rendezvous there)."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])

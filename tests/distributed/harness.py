@@ -11,7 +11,7 @@
         results = run_distributed(_worker, 2, {"tensor_parallel": 2}, timeout=120)
 
 Each rank is a separate process with the torchrun variables set (MASTER_ADDR,
-MASTER_PORT on a free port, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and
+MASTER_PORT on a free port (megatron_rl.ports), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and
 runs ``fn(rank, world_size, *args)``. Return values come back through a
 temporary directory, in rank order. If a rank raises, its traceback is
 re-raised here (naming the rank) and the other ranks are killed at once; if the
@@ -40,6 +40,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from megatron_rl.ports import free_port
+
 DEFAULT_TIMEOUT = 180.0
 PRELOAD = ["tests.distributed._preload"]
 
@@ -53,36 +55,6 @@ class _StorePortTaken(DistributedTestError):
 
 
 LAUNCH_ATTEMPTS = 3
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def _free_port() -> int:
-    """A port that was free a moment ago, drawn below the kernel's ephemeral range where one exists.
-
-    A port the kernel hands out for ``bind(0)`` is in the ephemeral range, and so is every port the kernel
-    gives the outgoing connections of gloo, vLLM and the tests' servers: such a port can be taken again by any
-    of those between this call and rank 0's bind. Below the range only an explicit bind takes a port.
-    """
-    import random
-    import socket
-
-    low, _ = _ephemeral_range()
-    candidates = random.sample(range(max(1024, low - 8192), low), 32) if low > 2048 else []
-    for port in candidates + [0]:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return sock.getsockname()[1]
-    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def _store_port_taken(text: str, port: int) -> bool:
@@ -208,7 +180,7 @@ def run_distributed(
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     for attempt in range(1, LAUNCH_ATTEMPTS + 1):
         try:
-            return _launch(ctx, fn, world_size, args, timeout, env, threads, cuda, _free_port())
+            return _launch(ctx, fn, world_size, args, timeout, env, threads, cuda, free_port())
         except _StorePortTaken:
             # Nothing ran yet: rank 0 failed in its rendezvous, before any rank could do work.
             if attempt == LAUNCH_ATTEMPTS:
