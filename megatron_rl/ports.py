@@ -30,7 +30,10 @@ def ephemeral_range() -> tuple[int, int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` a moment ago ("" = every address of this host), below the ephemeral range if one is."""
     low, _ = ephemeral_range()
-    candidates = random.sample(range(max(1024, low - 8192), low), TRIES) if low - 8192 > 1024 else []
+    # the OS's randomness, not `random`'s: every trainer rank seeds that alike, and ranks starting servers at once
+    # would draw the same ports
+    draw = random.SystemRandom()
+    candidates = draw.sample(range(max(1024, low - 8192), low), TRIES) if low - 8192 > 1024 else []
     for port in candidates + [0]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:

@@ -20,3 +20,15 @@ def test_ports_are_free_and_outside_the_range_the_kernel_hands_out():
     with socket.socket() as sock:  # a kernel-chosen port, for contrast, is inside the range
         sock.bind(("127.0.0.1", 0))
         assert low <= sock.getsockname()[1] <= high
+
+
+def test_ranks_that_seed_random_alike_draw_different_ports():
+    """Every trainer rank seeds Python's `random` with the run's seed (parallel.seed_all); colocated servers started at
+    once on two ranks must still not draw the same port."""
+    import random
+
+    draws = []
+    for _ in range(2):  # two "ranks"
+        random.seed(1234)
+        draws.append([free_port() for _ in range(5)])
+    assert draws[0] != draws[1], draws
