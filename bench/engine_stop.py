@@ -1,16 +1,20 @@
-"""Shutdown time of a vLLM engine whose core runs in a process of its own: the project's engine against vLLM's own.
+"""Shutdown time of a vLLM engine, the project's against vLLM's own: an engine whose core runs in a process of its own,
+and an in-process engine's last shutdown in a process that ends after it (a `megatron-rl train` or `eval` process).
 
     python bench/engine_stop.py          # writes bench/results/engine_stop.json
 
-On the tiny Qwen3-MoE (the e2e tests'), float32, a 0.25 GiB KV cache, the worker inside the engine core (what rank 0
-of every multi-rank trainer run starts on the CPU), two variants built from the same vllm.LLM arguments
-(VLLMEngine.engine_args):
-- "project": VLLMEngine(rollout.multiprocessing=true), whose core imports the worker extension
-  (megatron_rl.rollout.worker_ext, which freezes what is alive at the core's exit);
-- "vllm": vllm.LLM with the same arguments less the worker extension.
-Each generates once (so the core has served), then is timed from the shutdown call until its engine-core process is
-gone (llm_engine.engine_core.shutdown(), which waits for it). Every run is a fresh interpreter; the variants
-alternate, REPEATS each. Reported: the seconds, their medians and the ratio of the medians.
+On the tiny Qwen3-MoE (the e2e tests'), float32, a 0.25 GiB KV cache, two variants built from the same vllm.LLM
+arguments (VLLMEngine.engine_args):
+- "project": VLLMEngine. With rollout.multiprocessing=true (what rank 0 of every multi-rank trainer run starts on the
+  CPU: the worker inside the engine core) its core imports the worker extension (megatron_rl.rollout.worker_ext), which
+  keeps the heap frozen through the core's shutdown and at its exit; in-process, the process says that it ends after
+  its closes (megatron_rl.heap.process_ends_after_close, as the CLI does), and the heap stays frozen through the
+  engine's shutdown;
+- "vllm": vllm.LLM with the same arguments less the worker extension, shut down as vLLM does.
+Each generates once (so the core has served), then is timed from the shutdown call to its return
+(llm_engine.engine_core.shutdown(), which waits for a core process to be gone). Every run is a fresh interpreter
+whose long-lived imports are frozen first (megatron_rl.heap.import_long_lived, as trainer.run does); the variants
+alternate, REPEATS each. Reported: the seconds, their medians and the ratios of the medians.
 """
 
 from __future__ import annotations
@@ -29,14 +33,18 @@ REPEATS = 3
 
 CHILD = """
 import json, sys, time
-sys.path.insert(0, sys.argv[3])
+sys.path.insert(0, sys.argv[4])
 from megatron_rl.config import RolloutConfig
+from megatron_rl.heap import TRAINER_PACKAGES, import_long_lived, process_ends_after_close
 from megatron_rl.rollout import SamplingSpec, VLLMEngine
-variant, model = sys.argv[1], sys.argv[2]
+case, variant, model = sys.argv[1], sys.argv[2], sys.argv[3]
 
 
 def main():
-    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, multiprocessing=True)
+    if case == "in_process" and variant == "project":
+        process_ends_after_close()
+    import_long_lived(*TRAINER_PACKAGES)
+    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128, multiprocessing=case == "multiprocess")
     engine = VLLMEngine(model, config)
     engine.generate([[1, 5, 6, 7, 8]], SamplingSpec(n=2, max_new_tokens=8, seed=1))
     if variant == "vllm":
@@ -58,15 +66,20 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from megatron_rl.cli import finished
+    sys.exit(finished(0))
 """
 
+CASES = ("multiprocess", "in_process")
+VARIANTS = ("project", "vllm")
 
-def _run(variant: str, model_dir: Path, script: Path) -> dict:
+
+def _run(case: str, variant: str, model_dir: Path, script: Path) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, str(script), variant, str(model_dir), str(ROOT)], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, str(script), case, variant, str(model_dir), str(ROOT)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
-        raise SystemExit(f"{variant} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        raise SystemExit(f"{case} {variant} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
@@ -74,23 +87,25 @@ def main() -> None:
     from megatron_rl.models.tiny import make_tiny_model_dir
 
     load_start = os.getloadavg()[0]
-    runs: dict[str, list[dict]] = {"project": [], "vllm": []}
+    runs: dict[str, dict[str, list[dict]]] = {case: {variant: [] for variant in VARIANTS} for case in CASES}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model_dir(Path(tmp) / "model" / "tiny-moe", "qwen3_moe", seed=0)
         script = Path(tmp) / "child.py"  # a file, not -c: the engine core is spawned and imports its parent's main
         script.write_text(CHILD)
         for _ in range(REPEATS):
-            for variant, rows in runs.items():
-                rows.append(_run(variant, model_dir, script))
-                print(variant, rows[-1], flush=True)
-    median = {variant: statistics.median(r["shutdown_s"] for r in rows) for variant, rows in runs.items()}
+            for case in CASES:
+                for variant in VARIANTS:
+                    runs[case][variant].append(_run(case, variant, model_dir, script))
+                    print(case, variant, runs[case][variant][-1], flush=True)
+    median = {case: {variant: statistics.median(r["shutdown_s"] for r in rows) for variant, rows in by.items()}
+              for case, by in runs.items()}
     result = {
         "what": __doc__.split("\n\n")[0].strip() + " (bench/engine_stop.py docstring)",
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                     "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2)},
         "runs": runs,
         "median_shutdown_s": median,
-        "ratio_project_over_vllm": round(median["project"] / median["vllm"], 2),
+        "ratio_project_over_vllm": {case: round(m["project"] / m["vllm"], 2) for case, m in median.items()},
     }
     out = ROOT / "bench" / "results" / "engine_stop.json"
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -48,7 +48,7 @@ import logging
 import os
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -56,7 +56,7 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
-from megatron_rl.heap import collect_after_close, import_long_lived
+from megatron_rl.heap import collect_after_close, heap_kept_frozen, import_long_lived
 from megatron_rl.rollout.common import (
     WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, default_dtype, engine_core_environment, environment_set,
     make_sample, prefix_caching_off, sleep_mode_available, worker_in_engine_core,
@@ -263,7 +263,8 @@ class VLLMEngine(ServingEngine):
         if llm is None:
             return
         try:
-            llm.llm_engine.engine_core.shutdown()
+            with heap_kept_frozen() if last else nullcontext():  # the process's last: no full collections
+                llm.llm_engine.engine_core.shutdown()
         except Exception as error:  # a dead engine may fail to shut down cleanly; it is being discarded
             logger.warning("engine shutdown: %s: %s", type(error).__name__, error)
         self._sockets.remove()

@@ -167,6 +167,8 @@ def test_routed_experts_equal_hf_router(moe_engine, models, weights):
     _push(moe_engine, models[weights], version=6)
     rollouts = moe_engine.generate(PROMPTS, _spec(n=3, return_routed_experts=True))
     layers, top_k = moe_engine.model_info["num_moe_layers"], moe_engine.model_info["top_k"]
+    # the in-process worker lives in this process, which goes on after an engine's shutdown: its heap is not held frozen
+    assert moe_engine.model_info["heap_frozen_until_exit"] is False
     checked = 0
     for s in rollouts.samples:
         total = s.prompt_length + s.response_length

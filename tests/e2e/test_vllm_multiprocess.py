@@ -49,6 +49,8 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         # with every CPU but one for its model's threads, the one vLLM's spawned worker leaves the client's processing
         cpus = len(os.sched_getaffinity(0))
         assert engine.model_info["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS", max(1, cpus - 1)))
+        # the core ends after its shutdown: the worker extension keeps its heap frozen through it (megatron_rl.heap)
+        assert engine.model_info["heap_frozen_until_exit"] is True
         # vLLM's sockets between this process and its core are in a directory of this start's own (common.SocketDir)
         first_sockets = engine._sockets.path
         assert len(socket_files(first_sockets)) >= 2, first_sockets

@@ -115,6 +115,8 @@ def test_a_cpu_server_runs_its_worker_inside_its_engine_core(server_engine):
     # and its model's threads leave one CPU to the API server, as vLLM's spawned worker would
     cpus = len(os.sched_getaffinity(0))
     assert server_engine.model_info["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS", max(1, cpus - 1)))
+    # the engine core ends after its shutdown: its heap stays frozen through it (megatron_rl.heap)
+    assert server_engine.model_info["heap_frozen_until_exit"] is True
 
 
 def test_a_chosen_port_taken_before_the_server_binds_it_is_chosen_again(server_engine, models, tmp_path):

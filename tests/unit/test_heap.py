@@ -9,6 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from tests.extras import VLLM_EXTRA
+
 REPO = Path(__file__).resolve().parents[2]
 
 CYCLE = """
@@ -22,11 +26,11 @@ def garbage_cycle():
 """
 
 
-def _run(body: str, tmp_path: Path) -> None:
+def _run(body: str, tmp_path: Path, **env: str) -> None:
     (tmp_path / "many_objects.py").write_text("ROWS = [[i] for i in range(20000)]  # lists: tracked by the collector\n")
     code = CYCLE + textwrap.dedent(body)
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin"})
+                            env={"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin", **env})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -59,3 +63,37 @@ def test_closes_collect_unless_the_process_ends_after_them(tmp_path):
         collect_after_close()
         assert alive() is not None, "collected although the process ends after its closes"
         """, tmp_path)
+
+
+@pytest.mark.extra(VLLM_EXTRA, "vllm")
+def test_vllms_shutdown_leaves_the_heap_frozen_only_where_the_process_ends_after_it(tmp_path):
+    """vLLM's own teardown (cleanup_dist_env_and_memory: gc.unfreeze, then a full collection), as its engine shutdown
+    runs it: unfrozen in a process that goes on (a closed engine must be collectable), kept frozen in one that ends."""
+    _run("""
+        gc.disable()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        from megatron_rl.heap import (frozen_until_exit, heap_kept_frozen, keep_frozen_until_exit,
+                                      process_ends_after_close)
+        import many_objects
+        gc.freeze()
+        with heap_kept_frozen():  # the process goes on
+            assert not frozen_until_exit()
+            cleanup_dist_env_and_memory()
+        assert gc.get_freeze_count() == 0, "vLLM's teardown no longer unfreezes the heap: heap_kept_frozen is moot"
+        process_ends_after_close()
+        gc.freeze()
+        frozen, dead = gc.get_freeze_count(), garbage_cycle()
+        assert frozen >= 20000, frozen
+        with heap_kept_frozen():
+            assert frozen_until_exit()
+            cleanup_dist_env_and_memory()
+        assert gc.get_freeze_count() == frozen, "the heap was unfrozen in a process that ends next"
+        assert dead() is None, "vLLM's collection no longer ran over what was made since the freeze"
+        assert not frozen_until_exit()  # gc.unfreeze is the collector's own again after the shutdown
+        gc.unfreeze()
+        assert gc.get_freeze_count() == 0
+        keep_frozen_until_exit()  # a process vLLM started for its engine core: to its end
+        gc.freeze()
+        cleanup_dist_env_and_memory()
+        assert gc.get_freeze_count() >= frozen and frozen_until_exit()
+        """, tmp_path, HOME=str(tmp_path), VLLM_LOGGING_LEVEL="WARNING")
