@@ -58,7 +58,12 @@ def _processes_below(pid: int) -> list:
 
 
 def _kill_all(processes: list, timeout_s: float = 5.0) -> None:
-    """SIGKILL those of `processes` still running, and wait for them to be gone."""
+    """SIGKILL those of `processes` still running, and wait until each is dead.
+
+    Dead: gone, or a zombie. They are not this process's children (the server's own, orphaned once it exits: its
+    resource tracker outlives it, waiting for its pipes to close), so only their new parent, the system's init, can
+    reap them. A zombie holds no memory, and an init that reaps slowly kept them for 1.5 s of every server stop
+    (psutil.wait_procs waits for the reaping)."""
     import psutil
 
     for each in processes:
@@ -66,7 +71,19 @@ def _kill_all(processes: list, timeout_s: float = 5.0) -> None:
             each.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(processes, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while not all(map(_dead, processes)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _dead(process) -> bool:
+    """Whether a psutil.Process is gone (its pid reaped, or reused by another process) or a zombie."""
+    import psutil
+
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 class VLLMServer:

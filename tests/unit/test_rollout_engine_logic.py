@@ -197,3 +197,29 @@ def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(mon
         assert sockets.environment() == {} and sockets.path is None and os.listdir(long_dir) == []
     finally:
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_servers_killed_process_that_only_another_can_reap_counts_as_dead():
+    """A server's processes left after it exits are orphans (its resource tracker outlives it): killed, each is a
+    zombie until its parent reaps it. The stop waits for them to be dead, not reaped: here the parent never reaps."""
+    import subprocess
+    import sys
+    import threading
+
+    import psutil
+
+    from megatron_rl.rollout.server_process import _kill_all
+
+    code = "import subprocess, time; p = subprocess.Popen(['sleep', '600']); print(p.pid, flush=True); time.sleep(600)"
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        orphan_like = psutil.Process(int(parent.stdout.readline()))
+        assert orphan_like.ppid() == parent.pid and orphan_like.status() != psutil.STATUS_ZOMBIE
+        stop = threading.Thread(target=_kill_all, args=([orphan_like],), kwargs={"timeout_s": 600}, daemon=True)
+        stop.start()
+        stop.join(60)
+        assert not stop.is_alive(), "the stop waits for a reaping only the process's parent can do"
+        assert orphan_like.status() == psutil.STATUS_ZOMBIE  # killed, held by a parent that does not reap
+    finally:
+        parent.kill()
+        parent.wait()
