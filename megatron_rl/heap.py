@@ -18,7 +18,8 @@ vLLM's engine shutdown unfreezes the heap (EngineCore.shutdown, Worker.shutdown)
 process that goes on can be collected, and then collects it in full twice (the model runner's cleanup,
 cleanup_dist_env_and_memory): 0.9 s each over a trainer's heap on 2 cores. Where the process ends next, the heap
 stays frozen through it (heap_kept_frozen: an in-process engine's last shutdown; keep_frozen_until_exit: vLLM's own
-engine-core and worker processes, which end after their shutdown), and those collections scan only what the run made.
+engine-core and worker processes on the CPU, which end after their shutdown), and those collections scan only what the
+run made.
 """
 
 from __future__ import annotations

@@ -89,16 +89,19 @@ logger = logging.getLogger(__name__)
 atexit.register(gc.freeze)
 
 
-def _in_vllm_process() -> bool:
+def _in_vllm_cpu_process() -> bool:
     """Whether this is a process vLLM started for its engine core or a worker (vllm.v1.engine.utils names the core's
-    "EngineCore" or "EngineCore_DP<i>", vllm.v1.executor.multiproc_executor its workers "VllmWorker-<rank>"): it ends
-    after its shutdown. An in-process engine's worker lives in the trainer's process, which goes on."""
-    return multiprocessing.current_process().name.startswith(("EngineCore", "VllmWorker-"))
+    "EngineCore" or "EngineCore_DP<i>", vllm.v1.executor.multiproc_executor its workers "VllmWorker-<rank>"), on the
+    CPU. Such a process ends after its shutdown; an in-process engine's worker lives in the trainer's process, which
+    goes on. On a GPU vLLM also unfreezes the heap after capturing its CUDA graphs, to collect what died meanwhile."""
+    from vllm.platforms import current_platform
+
+    return multiprocessing.current_process().name.startswith(("EngineCore", "VllmWorker-")) and current_platform.is_cpu()
 
 
 # Their shutdown unfreezes the heap vLLM froze once it was up and collects it in full twice (megatron_rl.heap): 1.0 s
 # of a 1.4 s shutdown on a 2-core machine. Kept frozen, those collections scan only what was made since.
-if _in_vllm_process():
+if _in_vllm_cpu_process():
     keep_frozen_until_exit()
 
 
@@ -468,7 +471,7 @@ class RolloutWorkerExtension:
         """{'workers' (TP x PP), 'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len',
         'model_dir', 'max_num_seqs', 'sleep_mode' (started with it), 'platform_sleep_mode' (the platform has one),
         'cpu_threads' (torch's intra-op threads in the worker's process), 'heap_frozen_until_exit' (its shutdown
-        leaves the heap frozen: a process vLLM started)}."""
+        leaves the heap frozen: a process vLLM started, on the CPU)}."""
         runner = self.model_runner  # type: ignore[attr-defined]
         routers = find_moe_routers(runner.get_model())
         return {
