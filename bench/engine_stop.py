@@ -12,9 +12,18 @@ arguments (VLLMEngine.engine_args):
   engine's shutdown;
 - "vllm": vllm.LLM with the same arguments less the worker extension, shut down as vLLM does.
 Each generates once (so the core has served), then is timed from the shutdown call to its return
-(llm_engine.engine_core.shutdown(), which waits for a core process to be gone). Every run is a fresh interpreter
-whose long-lived imports are frozen first (megatron_rl.heap.import_long_lived, as trainer.run does); the variants
-alternate, REPEATS each. Reported: the seconds, their medians and the ratios of the medians.
+(llm_engine.engine_core.shutdown(), which waits for a core process to be gone).
+And a server (rollout.server_process.VLLMServer, what colocated and evaluation engines start), after one completion,
+timed from the stop until:
+- "project": VLLMServer.stop(), every process the server started is dead (the API server, its engine core, and the
+  resource tracker the API server leaves orphaned, killed: dead means gone or a zombie its new parent has yet to reap);
+- "vllm": the API server process has exited after SIGTERM (vLLM's own stop; its orphaned tracker exits on its own
+  later, and an engine core whose API server died alone is left running);
+- "reaped": as "project", but waiting until the killed orphans are reaped (psutil.wait_procs: the stop before this
+  was measured), which only their new parent, the system's init, can do.
+Every run is a fresh interpreter whose long-lived imports are frozen first (megatron_rl.heap.import_long_lived, as
+trainer.run does); the variants alternate, REPEATS each. Reported: the seconds, their medians and the ratios of the
+medians to vLLM's.
 """
 
 from __future__ import annotations
@@ -40,7 +49,39 @@ from megatron_rl.rollout import SamplingSpec, VLLMEngine
 case, variant, model = sys.argv[1], sys.argv[2], sys.argv[3]
 
 
+def server():
+    import os, signal, httpx, psutil
+    from megatron_rl.rollout.server_auth import auth_headers
+    from megatron_rl.rollout.server_process import VLLMServer
+    config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128)
+    server = VLLMServer(model, config, log_path=os.devnull)
+    server.start()
+    answer = httpx.post(f"{server.url}/v1/completions", headers=auth_headers(server.token), timeout=60,
+                        json={"model": str(server.model_dir), "prompt": [1, 5, 6, 7, 8], "max_tokens": 8})
+    assert answer.status_code == 200, answer.text
+    start = time.perf_counter()
+    if variant == "project":
+        server.stop()
+    else:
+        process, below = server.process, list(server._below)
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait()
+        if variant == "reaped":
+            for each in below:
+                try:
+                    each.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(below, timeout=5)
+    seconds = time.perf_counter() - start
+    server.stop()
+    return seconds
+
+
 def main():
+    if case == "server":
+        print("RESULT " + json.dumps({"shutdown_s": round(server(), 2)}), flush=True)
+        return
     if case == "in_process" and variant == "project":
         process_ends_after_close()
     import_long_lived(*TRAINER_PACKAGES)
@@ -70,8 +111,7 @@ if __name__ == "__main__":
     sys.exit(finished(0))
 """
 
-CASES = ("multiprocess", "in_process")
-VARIANTS = ("project", "vllm")
+CASES = {"multiprocess": ("project", "vllm"), "in_process": ("project", "vllm"), "server": ("project", "vllm", "reaped")}
 
 
 def _run(case: str, variant: str, model_dir: Path, script: Path) -> dict:
@@ -87,14 +127,14 @@ def main() -> None:
     from megatron_rl.models.tiny import make_tiny_model_dir
 
     load_start = os.getloadavg()[0]
-    runs: dict[str, dict[str, list[dict]]] = {case: {variant: [] for variant in VARIANTS} for case in CASES}
+    runs: dict[str, dict[str, list[dict]]] = {case: {variant: [] for variant in variants} for case, variants in CASES.items()}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model_dir(Path(tmp) / "model" / "tiny-moe", "qwen3_moe", seed=0)
         script = Path(tmp) / "child.py"  # a file, not -c: the engine core is spawned and imports its parent's main
         script.write_text(CHILD)
         for _ in range(REPEATS):
-            for case in CASES:
-                for variant in VARIANTS:
+            for case, variants in CASES.items():
+                for variant in variants:
                     runs[case][variant].append(_run(case, variant, model_dir, script))
                     print(case, variant, runs[case][variant][-1], flush=True)
     median = {case: {variant: statistics.median(r["shutdown_s"] for r in rows) for variant, rows in by.items()}
@@ -105,11 +145,12 @@ def main() -> None:
                     "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2)},
         "runs": runs,
         "median_shutdown_s": median,
-        "ratio_project_over_vllm": {case: round(m["project"] / m["vllm"], 2) for case, m in median.items()},
+        "ratio_over_vllm": {case: {variant: round(m[variant] / m["vllm"], 2) for variant in m if variant != "vllm"}
+                            for case, m in median.items()},
     }
     out = ROOT / "bench" / "results" / "engine_stop.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("median_shutdown_s", "ratio_project_over_vllm")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("median_shutdown_s", "ratio_over_vllm")}, indent=1))
 
 
 if __name__ == "__main__":
