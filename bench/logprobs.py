@@ -139,11 +139,11 @@ def _rank(rank: int, world: int, port: int, dtype_name: str, out_file: str) -> N
 def _run_case(world: int, dtype_name: str) -> dict:
     import torch.multiprocessing as mp
 
-    from megatron_rl.parallel import find_free_port
+    from megatron_rl.ports import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "out.json")
-        mp.start_processes(_rank, args=(world, find_free_port(), dtype_name, out_file), nprocs=world, start_method="spawn")
+        mp.start_processes(_rank, args=(world, free_port(), dtype_name, out_file), nprocs=world, start_method="spawn")
         per_rank = json.load(open(out_file))
     merged = {"tp": world, "dtype": dtype_name, "tokens": N_TOKENS, "vocab": VOCAB}
     for key in per_rank[0]:

@@ -13,7 +13,6 @@ megatron runs anything.
 from megatron_rl.parallel.context import (
     ParallelContext,
     destroy_parallel,
-    find_free_port,
     init_parallel,
     seed_all,
 )
@@ -38,7 +37,6 @@ __all__ = [
     "cuda_absent",
     "destroy_parallel",
     "detect",
-    "find_free_port",
     "init_parallel",
     "seed_all",
 ]

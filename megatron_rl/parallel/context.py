@@ -24,7 +24,6 @@ import torch.distributed as dist
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.layout import ModelShape, check_layout
 from megatron_rl.config.schema import ParallelConfig
-from megatron_rl.ports import free_port as find_free_port  # noqa: F401  (megatron_rl.parallel's name for it)
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup (kept loose for type checkers)
 

@@ -171,14 +171,15 @@ def _single_process_worker(rank: int, world_size: int) -> tuple:
         os.environ.pop(var, None)
     import torch.distributed as dist
 
-    from megatron_rl.parallel import destroy_parallel, find_free_port, init_parallel
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+    from megatron_rl.ports import free_port
 
     ctx = init_parallel(ParallelConfig())
     out = (ctx.world_size, ctx.rank, ctx.tp_size, ctx.dp_size, ctx.is_pipeline_first_stage(), ctx.is_pipeline_last_stage())
     destroy_parallel(ctx)
     out += (dist.is_initialized(),)
     # A world started by someone else is used as is, and left up by destroy_parallel.
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % find_free_port(), world_size=1, rank=0)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % free_port(), world_size=1, rank=0)
     ctx = init_parallel(ParallelConfig())
     destroy_parallel(ctx)
     out += (ctx.owns_world, dist.is_initialized())
