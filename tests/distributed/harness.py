@@ -163,7 +163,7 @@ def run_distributed(
     fn must be importable (defined at a module's top level) and return a
     picklable value. Each rank sees this process's environment at call time,
     plus the torchrun variables, plus ``env``; it runs with
-    ``threads_per_rank`` torch threads (default: cores / world_size, at least 1).
+    ``threads_per_rank`` torch threads (default: the cores this process may run on / world_size, at least 1).
     Raises DistributedTestError naming the first rank that failed (with its
     traceback) or the ranks still running at the timeout; all processes are
     killed in both cases. Set MEGATRON_RL_TEST_START_METHOD=spawn to start
@@ -177,7 +177,8 @@ def run_distributed(
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = mp.get_context("spawn") if cuda else _context()
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = threads_per_rank or max(1, cores // world_size)
     for attempt in range(1, LAUNCH_ATTEMPTS + 1):
         try:
             return _launch(ctx, fn, world_size, args, timeout, env, threads, cuda, free_port())

