@@ -2,7 +2,8 @@
 
 GSPO's preset runs as the command a user types (`python -m megatron_rl.train`),
 which also checks where its logs go; the other runs are made in one process on
-shared engines (tests/e2e/loop_runs.py), each a full run of the trainer. What is
+shared engines (tests/e2e/loop_runs.py), each a full run of the trainer; the
+off-policy and async runs, which generate beside training, are commands too. What is
 checked against something independent of the loop: the engine's logprobs of
 the sampled tokens equal the megatron actor's within 1e-4 after every push and
 the weight version advances by one per step (check_rows), the engine's routes
@@ -68,10 +69,12 @@ def test_r3_engine_routes_equal_the_trainer_router(runs):
         assert r["routing/drift"] == 0.0, r
 
 
-def test_one_step_off_policy(runs):
+def test_one_step_off_policy(model_dir, tmp_path):
     # Generation of step k+1 overlaps training of step k, so from step 1 on the samples come
     # from the weights one update behind (version k - 1) and truncated IS corrects for it.
-    rows = read_metrics(runs / "off_policy" / "metrics.jsonl")
+    extra = ("train.off_policy_lag=1", "algorithm.tis_mode=sequence", "train.steps=3", "data.reward=tests.e2e.train_runs:odd_length_reward")
+    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path, *extra))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
     assert rows[2]["mismatch/abs_logprob_diff"] > 1e-4  # the engine's policy lags the trainer's
 
@@ -81,13 +84,16 @@ def _consumed_groups(rows: list[dict]) -> int:
     return sum(4 + int(r["async/dropped_stale_groups"]) + int(r["async/filtered_groups"]) for r in rows)
 
 
-def test_async_staleness_bound_and_resume(runs):
+def test_async_staleness_bound_and_resume(model_dir, tmp_path):
     # Rollout runs beside training and pushes interrupt it (partial rollouts), dynamic sampling filters
     # the stream (groups of equal rewards are consumed, never trained); the second run resumes
     # the first's last checkpoint with a looser bound. Every trained group is within the bound, and
     # the data position is exactly the prompts consumed (none trained twice, in-flight ones regenerated).
-    run = runs / "async"
-    rows = read_metrics(run / "metrics.jsonl")
+    common = ("train.partial_rollouts=true", "algorithm.tis_mode=sequence_mask_tis", "checkpoint.save_every=2",
+              "algorithm.dynamic_sampling=true", "data.reward=tests.e2e.train_runs:odd_length_reward")
+    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path, "train.max_staleness=1", "train.steps=4", *common))
+    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path, "train.max_staleness=2", "train.steps=6", "checkpoint.resume=auto", *common))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(6))
     for r in rows:
         bound = 1 if r["step"] < 4 else 2
@@ -102,7 +108,7 @@ def test_async_staleness_bound_and_resume(runs):
     assert rows[4]["rollout/weight_version"] == 4  # after the resume the stream starts on the resumed weights
 
     def cursor(step: int) -> int:
-        state = json.loads((run / "ckpt" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        state = json.loads((tmp_path / "ckpt" / f"step_{step:08d}" / "trainer_state.json").read_text())
         assert state["data"]["epoch"] == 0
         return state["data"]["cursor"]
 
