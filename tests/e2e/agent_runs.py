@@ -57,9 +57,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    from tests.e2e.subprocess_runs import pin_run
-
-    pin_run()
     from megatron_rl.cli import finished
 
     main(Path(sys.argv[1]))
