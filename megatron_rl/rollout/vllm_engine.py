@@ -39,6 +39,17 @@ unusable) restarts the engine, pushes the last pushed weights again (kept on
 the host, or rebuilt by `reexport_fn`), and retries, at most
 rollout.max_restarts times; then RolloutFailedError. A batch is returned whole
 or not at all.
+
+Process groups: an in-process engine shares this process's default
+torch.distributed group. vLLM makes it if none exists (an engine started
+before the trainer) and otherwise builds its own groups on the one there (the
+trainer's, made by parallel.init_parallel). vLLM's shutdown ends by destroying
+the default group, and with it every group made from it: the trainer's
+megatron groups too. So a restart mid-run (a failed batch, perhaps generated
+in a thread beside the training step) would leave the trainer without its
+groups ("group should not be None" in its next collective). Here a shutdown
+destroys vLLM's own groups only, and the default group as well only at the
+engine's last shutdown and only where the engine made it.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
@@ -82,6 +94,26 @@ logger = logging.getLogger(__name__)
 NOT_ENGINE_FAILURES = (PromptError, WeightPushError, RoutedExpertsError, EngineStartError, WeightsLostError, PushBrokenError)
 
 
+@contextmanager
+def default_group_kept() -> Iterator[None]:
+    """Inside: torch.distributed.destroy_process_group destroys the groups it is given, never the default group
+    (vLLM's in-process shutdown, cleanup_dist_env_and_memory, ends with a destroy of the default group; module
+    docstring). What the default group holds (the trainer's groups) stays usable."""
+    destroy = dist.destroy_process_group
+
+    def destroy_all_but_default(group=None):
+        if group is None or group is dist.group.WORLD:
+            logger.debug("an in-process engine's shutdown keeps the default process group")
+            return
+        destroy(group)
+
+    dist.destroy_process_group = destroy_all_but_default
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
 class VLLMEngine(ServingEngine):
     """RolloutEngine on an in-process vllm.LLM (see the module docstring); pushes, recovery and sleep mode are
     rollout.serving.ServingEngine's (the push's engine end: weight_sync.engine_side)."""
@@ -108,6 +140,7 @@ class VLLMEngine(ServingEngine):
         self.seed = seed
         self.engine_kwargs = dict(engine_kwargs or {})
         self._llm: Any = None
+        self._made_world = False  # in-process: this engine's start made the default process group (module docstring)
         self._sockets = SocketDir()  # a multiprocess engine's sockets between this process and its core
         self._route_capture = False  # between start_route_capture and collect_route_capture
         self.weight_transport = self._resolve_transport()
@@ -174,6 +207,7 @@ class VLLMEngine(ServingEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.multiprocessing else "0"
         start = time.perf_counter()
         threads = torch.get_num_threads()
+        had_world = dist.is_initialized()
         try:
             import_long_lived("vllm", "vllm.entrypoints.llm")  # vLLM freezes the heap at start-up itself; first, cheaply
             from vllm import LLM
@@ -193,6 +227,8 @@ class VLLMEngine(ServingEngine):
             # in-process, vLLM asks for one thread and then refuses torch.set_num_threads: leave the
             # trainer's thread count as it was (the builtin behind torch.set_num_threads still works)
             torch._C.set_num_threads(threads)
+        if not self.multiprocessing and not had_world and dist.is_initialized():
+            self._made_world = True
         self.start_seconds = time.perf_counter() - start
         self.asleep = set()
         self.model_info = self._rpc("mrl_model_info")
@@ -262,8 +298,9 @@ class VLLMEngine(ServingEngine):
         llm, self._llm = self._llm, None
         if llm is None:
             return
+        keep = default_group_kept() if not (last and self._made_world) and not self.multiprocessing else nullcontext()
         try:
-            with heap_kept_frozen() if last else nullcontext():  # the process's last: no full collections
+            with heap_kept_frozen() if last else nullcontext(), keep:  # the process's last: no full collections
                 llm.llm_engine.engine_core.shutdown()
         except Exception as error:  # a dead engine may fail to shut down cleanly; it is being discarded
             logger.warning("engine shutdown: %s: %s", type(error).__name__, error)

@@ -20,7 +20,6 @@ found megatron's tensor-parallel group None (the other runs passed there).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -67,7 +66,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    from megatron_rl.cli import finished
+    from tests.e2e.subprocess_runs import run_as_main
 
-    main(Path(sys.argv[1]))
-    sys.exit(finished(0))
+    run_as_main(main)

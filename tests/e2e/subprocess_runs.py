@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, NoReturn
 
 from tests.e2e.train_runs import REPO, train_env
 
@@ -16,3 +17,11 @@ def run_module(module: str, out: Path, timeout: int) -> Path:
                             timeout=timeout)
     assert result.returncode == 0, f"{module} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return out
+
+
+def run_as_main(main: Callable[[Path], None]) -> NoReturn:
+    """A runs module's command (`python -m <module> OUT`): main(OUT), then the end of a CLI command (cli.finished)."""
+    from megatron_rl.cli import finished
+
+    main(Path(sys.argv[1]))
+    sys.exit(finished(0))

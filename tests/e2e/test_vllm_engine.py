@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the extra, without vLLM; a broken install fails)
 
@@ -275,19 +276,21 @@ def test_generate_and_push_from_two_threads(moe_engine, models):
     assert moe_engine.generate(PROMPTS, _spec()).weight_version == 21
 
 
+def fail_next_step(worker):
+    """Runs inside the engine's worker (collective_rpc): the next model step raises."""
+    runner = worker.model_runner
+    original = runner.execute_model
+
+    def broken(*args, **kwargs):
+        runner.execute_model = original
+        raise RuntimeError("injected engine fault")
+
+    runner.execute_model = broken
+
+
 def test_engine_failure_restarts_and_repushes(moe_engine, models):
     _push(moe_engine, models["moe1"], version=11)
     reference = moe_engine.generate(PROMPTS, _spec())
-
-    def fail_next_step(worker):  # runs inside the engine's worker: the next model step raises
-        runner = worker.model_runner
-        original = runner.execute_model
-
-        def broken(*args, **kwargs):
-            runner.execute_model = original
-            raise RuntimeError("injected engine fault")
-
-        runner.execute_model = broken
 
     # no host copy of the last push is kept: the restarted engine asks the trainer to export again
     moe_engine.reexport_fn = lambda: bucketize(hf_state_dict(models["moe1"]).items(), 64 << 10)
@@ -309,6 +312,43 @@ def test_engine_failure_restarts_and_repushes(moe_engine, models):
         moe_engine.generate(PROMPTS, _spec())
     _push(moe_engine, models["moe1"], version=11)  # what the trainer does on every rank; then generation goes on
     assert max_logprob_error(models["moe1"], moe_engine.generate(PROMPTS, _spec()), 1.0) < TOL
+
+
+def test_a_trainer_in_the_process_keeps_its_process_groups_through_engine_restarts_and_stops(moe_engine, models):
+    """A trainer of one rank shares the process with its engine: its megatron groups are made from the default
+    process group, which vLLM's shutdown destroys. An engine restart (a failed batch, perhaps generating beside the
+    training step) and the stop of an engine that did not make the default group leave the trainer's groups working."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.models import load_hf_config, model_shape
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel(ParallelConfig(), shape=model_shape(load_hf_config(models["moe0"])), seed=0)
+    world = dist.group.WORLD
+
+    def trainer_groups_work() -> None:
+        assert dist.is_initialized() and dist.group.WORLD is world
+        for group in (ctx.world_group, ctx.tp_group, ctx.dp_group, ctx.ep_group, ctx.pp_group):
+            ones = torch.ones(3)
+            dist.all_reduce(ones, group=group)
+            assert ones.tolist() == [1.0, 1.0, 1.0]
+        assert reduce_from_tensor_model_parallel_region(torch.ones(2), group=ctx.tp_group).tolist() == [1.0, 1.0]
+
+    moe_engine.reexport_fn = lambda: bucketize(hf_state_dict(models["moe0"]).items(), 64 << 10)
+    try:
+        _push(moe_engine, models["moe0"], version=30)
+        moe_engine._llm.collective_rpc(fail_next_step)
+        assert moe_engine.generate(PROMPTS, _spec()).metrics["restarts"] == 1
+        trainer_groups_work()
+        second = VLLMEngine(models["dense0"], _config())  # started on the default group that is there
+        assert second.generate(PROMPTS, _spec()).n_samples == 2
+        second.shutdown()
+        trainer_groups_work()
+        assert max_logprob_error(models["moe0"], moe_engine.generate(PROMPTS, _spec()), 1.0) < TOL
+    finally:
+        moe_engine.reexport_fn = None
+        destroy_parallel(ctx)
 
 
 def test_partial_rollouts_are_interrupted_inside_a_generation(moe_engine, models):
