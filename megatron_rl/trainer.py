@@ -173,6 +173,7 @@ class Trainer:
             raise ValueError(f"an engine started beforehand serves a one-process run; this one has {ctx.world_size} ranks")
         with logs.engine_start() if logs is not None else contextlib.nullcontext():
             self.engine = self._start_engine() if engine is None else self._adopt(engine)
+        self._restarts_before = self._engine_restarts_so_far()  # an engine started beforehand counts from here
         self._pusher = self._make_pusher()
         self.logger = MetricsLogger(
             cfg.logging.dir,
@@ -266,6 +267,8 @@ class Trainer:
             del whole
             batch, metrics = self.actor.prepare_batch(batch)
             metrics = {**(experience.metrics if experience is not None else {}), **metrics, **self.actor.train_step(batch), **sleep_metrics}
+        if experience is not None:
+            metrics.update(self._engine_restarts())
         metrics["batch/share_bytes"] = float(self.actor.last_share_bytes)
         del batch  # the push phase holds no rows of the step
         if self._pending is not None:  # the next step's generation must finish on the old weights
@@ -285,6 +288,20 @@ class Trainer:
             metrics["offload/bytes"] = float(offloaded)
             metrics["time/offload_s"] = offload_s
         return metrics
+
+    def _engine_restarts_so_far(self) -> int | None:
+        """The engine's restarts since it started (a failed batch or push, a dead engine process or server; at most
+        rollout.max_restarts in a row); None where there is no engine here (ranks other than 0) or it does not count."""
+        from megatron_rl.rollout.serving import ServingEngine
+
+        return self.engine.restarts if isinstance(self.engine, ServingEngine) else None
+
+    def _engine_restarts(self) -> dict[str, float]:
+        """rollout/engine_restarts_total: the engine restarts in this run so far (rank 0)."""
+        now = self._engine_restarts_so_far()
+        if now is None:
+            return {}
+        return {"rollout/engine_restarts_total": float(now - self._restarts_before)}
 
     def _sleep_engine(self) -> dict[str, float]:
         """rollout.sleep_level: the engine sleeps while the actor trains (the push wakes its weights);

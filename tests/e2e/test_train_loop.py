@@ -1,4 +1,5 @@
-"""The whole RL loop with the real engine, one process: every algorithm preset, R3 routing, off-policy and async runs.
+"""The whole RL loop with the real engine, one process: every algorithm preset, an engine restart mid-run, R3 routing,
+off-policy and async runs.
 
 GSPO's preset runs as the command a user types (`python -m megatron_rl.train`),
 which also checks where its logs go; the other runs are made in one process on
@@ -57,6 +58,21 @@ def test_algorithm_preset_trains(runs, preset):
     # this run's pushes (before each of its 2 steps and after the last), each a reload in the engine, in its own log
     assert (run / "logs" / "vllm.log").read_text().count("Reloading and processing weights took") == 3
     assert (run / "ckpt" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_a_batch_that_fails_inside_the_engine_restarts_it_and_the_run_goes_on(runs):
+    # Step 1's batch raised inside the engine's model step (after the push of the step-1 weights): the engine was
+    # restarted from the model directory, given the run's weights again (exported by the actor anew) and the batch
+    # generated again. The engine's logprobs equal the actor's at step 1 too (check_rows): the restarted engine serves
+    # the trainer's weights, not the directory's. The restart is counted.
+    run = runs / "restart"
+    rows = read_metrics(run / "metrics.jsonl")
+    check_rows(rows, 2)
+    assert [r["rollout/engine_restarts_total"] for r in rows] == [0.0, 1.0], rows
+    # the run's pushes (before each of its 2 steps and after the last) and the restarted engine's step-1 weights again
+    assert (run / "logs" / "vllm.log").read_text().count("Reloading and processing weights took") == 4
+    for name in RUNS:  # the runs of this engine before it did not restart it
+        assert [r["rollout/engine_restarts_total"] for r in read_metrics(runs / name / "metrics.jsonl")] == [0.0, 0.0]
 
 
 def test_r3_engine_routes_equal_the_trainer_router(runs):

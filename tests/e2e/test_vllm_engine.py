@@ -23,6 +23,7 @@ from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # 
 from tests.e2e.episode_routes import check_episode_routes  # noqa: E402
 from tests.e2e.vllm_helpers import (  # noqa: E402
     build_models,
+    fail_next_step,
     hf_router_topk,
     hf_sampled_logprobs,
     hf_state_dict,
@@ -274,18 +275,6 @@ def test_generate_and_push_from_two_threads(moe_engine, models):
     weights = {20: "moe0", 21: "moe1"}[rollouts.weight_version]
     assert max_logprob_error(models[weights], rollouts, 1.0) < TOL
     assert moe_engine.generate(PROMPTS, _spec()).weight_version == 21
-
-
-def fail_next_step(worker):
-    """Runs inside the engine's worker (collective_rpc): the next model step raises."""
-    runner = worker.model_runner
-    original = runner.execute_model
-
-    def broken(*args, **kwargs):
-        runner.execute_model = original
-        raise RuntimeError("injected engine fault")
-
-    runner.execute_model = broken
 
 
 def test_engine_failure_restarts_and_repushes(moe_engine, models):

@@ -1,4 +1,5 @@
-"""Independent references for the vLLM engine tests: HF transformers logprobs and router top-k.
+"""Independent references for the vLLM engine tests: HF transformers logprobs and router top-k; and a fault to
+inject into an engine's worker (fail_next_step).
 
 Nothing here uses megatron_rl.rollout: the numbers the engine returns are
 checked against a plain HF forward of the same token sequences.
@@ -18,6 +19,18 @@ from megatron_rl.models.tiny import make_tiny_model_dir
 # Dense Qwen2 derives head_dim from hidden_size / heads in vLLM: keep 64 / 2 = 32
 # (vLLM's CPU attention rejects head_dim 16, and HF would disagree on 64 / 4).
 DENSE_OVERRIDES = {"num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def fail_next_step(worker) -> None:
+    """Runs inside an engine's worker (vllm.LLM.collective_rpc): the worker's next model step raises."""
+    runner = worker.model_runner
+    original = runner.execute_model
+
+    def broken(*args, **kwargs):
+        runner.execute_model = original
+        raise RuntimeError("injected engine fault")
+
+    runner.execute_model = broken
 
 
 def build_models(root: Path) -> dict[str, Path]:
