@@ -298,10 +298,9 @@ class Trainer:
 
     def _engine_restarts(self) -> dict[str, float]:
         """rollout/engine_restarts_total: the engine restarts in this run so far (rank 0)."""
-        now = self._engine_restarts_so_far()
-        if now is None:
+        if self._restarts_before is None:
             return {}
-        return {"rollout/engine_restarts_total": float(now - self._restarts_before)}
+        return {"rollout/engine_restarts_total": float(self.engine.restarts - self._restarts_before)}
 
     def _sleep_engine(self) -> dict[str, float]:
         """rollout.sleep_level: the engine sleeps while the actor trains (the push wakes its weights);

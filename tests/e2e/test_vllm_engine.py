@@ -331,8 +331,10 @@ def test_a_trainer_in_the_process_keeps_its_process_groups_through_engine_restar
         assert moe_engine.generate(PROMPTS, _spec()).metrics["restarts"] == 1
         trainer_groups_work()
         second = VLLMEngine(models["dense0"], _config())  # started on the default group that is there
-        assert second.generate(PROMPTS, _spec()).n_samples == 2
-        second.shutdown()
+        try:
+            assert second.generate(PROMPTS, _spec()).n_samples == 2
+        finally:
+            second.shutdown()
         trainer_groups_work()
         assert max_logprob_error(models["moe0"], moe_engine.generate(PROMPTS, _spec()), 1.0) < TOL
     finally:
