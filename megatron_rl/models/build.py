@@ -273,6 +273,7 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
 
     from megatron_rl.models.families import get_family
+    from megatron_rl.models.kernels import use_megatron_jit
     from megatron_rl.models.loading import load_hf_weights
     from megatron_rl.parallel import apply_compat, seed_all
 
@@ -283,6 +284,7 @@ def build_model(
     arch = parse_hf_config(hf_config, source=f"{model_cfg.path or '<hf_config>'}/config.json")
     dtype = resolve_dtype(model_cfg)
     choice = kernel_choice(model_cfg, ctx.config, arch, dtype=dtype, data_parallel=ctx.dp_size)
+    use_megatron_jit(choice.jit_fusions)
     config = hf_to_transformer_config(hf_config, model_cfg, ctx.config, dtype=dtype, choice=choice, **(config_overrides or {}))
     use_te = use_transformer_engine(model_cfg)
     announce(choice.describe())

@@ -33,12 +33,23 @@ permute fusion with TE; persistent layer norm and gradient-accumulation fusion w
 kernels or TE; overlap of the DP gradient reduce with backward on GPUs with DP > 1 (the
 parameter all-gather is not overlapped: the weight export reads parameters right after
 the optimizer step). On CPU all are off (megatron-core on CPU, shared/notes).
+
+megatron's own @jit_fuser functions (the MoE experts' activation times probabilities, the
+router's expert bias, the L2 norm, the output gate, the dispatcher's preprocessing) are
+torch.compile'd by megatron whatever the fusion fields say. They compile only where the
+fusions do (jit_fusions); elsewhere (CPU, a GPU without triton, model.fusions=false)
+use_megatron_jit(False) makes them eager. On CPU a compile needs a C++ compiler and costs
+every process at its first forward (inductor's cache load and its ISA probes, each a child
+interpreter): a tiny DeepSeek-V3 with grouped experts took 2.7-6.4 s for its first forward
+and backward compiled, 0.03 s eager (2 cores).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -154,6 +165,8 @@ class KernelChoice:
     overlap_grad_reduce: bool = False
     """DDP overlaps the gradient reduce-scatter / all-reduce with backward."""
     overlap_why: str = ""
+    jit_fusions: bool = False
+    """megatron's @jit_fuser functions are torch.compile'd (else eager: use_megatron_jit)."""
 
     @property
     def moe_grouped_gemm(self) -> bool:
@@ -171,7 +184,8 @@ class KernelChoice:
         )
         overlap = "on" if self.overlap_grad_reduce else f"off ({self.overlap_why})"
         return (f"kernels: experts {self.experts} ({self.experts_why}); attention {self.attention} ({self.attention_why}); "
-                f"fusions on: {', '.join(on) or 'none'}{'; ' + off if off else ''}; overlap_grad_reduce {overlap}")
+                f"fusions on: {', '.join(on) or 'none'}{'; ' + off if off else ''}; overlap_grad_reduce {overlap}; "
+                f"megatron's jit functions {'compiled' if self.jit_fusions else 'eager'}")
 
 
 def choose_experts(kernels: Kernels, requested: bool | None, *, use_te: bool, dtype: torch.dtype) -> tuple[str, str]:
@@ -268,8 +282,50 @@ def choose_kernels(kernels: Kernels, model_cfg, *, use_te: bool, dtype: torch.dt
     overlap, overlap_why = choose_overlap(kernels, data_parallel)
     return KernelChoice(experts=experts, experts_why=experts_why, attention=attention, attention_why=attention_why,
                         varlen_gqa=kernels.varlen_gqa,
-                        fusions=fusions, fusions_off_why=off, overlap_grad_reduce=overlap, overlap_why=overlap_why)
+                        fusions=fusions, fusions_off_why=off, overlap_grad_reduce=overlap, overlap_why=overlap_why,
+                        jit_fusions=bool(kernels.cuda and kernels.jit_compiler and model_cfg.fusions))
+
+
+_EAGER: list[tuple[object, str, object]] = []
+"""What use_megatron_jit(False) replaced: (owner, attribute, the compiled or compiling value), to put back."""
+
+
+def use_megatron_jit(compiled: bool) -> None:
+    """megatron's @jit_fuser functions compiled (megatron's default) or eager, for every build in this process.
+
+    megatron binds `jit_fuser` (torch.compile) into each module at import and decorates functions, methods
+    and closures made in constructors with it. Eager: megatron.core.jit's decorator becomes its no-op, each
+    imported megatron module's `jit_fuser` with it (constructors made later get plain closures), and every
+    compiled function or method a module or its classes hold is its original again. compiled=True puts
+    back what an earlier call replaced."""
+    import megatron.core.jit as jit
+
+    if compiled:
+        if _EAGER:
+            jit.enable_jit_fuser()
+            for owner, name, value in reversed(_EAGER):
+                setattr(owner, name, value)
+            _EAGER.clear()
+        return
+    if jit.jit_fuser is jit.noop_decorator:
+        return
+    _EAGER.append((jit, "jit_fuser", jit.jit_fuser))
+    jit.disable_jit_fuser()
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("megatron.") or module is jit:
+            continue
+        owners = [module, *(v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module_name)]
+        for owner in owners:
+            for name, value in list(vars(owner).items()):
+                if not isinstance(value, types.FunctionType):
+                    continue
+                original = value.__dict__.get("_torchdynamo_orig_callable")  # what torch.compile wrapped
+                if name == "jit_fuser" and owner is module and value is not jit.noop_decorator:
+                    original = jit.noop_decorator  # torch.compile itself
+                if callable(original):
+                    _EAGER.append((owner, name, value))
+                    setattr(owner, name, original)
 
 
 __all__ = ["KernelChoice", "Kernels", "choose_attention", "choose_experts", "choose_fusions", "choose_kernels", "choose_overlap",
-           "detect_kernels"]
+           "detect_kernels", "use_megatron_jit"]

@@ -206,16 +206,23 @@ def seed_all(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+_worlds_started = 0
+"""Worlds this process has started under torchrun's shared store (each rank starts the same sequence)."""
+
+
 def _attempt_store(timeout: timedelta):
-    """Under torchrun's c10d rendezvous the ranks share the launcher's key-value store, which outlives a restart: the
-    keys of the attempt before (gloo's peer addresses among them) would still be there, and a restarted rank could
-    connect to a peer that is gone and wait forever. Each attempt gets keys of its own (None: not under torchrun's
-    shared store, env:// as usual)."""
+    """Under torchrun's c10d rendezvous the ranks share the launcher's key-value store, which outlives a restart and a
+    world's end: the keys of the attempt before, or of this launch's world before (a second run in the same processes,
+    after destroy_parallel), gloo's peer addresses among them, would still be there. torch numbers a new world's groups
+    from 0 again, so its groups would read the old keys, connect to peers that are gone and wait forever. Each world of
+    each attempt gets keys of its own (None: not under torchrun's shared store, env:// as usual)."""
+    global _worlds_started
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"megatron_rl/attempt_{attempt}/", agent)
+    _worlds_started += 1
+    return dist.PrefixStore(f"megatron_rl/attempt_{attempt}/world_{_worlds_started}/", agent)
 
 
 def init_parallel(

@@ -10,11 +10,11 @@ from typing import Callable, NoReturn
 from tests.e2e.train_runs import REPO, train_env
 
 
-def run_module(module: str, out: Path, timeout: int) -> Path:
-    """Run `python -m module out` from the repository root (offline, vLLM's log at WARNING); fail with its output."""
+def run_module(module: str, out: Path, timeout: int, *args: str | Path) -> Path:
+    """Run `python -m module out [args]` from the repository root (offline, vLLM's log at WARNING); fail with its output."""
     env = {**train_env(), "VLLM_LOGGING_LEVEL": "WARNING"}
-    result = subprocess.run([sys.executable, "-m", module, str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run([sys.executable, "-m", module, str(out), *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=timeout)
     assert result.returncode == 0, f"{module} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return out
 

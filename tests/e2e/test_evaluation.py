@@ -9,38 +9,27 @@
 - the per-source numbers equal those computed by hand from the per-prompt
   results of each source alone;
 - bad input stops `megatron-rl eval` with a one-line error before any engine starts.
+The training and eval commands are made in one process, one after the other
+(tests/e2e/eval_runs.py); the bad-input ones in this one.
 """
 
 from __future__ import annotations
 
 import json
-import sys
+from pathlib import Path
 
 import pytest
 
-from megatron_rl.data.tasks import synthetic_rows
 from megatron_rl.metrics import read_metrics
-from tests.e2e.train_runs import REPO, TIMING, run_ok, train_command
-
-K = 4
-
-
-def odd_length_reward(response: str, answer, *, prompt: str = "") -> float:
-    """A reward a random model scores about half the time (response length parity): non-trivial pass@k and maj@k."""
-    return float(len(response) % 2)
+from tests.e2e.eval_runs import K
+from tests.e2e.subprocess_runs import run_module
+from tests.e2e.train_runs import REPO, TIMING
 
 
-odd_length_reward.final_answer = lambda response: str(len(response) % 2)  # maj@k votes on the parity
-
-
-def _eval_sets(tmp_path) -> str:
-    rows = synthetic_rows("synthetic:first_letter8:6:11")
-    mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text("".join(json.dumps({**r, "data_source": "even" if i % 2 == 0 else "odd"}) + "\n" for i, r in enumerate(rows)))
-    return (
-        f"data.eval_sets={{mixed: {{path: {mixed}, k: {K}, reward: 'tests.e2e.test_evaluation:odd_length_reward'}}, "
-        "letters: {path: 'synthetic:first_letter8:3:5', k: 2, temperature: 1.0, top_p: 1.0}}"
-    )
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory) -> Path:
+    """The module's commands, made in one process (tests/e2e/eval_runs.py)."""
+    return run_module("tests.e2e.eval_runs", tmp_path_factory.mktemp("eval"), 600, model_dir)
 
 
 def _training(row: dict) -> dict:
@@ -63,19 +52,15 @@ def _by_hand(prompts: list[dict]) -> dict[str, float]:
     }
 
 
-def test_evaluation_leaves_training_unchanged_and_the_eval_command_reproduces_it(model_dir, tmp_path):
-    common = ("train.steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=3")
-    run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path / "plain", *common))
-    evaluated = tmp_path / "evaluated"
-    result = run_ok(train_command("tiny-gspo.yaml", model_dir, evaluated, *common, "train.eval_every=1", _eval_sets(tmp_path)))
-
-    plain, with_eval = read_metrics(tmp_path / "plain" / "metrics.jsonl"), read_metrics(evaluated / "metrics.jsonl")
+def test_evaluation_leaves_training_unchanged_and_the_eval_command_reproduces_it(runs):
+    evaluated = runs / "evaluated"
+    plain, with_eval = read_metrics(runs / "plain" / "metrics.jsonl"), read_metrics(evaluated / "metrics.jsonl")
     assert [r["step"] for r in with_eval] == [0, 1]
     assert [_training(r) for r in with_eval] == [_training(r) for r in plain]
 
     # evaluated at weights 0 (before training), 1 and 2 (after the last step): logged, tabled and written whole
     assert [r["step"] for r in read_metrics(evaluated / "eval" / "metrics.jsonl")] == [0, 1, 2]
-    table = result.stdout.splitlines()
+    table = (runs / "evaluated.stdout").read_text().splitlines()
     assert "evaluation at step 2" in table and any(line.split()[:2] == ["mixed", "even"] for line in table if line.strip()), table
     reports = {n: json.loads((evaluated / "eval" / f"step_{n}.json").read_text()) for n in (0, 1, 2)}
     mixed = reports[1]["sets"]["mixed"]
@@ -91,13 +76,10 @@ def test_evaluation_leaves_training_unchanged_and_the_eval_command_reproduces_it
 
     # `megatron-rl eval` on the step-1 checkpoint (in-process engine), and on the model directory (weights 0) with
     # two vLLM servers sharing the prompts
-    for load, step in ((f"checkpoint.load={evaluated / 'ckpt' / 'step_00000001'}", 1), ("rollout.engines=2", 0)):
-        out = tmp_path / f"cli{step}"
-        command = [sys.executable, "-m", "megatron_rl.cli", "eval", "--config", str(REPO / "configs" / "tiny-gspo.yaml"),
-                   f"model.path={model_dir}", load, f"logging.dir={out}", _eval_sets(tmp_path)]
-        cli = run_ok(command)
-        assert f"evaluation at step {step}" in cli.stdout, cli.stdout[-3000:]
-        assert _scores(json.loads((out / "eval" / f"step_{step}.json").read_text())) == _scores(reports[step])
+    for name, step in (("cli1", 1), ("cli0", 0)):
+        stdout = (runs / f"{name}.stdout").read_text()
+        assert f"evaluation at step {step}" in stdout, stdout[-3000:]
+        assert _scores(json.loads((runs / name / "eval" / f"step_{step}.json").read_text())) == _scores(reports[step])
 
 
 BAD_INPUT = [

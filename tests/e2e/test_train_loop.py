@@ -10,7 +10,7 @@ the sampled tokens equal the megatron actor's within 1e-4 after every push and
 the weight version advances by one per step (check_rows), the engine's routes
 equal the trainer's router, and the async stream's bound and data position
 against the scenario worked by hand. Runs on two and four processes:
-test_train_parallel.py and test_train_colocated.py; kill-and-resume and offload:
+test_train_parallel.py (with two engines hosted by the trainer ranks); kill-and-resume and offload:
 test_train_resume.py.
 """
 

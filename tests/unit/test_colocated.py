@@ -1,7 +1,7 @@
 """Colocated engines: how many, which ranks host them, which GPUs they get, and a failed start on every rank.
 
 The engines themselves (real vLLM servers hosted by trainer ranks) run in
-tests/e2e/test_train_colocated.py and tests/e2e/test_vllm_server.py.
+tests/e2e/test_train_parallel.py (its colocated cases) and tests/e2e/test_vllm_server.py.
 """
 
 from __future__ import annotations

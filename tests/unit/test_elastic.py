@@ -110,3 +110,31 @@ def test_a_preset_including_a_missing_file_names_both(tmp_path, preset_text, cul
         load_yaml_preset(tmp_path / "run.yaml")
     message = str(raised.value)
     assert f"preset {str(tmp_path / 'run.yaml')!r} includes" in message and culprit in message and "defaults list" in message
+
+
+def test_each_world_of_a_launch_reads_store_keys_of_its_own(monkeypatch):
+    """torchrun's shared store outlives a world: a second run in the same processes (after destroy_parallel) or a
+    restarted attempt must not read the keys the world before it left (gloo's peer addresses: torch numbers a new
+    world's groups from 0 again), or its ranks connect to peers that are gone and wait."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_rl.parallel import context
+
+    launcher = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # torchrun's agent store
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launcher.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = context._attempt_store(timedelta(seconds=30))
+    first.set("0/rank_0", "address of a peer that is gone")
+    second = context._attempt_store(timedelta(seconds=30))  # the next run's world, same attempt
+    assert not second.check(["0/rank_0"])
+    second.set("0/rank_0", "a live peer")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = context._attempt_store(timedelta(seconds=30))
+    assert not restarted.check(["0/rank_0"])
+    assert first.get("0/rank_0") == b"address of a peer that is gone"  # each world's keys are its own
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    assert context._attempt_store(timedelta(seconds=30)) is None  # not under torchrun's shared store: env:// as usual

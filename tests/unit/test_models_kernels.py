@@ -69,6 +69,12 @@ def test_the_start_up_line_says_what_and_why():
     cpu = choose_kernels(CPU, ModelConfig(), use_te=False, dtype=FP32, data_parallel=2)
     assert not cpu.moe_grouped_gemm and not cpu.overlap_grad_reduce and "overlap_grad_reduce off (CPU)" in cpu.describe()
     assert "fusions on: none; all fusions off: no CUDA" in cpu.describe()
+    # megatron's own @jit_fuser functions compile where its fusions do, and run eagerly elsewhere
+    assert choice.jit_fusions and line.endswith("megatron's jit functions compiled")
+    assert not cpu.jit_fusions and cpu.describe().endswith("megatron's jit functions eager")
+    no_triton = Kernels(cuda=True, capability=(9, 0), torch_grouped_mm=True, varlen_attention=True)
+    assert not choose_kernels(no_triton, ModelConfig(), use_te=False, dtype=BF16).jit_fusions
+    assert not choose_kernels(H200_NO_TE, ModelConfig(fusions=False), use_te=False, dtype=BF16).jit_fusions
 
 
 def test_the_cpu_build_uses_the_cpu_choices():

@@ -161,3 +161,38 @@ def test_a_model_build_leaves_megatrons_attention_environment_as_it_found_it(par
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def test_a_build_without_a_jit_compiler_runs_megatrons_jit_functions_eagerly(parallel_ctx, model_root):
+    """megatron torch.compile's its @jit_fuser functions whatever the fusion fields say (the router's expert bias,
+    the grouped experts' activation). Where the kernel choice has no compiler for them (CPU), the build makes them
+    eager: a training forward and backward of DeepSeek-V3 with grouped experts compiles no frame, and
+    use_megatron_jit(True) puts megatron's compiled functions back."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from torch._dynamo.utils import counters
+
+    from megatron_rl.config import ModelConfig
+    from megatron_rl.models import build_model
+    from megatron_rl.models.kernels import detect_kernels, use_megatron_jit
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    if detect_kernels().jit_compiler:
+        pytest.skip("a GPU with triton is present: megatron's jit functions compile there; this checks a machine without")
+    use_megatron_jit(True)  # megatron's own state, whatever an earlier build in this process did
+    compiled = TopKRouter.__dict__["_apply_expert_bias"]
+    assert "_torchdynamo_orig_callable" in compiled.__dict__  # megatron compiles it: the check below can fail
+    model_dir = make_tiny_model_dir(model_root / "jit", "deepseek_v3", seed=1, with_tokenizer=False, init_std=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (model,) = build_model(ModelConfig(path=str(model_dir), dtype="float32", moe_grouped_gemm=True), parallel_ctx)
+    assert TopKRouter.__dict__["_apply_expert_bias"] is compiled.__dict__["_torchdynamo_orig_callable"]
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).unsqueeze(0).expand_as(tokens)
+    frames = counters["frames"]["total"]
+    model.train()
+    model(tokens, positions, attention_mask=None).float().square().mean().backward()
+    assert counters["frames"]["total"] == frames, dict(counters["frames"])
+    experts = [layer.mlp.experts for layer in model.decoder.layers if hasattr(layer.mlp, "experts")]
+    assert experts and all("_torchdynamo_orig_callable" not in e.activation_func_with_probs.__dict__ for e in experts)
+    use_megatron_jit(True)
+    assert TopKRouter.__dict__["_apply_expert_bias"] is compiled
