@@ -192,7 +192,8 @@ def _serve(args: argparse.Namespace) -> int:
     except EngineStartError as err:
         print(f"megatron-rl serve: model.path={cfg.model.path!r}: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    command, env = server.command(), server.environment()
+    # the server in megatron_rl.rollout.served: it removes the sockets between its processes when it ends
+    command, env = server.command("megatron_rl.rollout.served"), server.environment()
     if token is None:
         print(f"megatron-rl serve: no token: every user of this host can drive the server on {args.host}:{args.port}",
               file=sys.stderr)

@@ -130,11 +130,12 @@ class VLLMServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def command(self) -> list[str]:
+    def command(self, module: str = "vllm.entrypoints.openai.api_server") -> list[str]:
+        """The server's command line: `python -m module` (vLLM's API server, or megatron_rl.rollout.served around it)."""
         cfg = self.config
         dtype = default_dtype() if cfg.dtype == "auto" else cfg.dtype
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-m", module,
             "--model", str(self.model_dir), "--host", self.host, "--port", str(self.port),
             "--dtype", dtype, "--seed", str(self.seed),
             "--logprobs-mode", "processed_logprobs",

@@ -1,5 +1,7 @@
 """`megatron-rl serve` starts a server the trainer's engine can use: it waits for it, pushes, samples, with the
-token of rollout.server_token_file; a client without it is refused in one line.
+token of rollout.server_token_file; a client without it is refused in one line; the sockets between the server's
+processes are in a directory of the server's own, gone when it stops (vLLM's default leaves 3 socket files in the
+temp directory at every start).
 
 One server start (~20-40 s on 2 cores).
 """
@@ -10,6 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +41,7 @@ def test_served_model_takes_pushes_and_samples(tmp_path, monkeypatch):
     for name in ("MEGATRON_RL_SERVER_TOKEN", "MEGATRON_RL_SERVER_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)
     port = free_port()
+    started = time.time()
     log = open(tmp_path / "serve.log", "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "megatron_rl.cli", "serve", "--config", "configs/tiny-gspo.yaml",
@@ -57,6 +62,9 @@ def test_served_model_takes_pushes_and_samples(tmp_path, monkeypatch):
         rollouts = engine.generate([[1, 5, 6, 7, 8], [1, 9, 10]], SamplingSpec(n=2, max_new_tokens=10, seed=2))
         assert rollouts.weight_version == 2
         assert max_logprob_error(models["moe1"], rollouts, 1.0) < 1e-4
+        lines = (tmp_path / "serve.log").read_text().splitlines()
+        sockets = Path(next(line for line in lines if "vLLM's sockets in " in line).split("sockets in ")[1].split(" (")[0])
+        assert any(p.is_socket() for p in sockets.iterdir()), sorted(sockets.iterdir())  # the server's, while it runs
     finally:
         if engine is not None:
             engine.shutdown()
@@ -67,3 +75,8 @@ def test_served_model_takes_pushes_and_samples(tmp_path, monkeypatch):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         log.close()
+    assert process.returncode is not None and not sockets.exists(), sorted(sockets.iterdir())
+    # none of vLLM's uuid-named sockets of this server in the temp directory itself (another test's engine keeps its
+    # own in a directory of its own too)
+    leaked = [p for p in Path(tempfile.gettempdir()).iterdir() if p.is_socket() and p.stat().st_mtime >= started]
+    assert not leaked, leaked
