@@ -54,6 +54,29 @@ def worker_in_engine_core(config) -> bool:
     return current_platform.is_cpu()
 
 
+def compiles_nothing(config) -> bool:
+    """Whether the engine runs with nothing torch.compile'd: on a CPU platform with rollout.enforce_eager (the default).
+
+    enforce_eager keeps vLLM from compiling the model, but vLLM still torch.compile's helpers of its sampler (the rank
+    of each sampled token among the vocabulary's logprobs, vllm.v1.sample.ops.logprobs) with inductor. On a CPU that
+    needs a C++ compiler and costs every engine start 2.5-3 s of a 2-core machine (dynamo, inductor's cache, and its
+    instruction-set probes, each a child interpreter) for one comparison over the vocabulary. There they run eagerly:
+    COMPILE_OFF in the environment of an engine's own processes, torch's compiler off in the process of an in-process
+    engine while it runs (the actor compiles nothing on CPU either: models.kernels.use_megatron_jit). On GPUs vLLM
+    keeps its compiled kernels."""
+    if not config.enforce_eager:
+        return False
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return current_platform.is_cpu()
+
+
+COMPILE_OFF = {"TORCH_COMPILE_DISABLE": "1"}
+"""torch's compiler off in a process from its start (torch reads it at import)."""
+
+
 def engine_core_worker_threads(engines: int = 1) -> int:
     """The OpenMP threads of a worker inside its engine core on CPU (worker_in_engine_core), one of `engines` such
     engines on this host's CPUs: the CPUs this process may run on, less one per engine, shared among them. vLLM's

@@ -26,8 +26,10 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.ports import free_port
 from megatron_rl.rollout.client_limits import start_timeout_s
 from megatron_rl.rollout.common import (
+    COMPILE_OFF,
     WORKER_EXTENSION,
     SocketDir,
+    compiles_nothing,
     default_dtype,
     engine_core_environment,
     prefix_caching_off,
@@ -178,6 +180,8 @@ class VLLMServer:
             # from moving the one worker out of it (the variable otherwise selects only LLMEngine's in-process core)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env.update(engine_core_environment(self.config, self.engines_on_host))  # the API server keeps a CPU
+        if compiles_nothing(self.config):  # vLLM's sampler helpers eager on CPU (common.compiles_nothing)
+            env.update(COMPILE_OFF)
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))
         token = server_env(self.token) if self.token else {}

@@ -70,8 +70,8 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.heap import collect_after_close, heap_kept_frozen, import_long_lived
 from megatron_rl.rollout.common import (
-    WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, default_dtype, engine_core_environment, environment_set,
-    make_sample, prefix_caching_off, sleep_mode_available, worker_in_engine_core,
+    COMPILE_OFF, WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, compiles_nothing, default_dtype,
+    engine_core_environment, environment_set, make_sample, prefix_caching_off, sleep_mode_available, worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
@@ -141,6 +141,7 @@ class VLLMEngine(ServingEngine):
         self.engine_kwargs = dict(engine_kwargs or {})
         self._llm: Any = None
         self._made_world = False  # in-process: this engine's start made the default process group (module docstring)
+        self._compiler_was: bool | None = None  # in-process on CPU: torch's compiler setting before this engine (_compiler_off)
         self._sockets = SocketDir()  # a multiprocess engine's sockets between this process and its core
         self._route_capture = False  # between start_route_capture and collect_route_capture
         self.weight_transport = self._resolve_transport()
@@ -215,6 +216,10 @@ class VLLMEngine(ServingEngine):
             # a core process of its own (rollout.multiprocessing) reads its threads at its start; the sockets
             # between it and this process go in a directory of this start's own (common.SocketDir)
             variables = {**engine_core_environment(self.config), **self._sockets.environment()} if self.multiprocessing else {}
+            if compiles_nothing(self.config) and self.multiprocessing:  # vLLM's sampler helpers eager (common)
+                variables.update(COMPILE_OFF)
+            elif compiles_nothing(self.config):
+                self._compiler_off()
             with environment_set(variables):
                 self._llm = LLM(**self.engine_args())
         except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"
@@ -307,9 +312,25 @@ class VLLMEngine(ServingEngine):
         self._sockets.remove()
         del llm
         if last:
+            self._compiler_back()
             collect_after_close()
         else:
             gc.collect()
+
+    def _compiler_off(self) -> None:
+        """torch's compiler off in this process while this in-process engine runs (common.compiles_nothing)."""
+        import torch._dynamo
+
+        if self._compiler_was is None:
+            self._compiler_was = bool(torch._dynamo.config.disable)
+        torch._dynamo.config.disable = True
+
+    def _compiler_back(self) -> None:
+        """The compiler as it was before this engine's first start."""
+        if self._compiler_was is not None:
+            import torch._dynamo
+
+            torch._dynamo.config.disable, self._compiler_was = self._compiler_was, None
 
     def shutdown(self) -> None:
         with self._lock:

@@ -85,6 +85,22 @@ def test_logprobs_equal_hf(request, models, family, temperature):
     assert torch.equal(padded.rollout_logprobs[1][padded.response_mask[1]], s.rollout_logprobs)
 
 
+def test_an_in_process_engine_on_cpu_compiles_nothing(dense_engine, models):
+    # enforce_eager on CPU: vLLM's sampler helpers (the sampled tokens' ranks) would still be torch.compile'd, with a
+    # C++ build and child-interpreter probes at the first generation of every start; here they run eagerly, and the
+    # logprobs are still transformers' (test_logprobs_equal_hf)
+    from torch._dynamo.utils import counters
+
+    from megatron_rl.rollout.common import compiles_nothing
+
+    if not compiles_nothing(dense_engine.config):
+        pytest.skip("not a CPU platform: vLLM keeps its compiled sampler there")
+    assert torch._dynamo.config.disable
+    frames = counters["frames"]["total"]
+    rollouts = dense_engine.generate(PROMPTS, _spec(max_new_tokens=4, seed=11))
+    assert len(rollouts) == 8 and counters["frames"]["total"] == frames, dict(counters["frames"])
+
+
 def test_stop_token_and_seed(dense_engine, models):
     _push(dense_engine, models["dense0"], version=1)
     first = dense_engine.generate(PROMPTS[:2], _spec(max_new_tokens=16))

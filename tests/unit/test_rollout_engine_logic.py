@@ -223,3 +223,27 @@ def test_a_servers_killed_process_that_only_another_can_reap_counts_as_dead():
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_an_in_process_engine_gives_torchs_compiler_back_as_it_found_it():
+    # an in-process engine on CPU turns torch's compiler off while it runs (rollout.common.compiles_nothing) and, at
+    # its shutdown, back to what it was before its first start: restarts keep the first value
+    import torch._dynamo
+
+    from megatron_rl.rollout import VLLMEngine
+
+    before = torch._dynamo.config.disable
+    try:
+        for was in (False, True):
+            torch._dynamo.config.disable = was
+            engine = VLLMEngine.__new__(VLLMEngine)
+            engine._compiler_was = None
+            engine._compiler_off()
+            engine._compiler_off()  # a restart
+            assert torch._dynamo.config.disable is True
+            engine._compiler_back()
+            assert torch._dynamo.config.disable is was and engine._compiler_was is None
+            engine._compiler_back()  # a second shutdown changes nothing
+            assert torch._dynamo.config.disable is was
+    finally:
+        torch._dynamo.config.disable = before

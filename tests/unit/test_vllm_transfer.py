@@ -220,3 +220,33 @@ def test_a_worker_inside_its_server_core_leaves_one_cpu_to_the_api_server(tmp_pa
         "3" if current_platform.is_cpu() else None)
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # inherited by the server as it is
     assert "OMP_NUM_THREADS" not in VLLMServer(tmp_path, RolloutConfig(), port=1).environment()
+
+
+@needs_vllm
+def test_an_eager_engine_on_cpu_compiles_nothing_of_vllm_s_sampler(tmp_path):
+    # rollout.enforce_eager keeps vLLM from compiling the model; its sampler's helpers are compiled regardless
+    # (inductor, a C++ build and probes on CPU): a server and a multiprocess core on CPU get torch's compiler off in
+    # their environment, where enforce_eager asks for no compiling; with enforce_eager=false, and on GPUs, vLLM's own
+    import torch
+
+    from vllm.platforms import current_platform
+
+    from megatron_rl.rollout import VLLMServer
+    from megatron_rl.rollout.common import compiles_nothing
+
+    on_cpu = current_platform.is_cpu()
+    assert compiles_nothing(RolloutConfig()) is on_cpu and not compiles_nothing(RolloutConfig(enforce_eager=False))
+    env = VLLMServer(tmp_path, RolloutConfig(), port=1).environment()
+    assert env.get("TORCH_COMPILE_DISABLE") == ("1" if on_cpu else None)
+    assert "TORCH_COMPILE_DISABLE" not in VLLMServer(tmp_path, RolloutConfig(enforce_eager=False), port=1).environment()
+    # what the variable does to a process that starts with it: torch.compile'd functions run as written
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom torch._dynamo.utils import counters\n"
+            "f = torch.compile(lambda x: (x * 2).sum(), backend='eager')\nassert f(torch.ones(3)).item() == 6\nprint(counters['frames']['total'])")
+    frames = [subprocess.run([sys.executable, "-c", code], env={**os.environ, **flag}, capture_output=True, text=True,
+                             check=True).stdout.strip() for flag in ({}, {"TORCH_COMPILE_DISABLE": "1"})]
+    assert frames == ["1", "0"], frames
+    assert not torch._dynamo.config.disable  # this process: untouched by building environments
