@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from pathlib import Path
 
 from tests.e2e.train_runs import REPO, run_overrides
@@ -68,7 +67,6 @@ def main(out: Path, model_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    from megatron_rl.cli import finished
+    from tests.e2e.subprocess_runs import run_as_main
 
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
-    sys.exit(finished(0))
+    run_as_main(main)

@@ -19,9 +19,10 @@ def run_module(module: str, out: Path, timeout: int, *args: str | Path) -> Path:
     return out
 
 
-def run_as_main(main: Callable[[Path], None]) -> NoReturn:
-    """A runs module's command (`python -m <module> OUT`): main(OUT), then the end of a CLI command (cli.finished)."""
+def run_as_main(main: Callable[..., None]) -> NoReturn:
+    """A runs module's command (`python -m <module> OUT [PATH ...]`): main(OUT, *PATHS), then the end of a CLI command
+    (cli.finished)."""
     from megatron_rl.cli import finished
 
-    main(Path(sys.argv[1]))
+    main(*map(Path, sys.argv[1:]))
     sys.exit(finished(0))
