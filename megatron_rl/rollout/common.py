@@ -59,8 +59,9 @@ def compiles_nothing(config) -> bool:
 
     enforce_eager keeps vLLM from compiling the model, but vLLM still torch.compile's helpers of its sampler (the rank
     of each sampled token among the vocabulary's logprobs, vllm.v1.sample.ops.logprobs) with inductor. On a CPU that
-    needs a C++ compiler and costs every engine start 2.5-3 s of a 2-core machine (dynamo, inductor's cache, and its
-    instruction-set probes, each a child interpreter) for one comparison over the vocabulary. There they run eagerly:
+    needs a C++ compiler and costs every engine start 2.0-2.4 s at its first generation on a 2-core machine (dynamo,
+    inductor's cache, and its instruction-set probes, each a child interpreter; 0.06 s eager) for one comparison over
+    the vocabulary. There they run eagerly:
     COMPILE_OFF in the environment of an engine's own processes, torch's compiler off in the process of an in-process
     engine while it runs (the actor compiles nothing on CPU either: models.kernels.use_megatron_jit). On GPUs vLLM
     keeps its compiled kernels."""

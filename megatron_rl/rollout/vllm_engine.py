@@ -216,15 +216,17 @@ class VLLMEngine(ServingEngine):
             # a core process of its own (rollout.multiprocessing) reads its threads at its start; the sockets
             # between it and this process go in a directory of this start's own (common.SocketDir)
             variables = {**engine_core_environment(self.config), **self._sockets.environment()} if self.multiprocessing else {}
-            if compiles_nothing(self.config) and self.multiprocessing:  # vLLM's sampler helpers eager (common)
-                variables.update(COMPILE_OFF)
-            elif compiles_nothing(self.config):
-                self._compiler_off()
+            if compiles_nothing(self.config):  # vLLM's sampler helpers eager (common.compiles_nothing)
+                if self.multiprocessing:
+                    variables.update(COMPILE_OFF)
+                else:
+                    self._compiler_off()
             with environment_set(variables):
                 self._llm = LLM(**self.engine_args())
         except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"
             self._llm = None
             self._sockets.remove()
+            self._compiler_back()  # no engine runs: a failed first start is never shut down
             raise EngineStartError(
                 f"vLLM could not start on model directory {self.model_dir}: {type(error).__name__}: {error}"
             ) from error
@@ -312,7 +314,6 @@ class VLLMEngine(ServingEngine):
         self._sockets.remove()
         del llm
         if last:
-            self._compiler_back()
             collect_after_close()
         else:
             gc.collect()
@@ -326,7 +327,7 @@ class VLLMEngine(ServingEngine):
         torch._dynamo.config.disable = True
 
     def _compiler_back(self) -> None:
-        """The compiler as it was before this engine's first start."""
+        """torch's compiler setting as it was before this engine turned it off (at its shutdown, or a failed start)."""
         if self._compiler_was is not None:
             import torch._dynamo
 
@@ -335,6 +336,7 @@ class VLLMEngine(ServingEngine):
     def shutdown(self) -> None:
         with self._lock:
             self._stop_llm(last=True)
+            self._compiler_back()  # also for an engine that died and was not restarted
             self._close_broadcast(shutdown=True)
 
     def _fresh_engine(self) -> None:

@@ -268,8 +268,14 @@ def test_model_dir_vllm_cannot_load(tmp_path, models):
     for f in models["dense0"].iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
     (broken / "model.safetensors").write_bytes(b"\x00" * 64)
-    with pytest.raises(EngineStartError, match=str(broken)):
-        VLLMEngine(broken, _config())
+    compiler = torch._dynamo.config.disable  # (the module's running engines turn it off)
+    torch._dynamo.config.disable = False
+    try:
+        with pytest.raises(EngineStartError, match=str(broken)):
+            VLLMEngine(broken, _config())
+        assert torch._dynamo.config.disable is False  # a failed start gives back torch's compiler setting
+    finally:
+        torch._dynamo.config.disable = compiler
     (broken / "model.safetensors").write_bytes((models["dense0"] / "model.safetensors").read_bytes())
     config = (broken / "config.json").read_text().replace("Qwen2ForCausalLM", "NoSuchModelForCausalLM")
     (broken / "config.json").write_text(config)
