@@ -10,6 +10,7 @@ later and handles a port taken in between (rarer now, not impossible).
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 from pathlib import Path
@@ -44,4 +45,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free TCP port on {host or 'any address'}")
 
 
-__all__ = ["ephemeral_range", "free_port"]
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not bind `port` on `host` now because another socket holds it (EADDRINUSE).
+
+    Bound as vLLM's server binds it (SO_REUSEADDR, vllm.entrypoints.launchers.launcher.create_server_socket): a port
+    an earlier server's closed connections left in TIME_WAIT counts as free. Any other failure (an address not of this host) is the server's to report: False."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
+
+
+__all__ = ["ephemeral_range", "free_port", "port_in_use"]

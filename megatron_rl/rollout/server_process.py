@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterable
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.ports import free_port
+from megatron_rl.ports import free_port, port_in_use
 from megatron_rl.rollout.client_limits import start_timeout_s
 from megatron_rl.rollout.common import (
     COMPILE_OFF,
@@ -192,7 +192,10 @@ class VLLMServer:
 
         A port this server chose itself (free_port) is free when chosen, not when the server binds it seconds later,
         after importing vLLM: another process may take it in between. A first start that fails on "Address already
-        in use" is made again on a newly chosen port (3 tries). A restart keeps its port: its URL is known."""
+        in use" is made again on a newly chosen port (3 tries). A restart keeps its port: its URL is known.
+        A port given by the caller that another process holds already fails at once, before vLLM is started."""
+        if not self._chosen_port and not self._started and port_in_use(self.host, self.port):
+            raise self._given_port_taken()
         for attempt in range(PORT_TRIES):
             try:
                 self._start()
@@ -201,13 +204,16 @@ class VLLMServer:
             except EngineStartError as error:
                 taken = PORT_TAKEN in str(error)
                 if taken and not self._chosen_port:
-                    raise EngineStartError(f"port {self.port} on {self.host}, given to the vLLM server, is in use by "
-                                           "another process: give a free port, or none to have one chosen") from error
+                    raise self._given_port_taken() from error
                 if self._started or not taken or attempt + 1 == PORT_TRIES:
                     raise
                 taken, self.port = self.port, free_port(self.host)
                 logger.warning("vLLM server port %d was taken before the server bound it; starting on %d", taken, self.port)
         raise AssertionError("unreachable")
+
+    def _given_port_taken(self) -> EngineStartError:
+        return EngineStartError(f"port {self.port} on {self.host}, given to the vLLM server, is in use by another "
+                                "process: give a free port, or none to have one chosen")
 
     def _start(self) -> None:
         self.check_model_dir()

@@ -25,12 +25,12 @@ CP_COMMON = ("train.steps=1", "train.mini_batches_per_step=1", "train.pack_seque
 COLOCATED = ("train.steps=2", "rollout.engines=2", "rollout.weight_bucket_mb=0.25")
 CASES: dict[int, dict[str, tuple[str, ...]]] = {
     2: {
-        # the routed experts as megatron-core's GroupedMLP; the model directory absent: both ranks start at once
-        # and one of them builds it (OUT/models/tiny-moe)
-        "grouped": ("tiny-gspo-cpu2.yaml", "train.steps=2", "model.moe_grouped_gemm=true", "model.make_tiny=true"),
         "cp2": ("tiny-gspo-cpu2.yaml", *CP_COMMON, "parallel.expert_parallel=1", "parallel.context_parallel=2"),
-        # rollout.engines=2: each rank hosts a vLLM server, every push transport
-        "colocated_broadcast": ("tiny-gspo-cpu2.yaml", *COLOCATED, "rollout.weight_transport=broadcast"),
+        # rollout.engines=2: each rank hosts a vLLM server, every push transport.
+        # broadcast also has the routed experts as megatron-core's GroupedMLP, and no model directory at the start:
+        # both ranks start at once and one of them builds it (OUT/models/tiny-moe) before either starts its server
+        "colocated_broadcast": ("tiny-gspo-cpu2.yaml", *COLOCATED, "rollout.weight_transport=broadcast",
+                                "model.moe_grouped_gemm=true", "model.make_tiny=true"),
         "colocated_ipc": ("tiny-gspo-cpu2.yaml", *COLOCATED, "rollout.weight_transport=ipc"),
         "colocated_ipc_owners": ("tiny-gspo-cpu2.yaml", *COLOCATED, "rollout.weight_transport=ipc",
                                  "rollout.weight_senders=owners"),
@@ -44,9 +44,13 @@ CASES: dict[int, dict[str, tuple[str, ...]]] = {
 """World size -> case name -> preset and overrides."""
 
 
+BUILDS_ITS_MODEL = "colocated_broadcast"
+"""The case whose run builds its tiny model (model.make_tiny=true) in OUT/models/tiny-moe."""
+
+
 def model_for(case: str, out: Path, model_dir: Path) -> Path:
-    """The model directory a case trains: the shared one, or (grouped) one its run builds."""
-    return out / "models" / "tiny-moe" if case == "grouped" else model_dir
+    """The model directory a case trains: the shared one, or the one its run builds (BUILDS_ITS_MODEL)."""
+    return out / "models" / "tiny-moe" if case == BUILDS_ITS_MODEL else model_dir
 
 
 def main(out: Path, model_dir: Path) -> None:

@@ -22,7 +22,7 @@ import pytest
 
 import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extra, without vLLM; a broken install fails)
 from megatron_rl.metrics import read_metrics
-from tests.e2e.parallel_runs import CP_COMMON
+from tests.e2e.parallel_runs import BUILDS_ITS_MODEL, CASES, CP_COMMON
 from tests.e2e.train_runs import REPO, check_rows, run_ok, train_command, train_env
 
 
@@ -50,10 +50,13 @@ def four(model_dir, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess
 
 
 def test_two_processes_expert_parallel_grouped_experts_on_a_tiny_model_the_preset_builds(two):
-    # The routed experts as megatron-core's GroupedMLP (fused weight1 / weight2 per EP rank): its export pushes
-    # them to the engine, whose logprobs must equal the actor's (check_rows). The colocated runs keep
-    # SequentialMLP experts.
-    check_rows(read_metrics(two / "grouped" / "metrics.jsonl"), 2)
+    # The routed experts as megatron-core's GroupedMLP (fused weight1 / weight2 per EP rank), in the broadcast
+    # run of the colocated engines: its export pushes them to both servers, whose logprobs must equal the actor's
+    # (check_rows). The model directory was absent: one rank built it, whole, before the servers started on it.
+    # The other colocated runs keep SequentialMLP experts.
+    run = two / BUILDS_ITS_MODEL
+    assert "moe_grouped_gemm=true" in " ".join(CASES[2][BUILDS_ITS_MODEL])
+    check_rows(read_metrics(run / "metrics.jsonl"), 2)
     assert sorted(p.name for p in (two / "models").iterdir()) == [".tiny-moe.lock", "tiny-moe"]  # no half-built copy
 
 

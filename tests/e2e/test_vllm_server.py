@@ -129,7 +129,7 @@ def test_a_chosen_port_taken_before_the_server_binds_it_is_chosen_again(server_e
     assert FIRST_START["port"] != FIRST_START["taken"]
     assert os.strerror(errno.EADDRINUSE) in FIRST_START["log"]  # the first try met the taken port
     assert httpx.get(f"{server_engine.urls[0]}/health", timeout=10).status_code == 200
-    # a port given by the caller is kept: its failure is the caller's to see
+    # a port given by the caller is kept: its failure is the caller's to see, at once (no vLLM started for it)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -137,6 +137,7 @@ def test_a_chosen_port_taken_before_the_server_binds_it_is_chosen_again(server_e
         given = VLLMServer(models["moe0"], config, port=holder.getsockname()[1], log_path=tmp_path / "given.log")
         with pytest.raises(EngineStartError, match=r"port \d+ on 127.0.0.1, given to the vLLM server, is in use"):
             given.start()
+        assert given.process is None and not (tmp_path / "given.log").exists()
 
 
 def test_without_the_token_every_route_is_refused_and_changes_nothing(server_engine, models, monkeypatch):
