@@ -115,11 +115,16 @@ def environment_set(variables: dict[str, str]) -> Iterator[None]:
 
 
 class SocketDir:
-    """A directory of one vLLM engine's own for the ZMQ sockets between its processes (VLLM_RPC_BASE_PATH), removed
-    with it. vLLM names them by uuid in the system temp directory and leaves them there: every engine start left 3
-    socket files behind, a server 3 more, and a machine's /tmp collects thousands over restarts and runs."""
+    """A directory of one vLLM engine's own for the ZMQ sockets between its processes (VLLM_RPC_BASE_PATH), and the
+    temp directory of the processes the engine starts (TMPDIR), removed with it. vLLM names its sockets by uuid in
+    the system temp directory and leaves them there, and so the file store its worker's process group meets in
+    (vllm_dist_<uuid>, made by the engine-core process): every engine start left 3 socket files and a store file
+    behind, a server 3 more, and a machine's /tmp collects thousands over restarts and runs. (An engine in this
+    process makes its store in this process's temp directory; torch removes it with the group, at the engine's
+    stop. A core process is ended by its engine's stop, a killed one by the kill: neither removes its own.)"""
 
     VARIABLE = "VLLM_RPC_BASE_PATH"
+    TEMP = "TMPDIR"
     MAX_PATH = 107 - 1 - 36  # a Unix socket's path holds 107 bytes (Linux sun_path); vLLM adds "/" and a uuid4
     PREFIX = "mrl-vllm-"
 
@@ -133,8 +138,20 @@ class SocketDir:
         room = self.MAX_PATH - len(os.path.join(tempfile.gettempdir(), self.PREFIX)) - 8  # mkdtemp's 8 characters
         if room < 0:
             return {}
-        self.path = tempfile.mkdtemp(prefix=self.PREFIX)
-        return {self.VARIABLE: self.path}
+        self.path = tempfile.mkdtemp(prefix=self.PREFIX)  # this process's own temp directory stays the one it read
+        return {self.VARIABLE: self.path, **self._temp_environment(self.path)}
+
+    @classmethod
+    def _temp_environment(cls, path: str) -> dict[str, str]:
+        """TMPDIR=path, with torch inductor's compile cache kept where it was (its default is under the temp
+        directory; a server's restart must find its compiled kernels). Nothing where torch does not say where."""
+        if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+            return {cls.TEMP: path}
+        try:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        except ImportError:
+            return {}
+        return {cls.TEMP: path, "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
 
     def remove(self) -> None:
         path, self.path = self.path, None

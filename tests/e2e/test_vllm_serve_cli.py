@@ -76,7 +76,8 @@ def test_served_model_takes_pushes_and_samples(tmp_path, monkeypatch):
             process.wait()
         log.close()
     assert process.returncode is not None and not sockets.exists(), sorted(sockets.iterdir())
-    # none of vLLM's uuid-named sockets of this server in the temp directory itself (another test's engine keeps its
-    # own in a directory of its own too)
-    leaked = [p for p in Path(tempfile.gettempdir()).iterdir() if p.is_socket() and p.stat().st_mtime >= started]
+    # none of vLLM's uuid-named sockets or group-store files of this server in the temp directory itself (another
+    # test's engine keeps its own in a directory of its own too)
+    leaked = [p for p in Path(tempfile.gettempdir()).iterdir()
+              if (p.is_socket() or p.name.startswith("vllm_dist_")) and p.stat().st_mtime >= started]
     assert not leaked, leaked

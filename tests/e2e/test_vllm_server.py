@@ -244,6 +244,8 @@ def test_killed_server_is_restarted_with_the_pushed_weights(server_engine, model
     # memory (on a GPU the restart would not fit beside it); the restart ends it. Its sockets' directory goes too.
     core, sockets = psutil.Process(server.process.pid).children(recursive=True), server._sockets.path
     assert socket_files(sockets), sockets  # vLLM's sockets are in the server's own directory
+    # and its engine core's temp files: the file store its worker's group meets in (vLLM leaves it; the directory goes)
+    assert [n for n in os.listdir(sockets) if n.startswith("vllm_dist_")], os.listdir(sockets)
     os.kill(server.process.pid, signal.SIGKILL)
     server.process.wait()
     # no host copy of the last push is kept: the restarted server gets a fresh export from the trainer

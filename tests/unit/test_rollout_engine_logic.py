@@ -157,7 +157,10 @@ def test_a_server_engine_without_urls_names_both_ways_to_get_them():
 def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(monkeypatch):
     """common.SocketDir: vLLM names a socket <VLLM_RPC_BASE_PATH>/<uuid4>; the directory is one the kernel can bind
     such a name in, or none at all (vLLM's own temp directory) where the temp directory's path leaves no room."""
+    import getpass
     import os
+    import subprocess
+    import sys
     import shutil
     import socket
     import tempfile
@@ -182,9 +185,20 @@ def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(mon
         assert binds(f"{deep}/{uuid.uuid4()}") and not binds(f"{deep}/{uuid.uuid4()}x")
 
         monkeypatch.setattr(tempfile, "tempdir", short)
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         sockets = SocketDir()
-        first = sockets.environment()[SocketDir.VARIABLE]
+        variables = sockets.environment()
+        first = variables[SocketDir.VARIABLE]
         assert os.path.dirname(first) == short and binds(f"{first}/{uuid.uuid4()}")
+        # the engine's processes make their temp files (vLLM's group store) there, and keep torch inductor's cache
+        # where its default is for this temp directory (torch's documented default: <tmp>/torchinductor_<user>)
+        child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                               env={**os.environ, **variables}, capture_output=True, text=True, check=True)
+        assert child.stdout.strip() == first and tempfile.gettempdir() == short  # this process's own is unchanged
+        assert variables["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(short, f"torchinductor_{getpass.getuser()}")
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")  # one the user set is the processes' own
+        assert "TORCHINDUCTOR_CACHE_DIR" not in sockets.environment()
+        first = sockets.environment()[SocketDir.VARIABLE]
         second = sockets.environment()[SocketDir.VARIABLE]  # a restart: a new directory, the one before removed
         assert second != first and not os.path.exists(first) and os.path.isdir(second)
         sockets.remove()
