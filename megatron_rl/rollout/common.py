@@ -120,8 +120,8 @@ class SocketDir:
     the system temp directory and leaves them there, and so the file store its worker's process group meets in
     (vllm_dist_<uuid>, made by the engine-core process): every engine start left 3 socket files and a store file
     behind, a server 3 more, and a machine's /tmp collects thousands over restarts and runs. (An engine in this
-    process makes its store in this process's temp directory; torch removes it with the group, at the engine's
-    stop. A core process is ended by its engine's stop, a killed one by the kill: neither removes its own.)"""
+    process makes its store in this process's temp directory: the engine's stop removes it once the group is gone,
+    remove_store_file.)"""
 
     VARIABLE = "VLLM_RPC_BASE_PATH"
     TEMP = "TMPDIR"
@@ -157,6 +157,28 @@ class SocketDir:
         path, self.path = self.path, None
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
+
+
+STORE_PREFIX = "vllm_dist_"
+"""vLLM's file store for a one-process engine's worker group: <temp directory>/vllm_dist_<uuid>
+(vllm.utils.network_utils.get_file_store_init_method); vLLM's CPU worker puts its name in VLLM_DIST_IDENT."""
+
+
+def store_file_of_this_process() -> str | None:
+    """The file store an engine in this process made for its group (VLLM_DIST_IDENT), if the file is there."""
+    name = os.environ.get("VLLM_DIST_IDENT", "")
+    path = os.path.join(tempfile.gettempdir(), name)
+    return path if name.startswith(STORE_PREFIX) and os.path.isfile(path) else None
+
+
+def remove_store_file(path: str | None) -> None:
+    """Remove an engine's file store once the group it served is gone (torch leaves it where that group's store is
+    still referenced, as megatron's groups made on the engine's default group keep it)."""
+    if path is not None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
 
 def default_dtype() -> str:

@@ -71,6 +71,7 @@ from megatron_rl.data.batch import Rollouts
 from megatron_rl.heap import collect_after_close, heap_kept_frozen, import_long_lived
 from megatron_rl.rollout.common import (
     COMPILE_OFF, WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, compiles_nothing, default_dtype,
+    remove_store_file, store_file_of_this_process,
     engine_core_environment, environment_set, make_sample, prefix_caching_off, sleep_mode_available, worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
@@ -143,6 +144,7 @@ class VLLMEngine(ServingEngine):
         self._made_world = False  # in-process: this engine's start made the default process group (module docstring)
         self._compiler_was: bool | None = None  # in-process on CPU: torch's compiler setting before this engine (_compiler_off)
         self._sockets = SocketDir()  # a multiprocess engine's sockets between this process and its core
+        self._store_file: str | None = None  # an in-process engine's group store (common.store_file_of_this_process)
         self._route_capture = False  # between start_route_capture and collect_route_capture
         self.weight_transport = self._resolve_transport()
         self._start()
@@ -236,6 +238,10 @@ class VLLMEngine(ServingEngine):
             torch._C.set_num_threads(threads)
         if not self.multiprocessing and not had_world and dist.is_initialized():
             self._made_world = True
+        # in-process, a start that makes the default group makes its store, a file in this process's temp directory
+        # (a core process of its own makes it in the start's directory); a restart on the kept group makes none
+        if not self.multiprocessing:
+            self._store_file = store_file_of_this_process() or self._store_file
         self.start_seconds = time.perf_counter() - start
         self.asleep = set()
         self.model_info = self._rpc("mrl_model_info")
@@ -312,6 +318,9 @@ class VLLMEngine(ServingEngine):
         except Exception as error:  # a dead engine may fail to shut down cleanly; it is being discarded
             logger.warning("engine shutdown: %s: %s", type(error).__name__, error)
         self._sockets.remove()
+        if self._store_file is not None and not dist.is_initialized():  # the group its store served is gone
+            remove_store_file(self._store_file)
+            self._store_file = None
         del llm
         if last:
             collect_after_close()

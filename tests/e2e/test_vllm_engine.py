@@ -8,6 +8,7 @@ test pushes the weights it needs first, so the tests do not depend on order.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import pytest
@@ -46,8 +47,12 @@ def _config(**overrides) -> RolloutConfig:
 @pytest.fixture(scope="module")
 def moe_engine(models):
     engine = VLLMEngine(models["moe0"], _config(return_routed_experts=True))
+    store = engine._store_file  # the module's first engine makes the default group, in a store file of vLLM's
+    assert store is not None and os.path.basename(store).startswith("vllm_dist_") and os.path.isfile(store), store
     yield engine
     engine.shutdown()
+    # its group ended with the engine (megatron's groups made on it in between keep torch from removing the file)
+    assert not os.path.exists(store), store
 
 
 @pytest.fixture(scope="module")
@@ -351,6 +356,7 @@ def test_a_trainer_in_the_process_keeps_its_process_groups_through_engine_restar
         _push(moe_engine, models["moe0"], version=30)
         moe_engine._llm.collective_rpc(fail_next_step)
         assert moe_engine.generate(PROMPTS, _spec()).metrics["restarts"] == 1
+        assert os.path.isfile(moe_engine._store_file)  # the kept default group still meets in its store
         trainer_groups_work()
         second = VLLMEngine(models["dense0"], _config())  # started on the default group that is there
         try:
