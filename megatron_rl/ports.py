@@ -49,7 +49,8 @@ def port_in_use(host: str, port: int) -> bool:
     """Whether a server could not bind `port` on `host` now because another socket holds it (EADDRINUSE).
 
     Bound as vLLM's server binds it (SO_REUSEADDR, vllm.entrypoints.launchers.launcher.create_server_socket): a port
-    an earlier server's closed connections left in TIME_WAIT counts as free. Any other failure (an address not of this host) is the server's to report: False."""
+    an earlier server's closed connections left in TIME_WAIT counts as free. Any other failure (an address not of
+    this host) is the server's to report: False."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
