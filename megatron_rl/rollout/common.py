@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -175,10 +176,8 @@ def remove_store_file(path: str | None) -> None:
     """Remove an engine's file store once the group it served is gone (torch leaves it where that group's store is
     still referenced, as megatron's groups made on the engine's default group keep it)."""
     if path is not None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-        except FileNotFoundError:
-            pass
 
 
 def default_dtype() -> str:

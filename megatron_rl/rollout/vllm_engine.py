@@ -71,8 +71,8 @@ from megatron_rl.data.batch import Rollouts
 from megatron_rl.heap import collect_after_close, heap_kept_frozen, import_long_lived
 from megatron_rl.rollout.common import (
     COMPILE_OFF, WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, compiles_nothing, default_dtype,
-    remove_store_file, store_file_of_this_process,
-    engine_core_environment, environment_set, make_sample, prefix_caching_off, sleep_mode_available, worker_in_engine_core,
+    engine_core_environment, environment_set, make_sample, prefix_caching_off, remove_store_file, sleep_mode_available,
+    store_file_of_this_process, worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
