@@ -93,10 +93,13 @@ def _in_vllm_cpu_process() -> bool:
     """Whether this is a process vLLM started for its engine core or a worker (vllm.v1.engine.utils names the core's
     "EngineCore" or "EngineCore_DP<i>", vllm.v1.executor.multiproc_executor its workers "VllmWorker-<rank>"), on the
     CPU. Such a process ends after its shutdown; an in-process engine's worker lives in the trainer's process, which
-    goes on. On a GPU vLLM also unfreezes the heap after capturing its CUDA graphs, to collect what died meanwhile."""
+    goes on. On a GPU vLLM also unfreezes the heap after capturing its CUDA graphs, to collect what died meanwhile.
+    vLLM is imported only in such a process: elsewhere (the trainer, a machine without vLLM) this module imports alone."""
+    if not multiprocessing.current_process().name.startswith(("EngineCore", "VllmWorker-")):
+        return False
     from vllm.platforms import current_platform
 
-    return multiprocessing.current_process().name.startswith(("EngineCore", "VllmWorker-")) and current_platform.is_cpu()
+    return current_platform.is_cpu()
 
 
 # Their shutdown unfreezes the heap vLLM froze once it was up and collects it in full twice (megatron_rl.heap): 1.0 s

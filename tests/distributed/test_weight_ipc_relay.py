@@ -24,6 +24,7 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -34,6 +35,9 @@ from megatron_rl.weight_sync.stream import PushBrokenError, entries_of
 from tests.distributed.harness import run_distributed
 from tests.unit.test_weight_ipc import BUCKET_BYTES, make_model_dir
 from tests.worker_process import WorkerProcess, load_state
+from tests.extras import VLLM_EXTRA
+
+pytestmark = pytest.mark.extra(VLLM_EXTRA, "vllm")  # the workers' sleep and wake (a broken push's recovery) are vLLM's
 
 ENGINE_RANKS = [[0, 1], [1]]
 """Worker j of engine i is on trainer rank ENGINE_RANKS[i][j]'s device."""

@@ -28,11 +28,15 @@ import json
 import os
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tests.distributed.harness import run_distributed
 from tests.worker_process import WorkerProcess, load_state
+from tests.extras import VLLM_EXTRA
+
+pytestmark = pytest.mark.extra(VLLM_EXTRA, "vllm")  # the workers' sleep and wake (a broken push's recovery) are vLLM's
 
 BUCKET_BYTES = 48 << 10
 ENGINES, WORKERS = 2, 2

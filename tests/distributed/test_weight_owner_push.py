@@ -27,6 +27,9 @@ import torch
 
 from tests.distributed.harness import _context, run_distributed
 from tests.worker_process import TcpEngine, TcpWorkers, load_state
+from tests.extras import VLLM_EXTRA
+
+pytestmark = pytest.mark.extra(VLLM_EXTRA, "vllm")  # the weight groups form through vllm.distributed.utils; the sources are vLLM's weight-transfer ones
 
 WORKERS = [2, 2]
 """Engines and their workers."""

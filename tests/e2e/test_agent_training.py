@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extra, without vLLM; a broken install fails)
+
 from megatron_rl.metrics import read_metrics
 from tests.e2e.subprocess_runs import run_module
 from tests.e2e.agent_runs import LEARN_STEPS, STALE_STEPS, TARGET

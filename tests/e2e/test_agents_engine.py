@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extra, without vLLM; a broken install fails)
+
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.dataset import PromptDataset
 from megatron_rl.data.tokenizer import load_tokenizer

@@ -28,10 +28,12 @@ import torch
 
 from megatron_rl.cli import main
 from megatron_rl.models.tiny import make_tiny_model_dir
+from tests.extras import VLLM_EXTRA
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = str(REPO / "configs" / "tiny-gspo.yaml")
 CASE_SECONDS = 60  # one in-process case; a hang would take forever
+needs_vllm = pytest.mark.extra(VLLM_EXTRA, "vllm")  # the case gets as far as the engine
 FAST = ["train.steps=1", "train.prompts_per_step=2", "rollout.n_samples=2", "logging.progress_bar=false"]
 
 
@@ -47,6 +49,8 @@ class Case:
     """Paths under the corpus root that must not change (saved checkpoints, inputs)."""
     absent: list[str] = field(default_factory=list)
     """Paths under the case directory that must not be created."""
+    engine: bool = False
+    """The case gets past the start-up checks to the engine (vLLM)."""
 
 
 def _train(*extra: str, model: str = "model") -> Callable[[Path, Path], list[str]]:
@@ -272,7 +276,7 @@ CASES = [
     # leaves vLLM's process-group state behind, which would break every later engine of this test process)
     # (a run that gets past the start-up checks: they said where it writes and the free space there)
     Case(name="nan_engine_logprobs", argv=_train(model="nan_weights"), code=1, culprit=["NaN", "checkpoint.dir=", "GiB free"],
-         absent=["ckpt/step_00000001"]),
+         absent=["ckpt/step_00000001"], engine=True),
 ]
 
 
@@ -287,7 +291,7 @@ def _check_console(text: str, culprit: list[str]) -> None:
         assert piece in text, f"{piece!r} not in the console output:\n{text[-3000:]}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[needs_vllm] if c.engine else []) for c in CASES])
 def test_bad_input_in_process(case: Case, corpus: Path, tmp_path: Path, capfd):
     before = {u: _snapshot(corpus / u) for u in case.untouched}
     argv = case.argv(corpus, tmp_path)
@@ -345,6 +349,7 @@ def test_command_line_refuses_a_typed_model_path_and_creates_nothing(corpus, tmp
     assert seconds < 60
 
 
+@needs_vllm
 def test_an_engine_that_cannot_start_on_the_model_is_one_line(corpus, tmp_path):
     code, text, seconds = _run([sys.executable, "-m", "megatron_rl.cli", *_train(model="engine_refuses")(corpus, tmp_path)],
                                timeout=180)
@@ -353,6 +358,7 @@ def test_an_engine_that_cannot_start_on_the_model_is_one_line(corpus, tmp_path):
     assert not (tmp_path / "ckpt" / "step_00000001").exists() and seconds < 150
 
 
+@needs_vllm
 def test_torchrun_ends_in_rank0s_line_when_the_reward_raises(corpus, tmp_path):
     """Two processes under the launch scripts' torchrun (megatron_rl.elastic) with a restart allowed: the reward raises
     on rank 0 while rank 1 waits for the step; the job's last line is rank 0's, naming the function, exit 2 (bad input);
@@ -410,6 +416,7 @@ def test_conversion_tools_exit_2_on_an_unwritable_output_and_a_truncated_dist_ch
     assert not (tmp_path / "hf").exists()
 
 
+@needs_vllm
 def test_sigkill_during_a_save_loses_nothing_and_a_raising_reward_is_named(corpus, tmp_path, capfd):
     """Step 1 is saved; the run is killed while it writes step 2; the resume starts from step 1, intact; a reward that
     always raises then stops it with one line naming the function (exit 2), and step 1 is still there. A .distcp file

@@ -24,6 +24,7 @@ from megatron_rl.metrics import read_metrics
 from tests.e2e.eval_runs import K
 from tests.e2e.subprocess_runs import run_module
 from tests.e2e.train_runs import REPO, TIMING
+from tests.extras import VLLM_EXTRA
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,7 @@ def _by_hand(prompts: list[dict]) -> dict[str, float]:
     }
 
 
+@pytest.mark.extra(VLLM_EXTRA, "vllm")  # the runs sample with the engine; the bad-input test below needs none
 def test_evaluation_leaves_training_unchanged_and_the_eval_command_reproduces_it(runs):
     evaluated = runs / "evaluated"
     plain, with_eval = read_metrics(runs / "plain" / "metrics.jsonl"), read_metrics(evaluated / "metrics.jsonl")
