@@ -10,7 +10,9 @@ node's rank), and runs torchrun in this process:
    newest complete checkpoint and say why they restarted (megatron_rl.trainer);
 3. SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 are passed on to the ranks (torchrun's --signals-to-handle), which
    save at the next step boundary; torchrun waits --shutdown-timeout seconds (600 unless given) for them, then this
-   exits with EXIT_PREEMPTED (3), which launch/slurm.sbatch turns into `scontrol requeue`;
+   exits with EXIT_PREEMPTED (3), which launch/slurm.sbatch turns into `scontrol requeue`. A torchrun without that
+   option (torch 2.11) closes the ranks 30 s after the signal, whatever is given: there this process's agent waits
+   the same --shutdown-timeout (`graceful_agent`);
 4. when the job fails, one line per failed rank whose message differs from rank 0's, then rank 0's line, read from
    the ranks' error files (megatron_rl.errors.write_error_file) or named by the signal that killed the rank; the
    exit code is rank 0's (2 bad input, 1 runtime failure).
@@ -73,16 +75,50 @@ def failure_lines(failures: dict) -> tuple[list[str], int]:
     return [*lines, last], code
 
 
+def torchrun_takes(option: str) -> bool:
+    """Whether the installed torchrun's command line has `option` (torch 2.13's has --shutdown-timeout, 2.11's not)."""
+    from torch.distributed.run import get_args_parser
+
+    _, unknown = get_args_parser().parse_known_args([f"{option}=1", "script.py"])
+    return not unknown
+
+
+def graceful_agent(grace_s: int) -> type:
+    """torch's LocalElasticAgent, closing the ranks with `grace_s` seconds before SIGKILL when a stop signal ends it.
+
+    For a torchrun without --shutdown-timeout (torch 2.11), whose agent closes them with a fixed 30 s: the ranks'
+    save at the step boundary after a stop signal (a Slurm warning, a pre-emption) would be killed midway. Its
+    agent calls `_shutdown(signal)` while handling the SignalException; restarts after a failed rank call it outside
+    one and keep torch's 30 s, as torch 2.13 does with the option. The close here ends the ranks; torch's own close
+    that follows finds them gone."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    class GracefulAgent(LocalElasticAgent):
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
+            if self._pcontext is not None and isinstance(sys.exc_info()[1], SignalException):
+                self._pcontext.close(death_sig, timeout=grace_s)
+            super()._shutdown(death_sig, *args, **kwargs)
+
+    return GracefulAgent
+
+
 def main(argv: list[str] | None = None) -> int:
+    import torch.distributed.launcher.api as launcher
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    ours = argparse.ArgumentParser(add_help=False)
+    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     ours.add_argument("--log-file", default="torchrun.log")
+    ours.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=SHUTDOWN_TIMEOUT_S)
     known, torchrun_argv = ours.parse_known_args(sys.argv[1:] if argv is None else argv)
-    args = parse_args([f"--signals-to-handle={FORWARDED_SIGNALS}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
-                       *torchrun_argv])
+    grace_s = known.shutdown_timeout
+    if torchrun_takes("--shutdown-timeout"):
+        torchrun_argv = [f"--shutdown-timeout={grace_s}", *torchrun_argv]
+    else:  # the agent torchrun's launch makes (torch.distributed.launcher.api.launch_agent) is this one
+        launcher.LocalElasticAgent = graceful_agent(grace_s)
+    args = parse_args([f"--signals-to-handle={FORWARDED_SIGNALS}", *torchrun_argv])
     log_file = Path(known.log_file.format(node_rank=args.node_rank))  # one file per node (launch/slurm.sbatch)
     handler = _log_to(log_file)
     os.environ[LAUNCHER_ENV] = "1"  # the ranks leave the console to this process
@@ -102,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         name = signal.Signals(stop.sigval).name
         if stop.sigval in STOP_SIGNALS:
             print(f"megatron-rl: stopped by {name}: the ranks were asked to save a checkpoint at the step boundary "
-                  f"(within {args.shutdown_timeout} s); launching again continues from the newest complete one "
+                  f"(within {grace_s} s); launching again continues from the newest complete one "
                   f"(checkpoint.resume=auto); torchrun's log: {log_file}", file=sys.stderr)
             return EXIT_PREEMPTED
         print(f"megatron-rl: stopped by {name}: the ranks ended without a save (SIGTERM or SIGUSR1 saves first); "

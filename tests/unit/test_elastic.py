@@ -138,3 +138,59 @@ def test_each_world_of_a_launch_reads_store_keys_of_its_own(monkeypatch):
     assert first.get("0/rank_0") == b"address of a peer that is gone"  # each world's keys are its own
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
     assert context._attempt_store(timedelta(seconds=30)) is None  # not under torchrun's shared store: env:// as usual
+
+
+RANK_SAVES_ON_SIGTERM = """
+import os, signal, sys, time
+from pathlib import Path
+
+out = Path(sys.argv[1])
+def stop(signum, frame):
+    (out / "signalled").touch()
+    time.sleep(float(sys.argv[2]))  # the step's end and the save
+    (out / "saved").touch()
+    sys.exit(3)
+signal.signal(signal.SIGTERM, stop)
+(out / "ready").touch()
+time.sleep(120)
+"""
+
+
+def _stopped_launch(tmp_path: Path, grace_s: int, save_s: float) -> tuple[int, str, set[str]]:
+    """megatron_rl.elastic over one rank that takes `save_s` to save after SIGTERM, stopped by SIGTERM with
+    --shutdown-timeout=`grace_s`: (exit code, stderr, the rank's marker files)."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / f"grace{grace_s}"
+    out.mkdir()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SAVES_ON_SIGTERM)
+    launch = subprocess.Popen([sys.executable, "-m", "megatron_rl.elastic", f"--log-file={out / 'torchrun.log'}",
+                               f"--shutdown-timeout={grace_s}", "--standalone", "--nproc-per-node=1", "--max-restarts=0",
+                               str(script), str(out), str(save_s)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "ready").exists() and launch.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launch.send_signal(signal.SIGTERM)
+    _, err = launch.communicate(timeout=120)
+    return launch.returncode, err, {p.name for p in out.iterdir()} - {"torchrun.log"}
+
+
+def test_a_stop_signal_gives_the_ranks_the_shutdown_timeout_on_this_torchrun(tmp_path):
+    """The ranks get --shutdown-timeout seconds to save after a stop signal, then SIGKILL, on the installed torch:
+    torch 2.13's torchrun takes the option; 2.11's closes them with a fixed 30 s, and the launcher's own agent waits
+    instead. A 1 s grace kills a 4 s save midway (a fixed 30 s would let it finish); a 6 s grace lets a 1 s save end."""
+    from megatron_rl.elastic import torchrun_takes
+
+    code, err, markers = _stopped_launch(tmp_path, grace_s=1, save_s=4)
+    assert code == errors.EXIT_PREEMPTED and markers == {"ready", "signalled"}, (code, markers, err[-3000:])
+    assert "(within 1 s)" in err, err[-3000:]
+    code, err, markers = _stopped_launch(tmp_path, grace_s=6, save_s=1)
+    assert code == errors.EXIT_PREEMPTED and markers == {"ready", "signalled", "saved"}, (code, markers, err[-3000:])
+    # which path ran: the installed torchrun's option where it has one (its parser, independently of ours)
+    import torch.distributed.run as run
+
+    has_option = any("--shutdown-timeout" in action.option_strings for action in run.get_args_parser()._actions)
+    assert torchrun_takes("--shutdown-timeout") == has_option
