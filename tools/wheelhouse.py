@@ -70,12 +70,27 @@ def platform_tags(glibc: str) -> list[str]:
     return tags + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
 
 
+def setuptools_builds_wheels() -> bool:
+    """Whether this Python's setuptools can build this package's wheel without an isolated build environment.
+
+    setuptools has its own bdist_wheel from 70.1; an older one needs the `wheel` package beside it. Where neither
+    is here (setuptools 65 in a fresh Python 3.11 venv), pip builds in isolation with setuptools from the index.
+    """
+    import importlib.util
+
+    def present(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ImportError:
+            return False
+
+    return present("setuptools") and (present("setuptools.command.bdist_wheel") or present("wheel"))
+
+
 def build(out: Path, python_version: str, torch_version: str, glibc: str, pip: list[str]) -> list[str]:
     """Fill `out` with the wheels; return their file names."""
     out.mkdir(parents=True, exist_ok=True)
-    import importlib.util
-
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    isolation = ["--no-build-isolation"] if setuptools_builds_wheels() else []
     subprocess.run([*pip, "wheel", "--no-deps", *isolation, "-q", "-w", str(out), str(ROOT)], check=True)
     with tempfile.TemporaryDirectory(prefix="torch-standin-") as tmp:
         standin = write_torch_standin(Path(tmp), torch_version)

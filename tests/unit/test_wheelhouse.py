@@ -23,18 +23,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _closure(name: str) -> set[str]:
-    """torch and every distribution its requirements (markers evaluated here) pull in, installed here."""
-    seen, todo = set(), [name]
+    """torch and every distribution its requirements (markers evaluated here) pull in, installed here, with the
+    extras a requirement asks for (PyPI's CUDA torch: `cuda-toolkit[cublas,cudart,...]`, whose extras are the
+    nvidia-* libraries pip checks on a node that has that torch)."""
+    seen, done, todo = set(), set(), [(name, frozenset())]
     while todo:
-        dist = importlib.metadata.distribution(todo.pop())
+        wanted, extras = todo.pop()
+        dist = importlib.metadata.distribution(wanted)
         key = dist.metadata["Name"].lower().replace("_", "-")
-        if key in seen:
+        if (key, extras) in done:
             continue
+        done.add((key, extras))
         seen.add(key)
         for text in dist.requires or []:
             req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
+            if req.marker is None or any(req.marker.evaluate({"extra": extra}) for extra in ("", *extras)):
+                todo.append((req.name, frozenset(req.extras)))
     return seen
 
 
