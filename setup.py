@@ -27,9 +27,10 @@ CORE = [
     "tqdm>=4.66",
     "rich>=13.0",
     "einops>=0.7",
-    "numpy>=1.26",
-    # the run summary PNG (megatron_rl.metrics.plot_summary, the demo's output)
-    "matplotlib>=3.8",
+    # pyarrow (the data extra) imports only beside NumPy 2, which its metadata does not say
+    "numpy>=2.0",
+    # the run summary PNG (megatron_rl.metrics.plot_summary, the demo's output); 3.9 is the first built against NumPy 2
+    "matplotlib>=3.9",
 ]
 
 EXTRAS = {
