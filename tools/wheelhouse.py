@@ -21,7 +21,6 @@ tied to the node's torch and CUDA.
 from __future__ import annotations
 
 import argparse
-import ast
 import re
 import subprocess
 import sys
@@ -31,14 +30,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDIN_LOCAL = "wheelhouse"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from floors import core_requirements as setup_core_requirements  # noqa: E402  (tools/, beside this script)
 
 
 def core_requirements() -> list[str]:
     """setup.py's CORE list, as written there, without torch."""
-    for node in ast.parse((ROOT / "setup.py").read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CORE":
-            return [r for r in ast.literal_eval(node.value) if not re.match(r"torch\b", r)]
-    raise RuntimeError("setup.py has no CORE list")
+    return [r for r in setup_core_requirements() if not re.match(r"torch\b", r)]
 
 
 def tested_megatron_version() -> str:
