@@ -128,6 +128,7 @@ class Trainer:
         if ctx.device.type == "cpu":  # training and an in-process engine's generation share these threads
             set_torch_threads(cpu_threads_per_process(cfg.cluster.cpu_threads, cfg.cluster.cpu_processes))
         self.tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
+        self._saved = False  # a save of this run checked its shards' coverage (megatron's access-integrity check)
 
         def prompts(path: str, shuffle: bool) -> PromptDataset:
             return PromptDataset(
@@ -453,15 +454,24 @@ class Trainer:
             **self.actor.schedule_state(),
             "config": to_dict(self.cfg),
             "model_architecture": model_architecture(load_hf_config(self.cfg.model.path)),  # compared at resume
+            "optimizer_format": self.cfg.checkpoint.optimizer_format,  # the optimizer state's sharding: loaded as saved
+            "layout": self._layout(),
         }
         with self._offload.on_device(), self._watch.phase(self.step, "save"):
-            return save_checkpoint(
-                self.cfg.checkpoint.dir, self.step, self.actor.state_dict(), trainer_state, keep_last=self.cfg.checkpoint.keep_last
-            )
+            state = self.actor.state_dict(optimizer_format=self.cfg.checkpoint.optimizer_format)
+            path = save_checkpoint(self.cfg.checkpoint.dir, self.step, state, trainer_state, keep_last=self.cfg.checkpoint.keep_last,
+                                   validate=not self._saved)  # the state's structure is the same at every save
+            self._saved = True
+            return path
+
+    def _layout(self) -> dict[str, int]:
+        ctx = self.ctx
+        return {"tensor_parallel": ctx.tp_size, "pipeline_parallel": ctx.pp_size, "expert_parallel": ctx.ep_size,
+                "expert_tensor_parallel": ctx.expert_tp_size, "context_parallel": ctx.cp_size, "data_parallel": ctx.dp_size}
 
     def _maybe_resume(self) -> bool:
         """checkpoint.resume; in an attempt torchrun restarted, always the newest complete checkpoint (`latest`)."""
-        from megatron_rl.checkpoint.state import load_checkpoint, resolve_checkpoint
+        from megatron_rl.checkpoint.state import load_checkpoint, optimizer_format_to_load, read_trainer_state, resolve_checkpoint
         from megatron_rl.errors import restart_resume
 
         spec, restart, why = restart_resume(self.cfg.checkpoint.resume, self.cfg.checkpoint.dir)
@@ -470,7 +480,8 @@ class Trainer:
             if restart and self.ctx.rank == 0:
                 logger.warning("no complete checkpoint in %s yet: starting again from step 0%s", self.cfg.checkpoint.dir, why)
             return False
-        state, trainer_state, _ = load_checkpoint(path, self.actor.state_dict(is_loading=True))
+        optimizer_format = optimizer_format_to_load(path, read_trainer_state(path), self._layout())
+        state, trainer_state, _ = load_checkpoint(path, self.actor.state_dict(is_loading=True, optimizer_format=optimizer_format))
         self.actor.load_state_dict(state)
         self.actor.load_schedule_state(trainer_state)
         self.dataset.load_state_dict(trainer_state["data"])

@@ -78,6 +78,30 @@ class LogprobsWithRoutes(NamedTuple):
     """routing/engine_vs_trainer/... when the batch carries engine routes."""
 
 
+
+def zero_bucket_padding(optimizer_state) -> None:
+    """Zero the gaps between parameters megatron's dp_reshardable state writes for each bucket.
+
+    megatron fills them with torch.empty (nothing is loaded back from them), so a checkpoint would hold whatever
+    memory was there: two runs that end in the same weights and moments would not write the same bytes.
+    """
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    if isinstance(optimizer_state, dict):
+        padding = optimizer_state.get("padding")
+        if isinstance(padding, LocalNonpersistentObject) and padding.unwrap() is True:
+            for value in optimizer_state.values():
+                if isinstance(value, ShardedTensor) and value.data is not None:
+                    value.data.zero_()
+            return
+        children = optimizer_state.values()
+    elif isinstance(optimizer_state, (list, tuple)):
+        children = optimizer_state
+    else:
+        return
+    for child in children:
+        zero_bucket_padding(child)
+
 class Actor:
     """Policy model, optimizer and LR schedule on this rank; see the module docstring."""
 
@@ -509,13 +533,15 @@ class Actor:
 
     # -- state --------------------------------------------------------------------------------------
 
-    def state_dict(self, *, is_loading: bool = False) -> dict:
-        """Model chunks and optimizer as one megatron sharded state dict (dist checkpointing; reshardable).
+    def state_dict(self, *, is_loading: bool = False, optimizer_format: str = "dp_reshardable") -> dict:
+        """Model chunks and optimizer as one megatron sharded state dict (dist checkpointing).
 
         Keys: ``model{i}`` per model chunk, ``optimizer``. With is_loading=True every
         parameter first gets an (empty) optimizer state: megatron's distributed optimizer
         builds its sharded state from the inner torch optimizer's, which is empty before
         the first step; the loaded values replace these placeholders in place.
+        `optimizer_format` is megatron's sharding type of the optimizer state
+        (checkpoint.optimizer_format; a load must use the one the checkpoint was saved with).
         """
         if is_loading:
             init_optimizer_state(self.optimizer)
@@ -523,15 +549,18 @@ class Actor:
         # key with "module."), while its load_state_dict goes to the wrapped module: use that module.
         state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.model)}
         state["optimizer"] = self.optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format}
         )
+        if not is_loading:
+            zero_bucket_padding(state["optimizer"])
         return state
 
     def load_state_dict(self, state: dict) -> None:
         """Load what `state_dict(is_loading=True)` described, after dist checkpointing filled it."""
         for i, chunk in enumerate(self.model):
             chunk.module.load_state_dict(state[f"model{i}"])
-        with kernel_choice_kept(self.optimizer):  # the saved groups' fused / foreach flags are not this machine's
+        # no_grad: fp32 main parameters are views of the model's (leaf) parameters, which the load copies into
+        with kernel_choice_kept(self.optimizer), torch.no_grad():  # the saved groups' fused / foreach flags are not this machine's
             self.optimizer.load_state_dict(state["optimizer"])
         unshare_step_counters(self.optimizer)
 

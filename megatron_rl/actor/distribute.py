@@ -8,14 +8,18 @@ Rank 0 holds the step's experience (it drives the rollout engine). In
        the rows a rank receives are exactly the rows its microbatches hold; a
        failure is sent to every rank and raised there, so no rank waits for a
        batch that never comes;
-    2. scatters over the host (gloo) group: every rank receives the rows of its
-       DP rank (its TP/PP/CP peers receive the same rows), cut to the share's
-       longest row. Ranks waiting here during a long generation sit in a gloo
-       collective: no NCCL watchdog runs out.
+    2. pickles each DP rank's rows once (cut to the share's longest row) and
+       sends them to that DP rank's leader (its rank with tp = pp = cp = 0)
+       over the host (gloo) group; each leader broadcasts them in its TP x PP x
+       CP peers' gloo group (ctx.share_group). Ranks waiting here during a long
+       generation sit in gloo: no NCCL watchdog runs out.
 
 Per rank that is B/D rows instead of B: 1024 samples x 9,216 tokens on D = 8
 is 128 rows, and the [B, T] float32/int64 fields (tokens, masks, rollout
 logprobs: about 21 bytes a token, 200 MB for the whole step) shrink to 25 MB.
+Rank 0 pickles, holds and sends one copy of the step (D payloads), whatever
+the model-parallel size W / D: one payload per rank would be W / D copies
+(8 x 1.6 GB on 256 ranks at TP4 x PP2, more with R3's routes).
 
 Each share carries `row_ids` (its rows' indices in the step's batch) and
 `step_lengths` (the [B] lengths of every row: 8 bytes a row), so every rank
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -74,35 +79,69 @@ def scatter_shares(batch: TrainBatch | None, ctx, assign: Callable[[TrainBatch],
     `assign(batch)` runs on rank 0 and returns the step rows of each DP rank; it
     may raise (bad input): the exception is then raised on every rank.
     """
-    dp_rank_of = _dp_rank_of_every_rank(ctx)
+    payloads: list[bytes] = []
     if ctx.rank == 0:
         if batch is None:
             raise ValueError("scatter_shares: rank 0 must pass the step's batch")
         try:
+            # one pickle per DP rank, each share dropped once pickled: rank 0 holds the step and one copy of it
             rows_per_dp = assign(batch)
-            shares = [select_rows(batch, rows) for rows in rows_per_dp]
-            payloads = [pickle.dumps(shares[dp_rank_of[r]]) for r in range(ctx.world_size)]
+            if len(rows_per_dp) != ctx.dp_size:
+                raise RuntimeError(f"assign gave rows for {len(rows_per_dp)} data-parallel ranks, the layout has {ctx.dp_size}")
+            payloads = [pickle.dumps(select_rows(batch, rows)) for rows in rows_per_dp]
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            payloads = [pickle.dumps(exc)] * ctx.world_size
-    if ctx.world_size == 1:
-        received = payloads[0]
-    else:
-        holder: list[Any] = [None]
-        dist.scatter_object_list(holder, payloads if ctx.rank == 0 else None, src=0, group=ctx.host_group)
-        received = holder[0]
+            payloads = [pickle.dumps(exc)] * ctx.dp_size
+    received = _to_leaders(payloads, ctx) if ctx.world_size > 1 else payloads[0]
+    if ctx.share_group is not None:
+        received = _to_peers(received, ctx)
     share = pickle.loads(received)
     if isinstance(share, Exception):
         raise share
     return share, len(received)
 
 
-def _dp_rank_of_every_rank(ctx) -> list[int]:
-    """dp_rank of each global rank (one small all-gather over the host group)."""
-    if ctx.world_size == 1:
-        return [0]
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
-    dist.all_gather(gathered, torch.tensor([ctx.dp_rank], dtype=torch.int64), group=ctx.host_group)
-    return [int(t) for t in gathered]
+def _as_tensor(payload: bytes) -> torch.Tensor:
+    """The bytes as a uint8 tensor, without a copy (sent only: the buffer is never written)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+
+
+def _to_leaders(payloads: list[bytes], ctx) -> bytes | None:
+    """Rank 0 sends DP rank d's payload to its leader (ctx.dp_leaders[d]) over the host group; a leader returns
+    its payload, any other rank None. Sizes go first (8 bytes), each payload once, as it is (no second pickle)."""
+    if ctx.rank == 0:
+        works, mine = [], None
+        for leader, payload in zip(ctx.dp_leaders, payloads):
+            if leader == 0:
+                mine = payload
+                continue
+            works.append(dist.isend(torch.tensor([len(payload)], dtype=torch.int64), dst=leader, group=ctx.host_group, tag=_SIZE))
+            works.append(dist.isend(_as_tensor(payload), dst=leader, group=ctx.host_group, tag=_DATA))
+        for work in works:
+            work.wait()
+        return mine
+    if ctx.rank != ctx.dp_leaders[ctx.dp_rank]:
+        return None
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=0, group=ctx.host_group, tag=_SIZE)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(data, src=0, group=ctx.host_group, tag=_DATA)
+    return memoryview(data.numpy())
+
+
+def _to_peers(payload: bytes | None, ctx):
+    """The leader's payload on every rank of its share group (its TP x PP x CP peers): size, then the bytes."""
+    leader = ctx.share_ranks[0]
+    size = torch.tensor([len(payload) if ctx.rank == leader else 0], dtype=torch.int64)
+    dist.broadcast(size, src=leader, group=ctx.share_group)
+    data = _as_tensor(payload) if ctx.rank == leader else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=leader, group=ctx.share_group)
+    return payload if ctx.rank == leader else memoryview(data.numpy())
+
+
+_SIZE, _DATA = 1, 2
+"""Tags of the two messages rank 0 sends each leader."""
 
 
 __all__ = ["broadcast_object", "scatter_shares", "select_rows"]

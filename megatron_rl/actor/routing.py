@@ -98,9 +98,19 @@ def microbatch_routes(routes: torch.Tensor, layout: TokenLayout | Microbatch, to
     num_rows, width = layout.rows.shape
     L = routes.shape[2]
     default = torch.arange(topk, dtype=torch.int64).expand(num_rows, width, L, topk)
-    valid = (layout.rows >= 0) & (layout.positions >= 0) & (layout.positions < routes.shape[1])
-    out = gather_positions(routes.to(torch.int64), layout, valid, fill=-1)
+    out = gathered_routes(routes, layout)
     return torch.where(out < 0, default, out)
+
+
+def gathered_routes(routes: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """[N_in, W_in, L, K] int64 routes at a microbatch's input positions, -1 where none (padding, not captured).
+
+    The microbatch's positions are picked first and only they are widened to int64: the share's [B, T, L, K]
+    routes (R3: every layer of every token of the share) are never copied whole.
+    """
+    valid = (layout.rows >= 0) & (layout.positions >= 0) & (layout.positions < routes.shape[1])
+    out = gather_positions(routes, layout, valid, fill=0).to(torch.int64)
+    return torch.where(valid[..., None, None], out, -1)
 
 
 def microbatch_positions(layout: TokenLayout | Microbatch, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,11 +306,11 @@ class RoutingControl:
             self._counted = counted_local.to(self.ctx.device)
         elif reference is not None:
             _, _, counted = microbatch_positions(layout, lengths)
-            valid = (layout.rows >= 0) & (layout.positions >= 0) & (layout.positions < reference.shape[1])
-            raw = gather_positions(reference.to(torch.int64), layout, valid, fill=-1)
+            raw = gathered_routes(reference, _layout(layout))
             # Positions whose reference route was not captured (-1) are not counted.
             captured = (raw >= 0).all(dim=-1)  # [N_in, W_in, L]
-            self._reference = self._per_layer(microbatch_routes(reference, layout, self.topk))
+            default = torch.arange(self.topk, dtype=torch.int64).expand_as(raw)
+            self._reference = self._per_layer(torch.where(raw < 0, default, raw))
             counted_local = self._local(counted.unsqueeze(-1) & captured)  # [N_local, L]
             self._counted = counted_local.to(self.ctx.device)
         self._active = True

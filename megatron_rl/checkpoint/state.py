@@ -109,13 +109,20 @@ def save_checkpoint(
     *,
     rank_state: dict[str, Any] | None = None,
     keep_last: int = 2,
+    validate: bool = True,
 ) -> Path:
     """Write step `step` on every rank (collective); returns the final directory. A full disk raises
-    StorageFullError naming checkpoint.dir (the partial directory removed, `latest` untouched)."""
+    StorageFullError naming checkpoint.dir (the partial directory removed, `latest` untouched).
+
+    validate: megatron's check that the ranks' shards cover every tensor exactly once, which gathers every rank's
+    shard list on every rank (W x the list per rank): a run whose state's structure does not change checks its
+    first save only.
+    """
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `except Exception` misses it
 
     try:
-        return _save(Path(root), step, sharded_state_dict, trainer_state, rank_state=rank_state, keep_last=keep_last)
+        return _save(Path(root), step, sharded_state_dict, trainer_state, rank_state=rank_state, keep_last=keep_last,
+                     validate=validate)
     except (Exception, CheckpointException) as err:
         if not _disk_full(err):
             raise
@@ -167,7 +174,8 @@ def _disk_full(err: BaseException | None) -> bool:
     return False
 
 
-def _save(root: Path, step: int, sharded_state_dict: dict, trainer_state: dict[str, Any], *, rank_state, keep_last: int) -> Path:
+def _save(root: Path, step: int, sharded_state_dict: dict, trainer_state: dict[str, Any], *, rank_state, keep_last: int,
+          validate: bool) -> Path:
     from megatron.core import dist_checkpointing
 
     final = root / step_dir_name(step)
@@ -178,7 +186,7 @@ def _save(root: Path, step: int, sharded_state_dict: dict, trainer_state: dict[s
         partial.mkdir()
     _barrier()
     _write_results_in_process()
-    dist_checkpointing.save(sharded_state_dict, str(partial))
+    dist_checkpointing.save(sharded_state_dict, str(partial), validate_access_integrity=validate)
     rank_file = partial / f"rank_{_rank():05d}.pt"
     torch.save({"rng": capture_rng_state(), **(rank_state or {})}, rank_file)
     _barrier()
@@ -264,6 +272,41 @@ def check_complete(path: Path) -> None:
         raise CheckpointError(f"checkpoint {str(path)!r} has no megatron metadata.json: the model state is missing; resume from an older one")
 
 
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
+MODEL_PARALLEL = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel", "context_parallel")
+"""The sizes a dp_reshardable optimizer state was cut by: a resume must keep them (data_parallel may change)."""
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state a complete checkpoint was saved with (check_complete first)."""
+    check_complete(path)
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def optimizer_format_to_load(path: Path, saved: dict[str, Any], layout: dict[str, int]) -> str:
+    """The optimizer sharding type to load checkpoint `path` with, after checking this run's layout can read it.
+
+    `saved` is its trainer state: `optimizer_format` and `layout` as `save` wrote them; a checkpoint without them
+    (written before checkpoint.optimizer_format existed) holds fully_reshardable state, which any layout reads.
+    """
+    fmt = saved.get("optimizer_format", "fully_reshardable")
+    if fmt not in OPTIMIZER_FORMATS:
+        raise CheckpointError(f"checkpoint {str(path)!r} names optimizer_format={fmt!r}, not one of {OPTIMIZER_FORMATS}: "
+                              "it is damaged or from a newer version; resume from another one")
+    was = saved.get("layout")
+    if fmt == "dp_reshardable" and was is not None:
+        changed = [f"{k}={was.get(k)} -> {layout.get(k)}" for k in MODEL_PARALLEL if was.get(k) != layout.get(k)]
+        if changed:
+            saved_layout = " ".join(f"parallel.{k}={was.get(k)}" for k in MODEL_PARALLEL)
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} holds the optimizer state cut for its own model-parallel layout "
+                f"(checkpoint.optimizer_format=dp_reshardable), and this run changes it ({', '.join(changed)}): resume "
+                f"on the saved layout ({saved_layout}; any data-parallel size); to change it, resume there once with "
+                "checkpoint.optimizer_format=fully_reshardable and save, then resume that checkpoint on the new layout"
+            )
+    return fmt
+
+
 def _truncated_shards(path: Path) -> list[str]:
     """The .distcp files of a dist checkpoint shorter than its metadata says, as 'file: N of M bytes'."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -312,8 +355,7 @@ def load_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    check_complete(path)
-    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    trainer_state = read_trainer_state(path)
     rank_file = path / f"rank_{_rank():05d}.pt"
     try:  # nothing that could run code is unpickled (checkpoint.no_code)
         check_dcp_metadata(path)

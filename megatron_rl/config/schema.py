@@ -337,6 +337,11 @@ class CheckpointConfig:
     resume: str = "none"
     """'auto' = continue from `latest` if present; 'none'; or a checkpoint path. The launch scripts pass 'auto', and a
     run torchrun restarts (cluster.max_restarts) continues from `latest` whatever this says."""
+    optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    """How the distributed optimizer's state is saved. dp_reshardable: each rank writes and reads its own shard, with
+    no gather (resume on the same TP / PP / EP / expert-TP / CP layout, any data-parallel size). fully_reshardable:
+    resume on any layout, but while saving and loading every rank holds its model-parallel slice's whole optimizer
+    state, gathered over data parallelism (DP times its own shard in host memory)."""
     load: str = ""
     """`megatron-rl eval`: the megatron checkpoint to score (a step_XXXXXXXX directory, a run's checkpoint root, or a
     converted checkpoint), converted to HF on the fly; empty = score model.path."""

@@ -49,6 +49,9 @@ One launch per world size (1, 2, 4); layouts switch in-process.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import pickle
 import warnings
 
@@ -227,7 +230,9 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
                 try:
                     if "logprobs" not in case:
                         if shares:
-                            batch = actor.distribute(batch if rank == 0 else None)
+                            with _bytes_handed_to_torch_distributed(rank) as handed:
+                                batch = actor.distribute(batch if rank == 0 else None)
+                            case["handed_bytes"] = _gather(sum(handed), ctx)
                             case["share_bytes"] = _gather(actor.last_share_bytes, ctx)
                             case["share_rows"] = _gather(batch.row_ids.tolist(), ctx)
                         case["logprobs"] = _whole(actor.compute_logprobs(batch), batch, ctx)
@@ -261,6 +266,42 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
 def _runs(rank: int, world_size: int, runs: list) -> list:
     """Several (model_dir, cases, old_logprobs, losses) runs in one launch."""
     return [_worker(rank, world_size, *run) for run in runs]
+
+
+@contextlib.contextmanager
+def _bytes_handed_to_torch_distributed(rank: int):
+    """The bytes this rank hands torch.distributed to send while the block runs, as the sender of the call: tensors
+    it sends (send, isend, the source of broadcast / scatter) and objects it sends (their pickles). Counted at the
+    call, whatever the collective's algorithm then does on the wire; the real functions run."""
+    import torch.distributed as dist
+
+    handed: list[int] = []
+    real = {name: getattr(dist, name) for name in ("send", "isend", "broadcast", "scatter", "scatter_object_list",
+                                                    "broadcast_object_list")}
+
+    def count(name, *args, **kwargs):
+        bound = inspect.signature(real[name]).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if name in ("send", "isend"):
+            handed.append(a["tensor"].numel() * a["tensor"].element_size())
+        elif name == "broadcast" and a["src"] == rank:
+            handed.append(a["tensor"].numel() * a["tensor"].element_size())
+        elif name == "scatter" and a["src"] == rank:
+            handed.extend(t.numel() * t.element_size() for t in a["scatter_list"])
+        elif name == "scatter_object_list" and a["src"] == rank:
+            handed.extend(len(pickle.dumps(o)) for o in a["scatter_object_input_list"])
+        elif name == "broadcast_object_list" and a["src"] == rank:
+            handed.extend(len(pickle.dumps(o)) for o in a["object_list"])
+        return real[name](*args, **kwargs)
+
+    for name in real:
+        setattr(dist, name, functools.partial(count, name))
+    try:
+        yield handed
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
 
 
 def _gather(value, ctx) -> list:
@@ -573,19 +614,30 @@ def test_four_rank_layouts_give_the_single_rank_gradient(model_dir, single, worl
 
 def test_each_rank_receives_only_its_share(world4):
     """Rows partition the step over DP ranks (model-parallel peers get the same rows), and the bytes each
-    rank received for the step (measured: the pickled share) shrink as 1/D."""
+    rank received for the step (measured: the pickled share) shrink as 1/D. Rank 0 hands torch.distributed
+    one copy of the step (each DP rank's share once), not one per rank: W / D copies on TP2 x PP2 would be 4;
+    a DP rank's leader hands on its own share once, and its peers nothing but sizes."""
     from megatron_rl.actor.distribute import select_rows
 
     dp_groups = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 4: [[0], [1], [2], [3]]}  # ranks sharing rows (TP x PP peers)
     most = {}
     for name, dp in (("TP2xPP2/shares", 1), ("DP2xTP2/shares", 2), ("DP4/shares", 4)):
-        rows, sent = world4[name]["share_rows"], world4[name]["share_bytes"]
+        rows, sent, handed = world4[name]["share_rows"], world4[name]["share_bytes"], world4[name]["handed_bytes"]
         shares = [rows[group[0]] for group in dp_groups[dp]]
         for group in dp_groups[dp]:
             assert all(rows[r] == rows[group[0]] for r in group), (name, rows)
         assert sorted(r for share in shares for r in share) == list(range(B)), (name, shares)
         most[dp] = max(sent)
-        print(f"D={dp}: rows per rank {[len(x) for x in shares]}, bytes received per rank {sent}")
+        print(f"D={dp}: rows per rank {[len(x) for x in shares]}, bytes received per rank {sent}, handed to "
+              f"torch.distributed per rank {handed}")
+        step = sum(sent[group[0]] for group in dp_groups[dp])  # one copy of the step: each DP rank's share once
+        sizes = 8 * (dp + 1)  # the 8-byte lengths sent before the shares
+        assert step - sent[0] <= handed[0] <= step + sizes, (name, handed, step)  # its own share: broadcast or kept
+        for group in dp_groups[dp]:
+            for r in group[1:]:
+                assert handed[r] <= 8, (name, r, handed)  # a peer sends nothing of the step
+            if group[0] != 0:
+                assert handed[group[0]] <= sent[group[0]] + 8, (name, group[0], handed)  # a leader: its share once
     # What a share costs beyond its rows (field names, pickling, the [B] step lengths): an empty share, measured.
     fixed = len(pickle.dumps(select_rows(make_batch(), [])))
     for dp in (2, 4):

@@ -36,6 +36,27 @@ def test_microbatch_routes_fill_padding_with_valid_experts():
     assert not counted[2].any()
 
 
+def test_microbatch_routes_widen_only_the_microbatchs_positions():
+    # R3: a rank holds [B_share, T, L, K] int16 routes; each microbatch needs a few rows of them. Nothing the size of
+    # the share may be copied (widened to int64) per microbatch: watched at torch's own dispatch of every op.
+    from torch.overrides import TorchFunctionMode
+
+    routes = torch.randint(0, 8, (64, 32, 4, 2), dtype=torch.int16)
+    largest = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                largest.append(out.numel())
+            return out
+
+    with Watch():
+        out = microbatch_routes(routes, Microbatch(rows=(5, 9), width=32), topk=2)
+    assert torch.equal(out, routes[[5, 9]].long())
+    assert max(largest) <= 2 * 32 * 4 * 2, max(largest)  # the microbatch's [2, 32, L, K]; the share is 32x that
+
+
 def test_microbatch_inputs_shift_targets_and_pad():
     tokens = torch.arange(1, 25).reshape(3, 8)
     positions = torch.arange(8)

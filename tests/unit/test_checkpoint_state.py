@@ -60,7 +60,7 @@ def test_a_full_disk_during_a_save_names_the_directory_and_keeps_the_last_checkp
     (kept / "trainer_state.json").write_text('{"step": 1}')
     (tmp_path / "latest").write_text("step_00000001\n")
 
-    def full_disk(state, path):  # megatron wraps its writers' OSError in an error of its own
+    def full_disk(state, path, **_):  # megatron wraps its writers' OSError in an error of its own
         (Path(path) / "__0_0.distcp").write_bytes(b"half")
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -76,7 +76,7 @@ def test_a_full_disk_during_a_save_names_the_directory_and_keeps_the_last_checkp
     assert exit_code_for(raised.value) == EXIT_RUNTIME_FAILURE
     assert not (tmp_path / ".step_00000002.partial").exists()  # the space it took is given back
     assert (tmp_path / "latest").read_text() == "step_00000001\n" and (kept / "trainer_state.json").is_file()
-    monkeypatch.setattr(dist_checkpointing, "save", lambda state, path: (_ for _ in ()).throw(ValueError("a bug")))
+    monkeypatch.setattr(dist_checkpointing, "save", lambda state, path, **_: (_ for _ in ()).throw(ValueError("a bug")))
     with pytest.raises(ValueError, match="a bug"):  # anything else is not reported as a full disk
         save_checkpoint(tmp_path, 2, {}, {"weight_version": 2})
 
@@ -172,7 +172,7 @@ def test_a_short_write_of_torch_save_is_a_full_disk_naming_the_directory(tmp_pat
 
     from megatron_rl.checkpoint.state import StorageFullError, save_checkpoint
 
-    def short_write(state, path):
+    def short_write(state, path, **_):
         (Path(path) / "common.pt").write_bytes(b"half")
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
 
@@ -229,3 +229,24 @@ def test_a_save_starts_no_process_for_its_write_results_and_loads_back(tmp_path,
         loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))}, str(path))
     assert not started, started
     assert torch.equal(loaded["w"], value)
+
+
+def test_the_optimizer_state_loads_as_saved_and_a_dp_reshardable_one_keeps_its_model_parallel_layout(tmp_path):
+    from megatron_rl.checkpoint.state import optimizer_format_to_load
+
+    layout = {"tensor_parallel": 2, "pipeline_parallel": 1, "expert_parallel": 4, "expert_tensor_parallel": 1,
+              "context_parallel": 1, "data_parallel": 8}
+    saved = {"optimizer_format": "dp_reshardable", "layout": layout}
+    path = tmp_path / "step_00000004"
+    assert optimizer_format_to_load(path, saved, layout) == "dp_reshardable"
+    assert optimizer_format_to_load(path, saved, {**layout, "data_parallel": 2}) == "dp_reshardable"  # DP reshards
+    with pytest.raises(CheckpointError) as err:
+        optimizer_format_to_load(path, saved, {**layout, "tensor_parallel": 4, "data_parallel": 4})
+    text = str(err.value)
+    assert str(path) in text and "tensor_parallel=2 -> 4" in text and "parallel.tensor_parallel=2" in text
+    assert "checkpoint.optimizer_format=fully_reshardable" in text
+    # fully_reshardable state loads into any layout; a checkpoint from before the option holds that format
+    assert optimizer_format_to_load(path, {**saved, "optimizer_format": "fully_reshardable"}, {**layout, "tensor_parallel": 4}) == "fully_reshardable"
+    assert optimizer_format_to_load(path, {"step": 4}, {**layout, "tensor_parallel": 4}) == "fully_reshardable"
+    with pytest.raises(CheckpointError, match="optimizer_format='zero'"):
+        optimizer_format_to_load(path, {"optimizer_format": "zero"}, layout)
