@@ -14,8 +14,14 @@ each parameter gets an owner among the ranks holding it, and the owner sends it:
      to the candidate whose bytes through it stay smallest): a parameter split
      by TP goes to one rank of one replica, whose TP peers send it their
      shards (the only trainer-to-trainer traffic); others to one holder;
-  3. each owner cuts its parameters, in model order, into buckets of at most
-     bucket_bytes; round r is every owner's r-th bucket. The HF names, shapes
+  3. the rounds follow the model's layers (`owner_rounds`): each owner cuts its
+     parameters of one layer (the embedding, a decoder layer, the final norm,
+     the output layer) into buckets of at most bucket_bytes, and the layer's
+     rounds are every owner's r-th bucket of it, before the next layer's. An
+     engine loads a layer once all its tensors are in and keeps each received
+     bucket until then, so a worker holds about one layer, whatever the number
+     of senders (rounds of every owner's r-th bucket of the whole model mixed
+     layers: each kept most of a bucket per sender). The HF names, shapes
      and dtypes of every owner's bucket of every round are known to every rank
      from the metadata (the mapping run on meta tensors), so the rank that
      drives the engines announces them without touching a byte.
@@ -127,6 +133,26 @@ def assign_owners(params: list[_Param], world_size: int) -> list[int]:
     return load
 
 
+def layer_of(name: str) -> tuple:
+    """The model layer a megatron parameter belongs to, in model order: the embedding, each decoder layer, the
+    final norm, the output layer (an engine loads each once all its tensors are in)."""
+    return _order_key(name)[:2] if name.startswith(("embedding.", "decoder.layers.")) else _order_key(name)[:1] + (name,)
+
+
+def owner_rounds(params: list[_Param], bucket_bytes: int) -> list[list[tuple[int, list[_Param]]]]:
+    """The push's rounds: per layer in model order, every owner's r-th bucket of that layer's parameters it owns
+    (`params` with owners assigned, in model order)."""
+    layers: dict[tuple, dict[int, list[_Param]]] = {}
+    for param in params:
+        layers.setdefault(layer_of(param.name), {}).setdefault(param.owner, []).append(param)
+    plan = []
+    for layer in sorted(layers):
+        per_owner = {owner: _buckets(owned, bucket_bytes) for owner, owned in sorted(layers[layer].items())}
+        for r in range(max(len(b) for b in per_owner.values())):
+            plan.append([(owner, buckets[r]) for owner, buckets in per_owner.items() if r < len(buckets)])
+    return plan
+
+
 def _entries(params: list[_Param], arch, padded: int) -> list[Entry]:
     """HF names, shapes and dtypes of `params` exported, from the mapping on meta tensors (no data)."""
     entries = []
@@ -151,11 +177,7 @@ def export_owned_weights(model_chunks: list, ctx, *, bucket_bytes: int,
     held = _replica_shards(model_chunks, ctx, arch, padded)
     params = _gather_params(held, ctx)
     assign_owners(params, ctx.world_size)
-    per_owner: dict[int, list[list[_Param]]] = {}
-    for owner in sorted({p.owner for p in params}):
-        per_owner[owner] = _buckets([p for p in params if p.owner == owner], bucket_bytes)
-    count = max(len(b) for b in per_owner.values())
-    plan = [[(owner, buckets[r]) for owner, buckets in per_owner.items() if r < len(buckets)] for r in range(count)]
+    plan = owner_rounds(params, bucket_bytes)
     rounds = [[(owner, _entries(bucket, arch, padded)) for owner, bucket in parts] for parts in plan]
     stats = SendStats()
     return OwnedExport(rounds, _owned_buckets(plan, held, ctx, arch, padded, stats, fault), stats)

@@ -1,0 +1,93 @@
+"""Owner-parallel pushes in rounds that follow the model's layers: what an engine worker holds stays about one layer.
+
+A worker loads a layer once every tensor of it has arrived and keeps each received bucket (its tensors are views of
+it) until every layer it touches is loaded (vLLM's layerwise reload). Simulated here on a MoE model's parameter
+list (8 decoder layers of 32 experts, the owners the greedy assignment gives): the most a worker holds at once,
+against the senders' count. Rounds of every owner's r-th bucket of the whole model mix layers, and a worker held
+about a bucket per sender; rounds per layer hold the largest layer at most, for 4 senders as for 32.
+"""
+
+from __future__ import annotations
+
+from megatron_rl.models.export import _order_key
+from megatron_rl.models.export_owners import _Param, assign_owners, layer_of, owner_rounds
+
+LAYERS, EXPERTS, HIDDEN, FFN = 8, 32, 256, 128
+BUCKET = 4 * HIDDEN * FFN * 2 * 3  # bytes: about a dozen experts' weights
+
+
+def _model(senders: int) -> list[_Param]:
+    """Dense weights on every rank (TP1: any rank may send them); expert e on rank e % senders."""
+    params = []
+
+    def add(name, shape, ranks):
+        param = _Param(name, 1, shape, "bfloat16")
+        for rank in ranks:
+            param.rows[rank] = {0: rank}
+        params.append(param)
+
+    everyone = range(senders)
+    add("embedding.word_embeddings.weight", (1024, HIDDEN), everyone)
+    for layer in range(LAYERS):
+        pre = f"decoder.layers.{layer}."
+        add(pre + "self_attention.linear_qkv.weight", (3 * HIDDEN, HIDDEN), everyone)
+        add(pre + "self_attention.linear_proj.weight", (HIDDEN, HIDDEN), everyone)
+        add(pre + "mlp.router.weight", (EXPERTS, HIDDEN), everyone)
+        for e in range(EXPERTS):
+            add(pre + f"mlp.experts.local_experts.{e}.linear_fc1.weight", (2 * FFN, HIDDEN), [e % senders])
+            add(pre + f"mlp.experts.local_experts.{e}.linear_fc2.weight", (HIDDEN, FFN), [e % senders])
+    add("decoder.final_layernorm.weight", (HIDDEN,), everyone)
+    add("output_layer.weight", (1024, HIDDEN), everyone)
+    params.sort(key=lambda p: _order_key(p.name))
+    assign_owners(params, senders)
+    return params
+
+
+def _most_held(rounds) -> int:
+    """The most bytes a worker keeps at once: each round's buckets arrive together, and a bucket is let go once
+    every layer it holds a tensor of is complete."""
+    need: dict = {}
+    for parts in rounds:
+        for _, bucket in parts:
+            for param in bucket:
+                need[layer_of(param.name)] = need.get(layer_of(param.name), 0) + 1
+    have, kept, most = {}, [], 0
+    for parts in rounds:
+        for _, bucket in parts:
+            for param in bucket:
+                have[layer_of(param.name)] = have.get(layer_of(param.name), 0) + 1
+            kept.append((sum(p.nbytes for p in bucket), {layer_of(p.name) for p in bucket}))
+        most = max(most, sum(size for size, _ in kept))
+        kept = [(size, layers) for size, layers in kept if any(have[layer] < need[layer] for layer in layers)]
+    return most
+
+
+def _mixed_rounds(params, bucket_bytes):
+    """Every owner's r-th bucket of the whole model in model order (how the rounds were cut before)."""
+    from megatron_rl.models.export import _buckets
+
+    per_owner = {o: _buckets([p for p in params if p.owner == o], bucket_bytes) for o in sorted({p.owner for p in params})}
+    return [[(o, b[r]) for o, b in per_owner.items() if r < len(b)] for r in range(max(len(b) for b in per_owner.values()))]
+
+
+def test_a_worker_holds_about_one_layer_whatever_the_senders():
+    for senders in (4, 32):
+        params = _model(senders)
+        rounds = owner_rounds(params, BUCKET)
+        # every parameter once, each owner's own, and no round mixes layers
+        sent = [(owner, p.name) for parts in rounds for owner, bucket in parts for p in bucket]
+        assert sorted(name for _, name in sent) == sorted(p.name for p in params)
+        assert all(owner == {p.name: p.owner for p in params}[name] for owner, name in sent)
+        assert all(len({layer_of(p.name) for _, bucket in parts for p in bucket}) == 1 for parts in rounds)
+        assert all(sum(p.nbytes for p in bucket) <= BUCKET for parts in rounds for _, bucket in parts
+                   if len(bucket) > 1)
+        layers: dict = {}
+        for p in params:
+            layers[layer_of(p.name)] = layers.get(layer_of(p.name), 0) + p.nbytes
+        largest = max(layers.values())
+        held, mixed = _most_held(rounds), _most_held(_mixed_rounds(params, BUCKET))
+        print(f"{senders} senders: a worker holds at most {held} bytes (largest layer {largest}); "
+              f"{mixed} with rounds across layers")
+        assert held <= largest, (senders, held, largest)
+        if senders == 32:
+            assert mixed > 2 * largest  # what the layer-wise rounds avoid: it grows with the senders
