@@ -104,7 +104,8 @@ class RolloutConfig:
     memory handle (weight_sync.owner_ipc)."""
     weight_delta: bool = False
     """With weight_senders=owners: send only the values that changed since the last push (positions + values per
-    tensor, dense when not smaller), checked by a checksum per tensor on the engine (weight_sync.delta)."""
+    tensor, dense when not smaller), checked by a checksum per tensor on the engine (weight_sync.delta). Each engine
+    worker keeps a copy of the whole model in the wire dtype on its device: for models that fit beside vLLM."""
     weight_delta_full_every: int = 10
     """With weight_delta: a full push every this many versions (also after a broken push or an engine restart)."""
     weight_broadcast_backend: Literal["auto", "nccl", "gloo"] = "auto"
