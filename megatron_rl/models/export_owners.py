@@ -14,14 +14,15 @@ each parameter gets an owner among the ranks holding it, and the owner sends it:
      to the candidate whose bytes through it stay smallest): a parameter split
      by TP goes to one rank of one replica, whose TP peers send it their
      shards (the only trainer-to-trainer traffic); others to one holder;
-  3. the rounds follow the model's layers (`owner_rounds`): each owner cuts its
-     parameters of one layer (the embedding, a decoder layer, the final norm,
-     the output layer) into buckets of at most bucket_bytes, and the layer's
-     rounds are every owner's r-th bucket of it, before the next layer's. An
-     engine loads a layer once all its tensors are in and keeps each received
-     bucket until then, so a worker holds about one layer, whatever the number
-     of senders (rounds of every owner's r-th bucket of the whole model mixed
-     layers: each kept most of a bucket per sender). The HF names, shapes
+  3. each owner cuts its parameters of each layer (the embedding, a decoder
+     layer, the final norm, the output layer) into buckets of at most
+     bucket_bytes and sends them in model order, at most one a round
+     (`owner_rounds`). An engine loads a layer once all its tensors are in and
+     keeps each received bucket until then, so the rounds keep the bytes of
+     incomplete layers within the largest layer: a worker holds at most two
+     layers, whatever the number of senders (rounds of every owner's r-th
+     bucket of the whole model mixed layers: each kept most of a bucket per
+     sender). The HF names, shapes
      and dtypes of every owner's bucket of every round are known to every rank
      from the metadata (the mapping run on meta tensors), so the rank that
      drives the engines announces them without touching a byte.
@@ -140,16 +141,51 @@ def layer_of(name: str) -> tuple:
 
 
 def owner_rounds(params: list[_Param], bucket_bytes: int) -> list[list[tuple[int, list[_Param]]]]:
-    """The push's rounds: per layer in model order, every owner's r-th bucket of that layer's parameters it owns
-    (`params` with owners assigned, in model order)."""
-    layers: dict[tuple, dict[int, list[_Param]]] = {}
-    for param in params:
-        layers.setdefault(layer_of(param.name), {}).setdefault(param.owner, []).append(param)
+    """The push's rounds (`params` with owners assigned, in model order): at most one bucket per owner a round.
+
+    Each owner cuts its parameters of each layer into buckets of at most bucket_bytes, and sends them in model
+    order. A worker keeps what it received of a layer until the layer is complete, so the rounds keep the bytes of
+    incomplete layers within the largest layer's size: an owner's next bucket joins a round if it belongs to the
+    oldest incomplete layer (which completes it soonest), or if it fits in that limit; otherwise the owner waits a
+    round. Owners of other layers (other pipeline stages, other experts) send at once when they fit, so the rounds
+    are about the owners' bucket counts where layers are small, and one layer at a time where a layer is the limit.
+    A worker then holds at most two layers' bytes, whatever the number of senders.
+    """
+    from collections import deque
+
+    queues: dict[int, deque] = {}
+    left: dict[tuple, int] = {}
+    size: dict[tuple, int] = {}
+    for owner in sorted({p.owner for p in params}):
+        owned: dict[tuple, list[_Param]] = {}
+        for param in params:
+            if param.owner == owner:
+                owned.setdefault(layer_of(param.name), []).append(param)
+        queues[owner] = deque((layer, bucket) for layer in sorted(owned) for bucket in _buckets(owned[layer], bucket_bytes))
+        for layer, bucket in queues[owner]:
+            left[layer] = left.get(layer, 0) + 1
+            size[layer] = size.get(layer, 0) + sum(p.nbytes for p in bucket)
+    limit = max(size.values(), default=0)
+    held: dict[tuple, int] = {}  # incomplete layers: bytes sent so far
     plan = []
-    for layer in sorted(layers):
-        per_owner = {owner: _buckets(owned, bucket_bytes) for owner, owned in sorted(layers[layer].items())}
-        for r in range(max(len(b) for b in per_owner.values())):
-            plan.append([(owner, buckets[r]) for owner, buckets in per_owner.items() if r < len(buckets)])
+    while any(queues.values()):
+        oldest = min(layer for layer, count in left.items() if count)
+        parts = []
+        for owner, queue in queues.items():
+            if not queue:
+                continue
+            layer, bucket = queue[0]
+            nbytes = sum(p.nbytes for p in bucket)
+            if layer == oldest or sum(held.values()) + nbytes <= limit:
+                queue.popleft()
+                parts.append((owner, bucket))
+                held[layer] = held.get(layer, 0) + nbytes
+        for _, bucket in parts:
+            layer = layer_of(bucket[0].name)
+            left[layer] -= 1
+            if not left[layer]:
+                held.pop(layer, None)
+        plan.append(parts)
     return plan
 
 

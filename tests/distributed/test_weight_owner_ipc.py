@@ -40,9 +40,8 @@ pytestmark = pytest.mark.extra(VLLM_EXTRA, "vllm")  # the workers' sleep and wak
 
 BUCKET_BYTES = 48 << 10
 ENGINES, WORKERS = 2, 2
-MAX_PARTS = 1
-"""Buckets a slice shares at once (OwnerIpcRelay.max_parts): less than the senders of a round (two: each layer of
-PP2 x EP2 has two ranks that may own it)."""
+MAX_PARTS = 2
+"""Buckets a slice shares at once (OwnerIpcRelay.max_parts): less than the senders of a round."""
 BROKEN_RANK, BROKEN_ROUND = 2, 1
 
 
