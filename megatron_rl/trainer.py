@@ -480,8 +480,10 @@ class Trainer:
             if restart and self.ctx.rank == 0:
                 logger.warning("no complete checkpoint in %s yet: starting again from step 0%s", self.cfg.checkpoint.dir, why)
             return False
-        optimizer_format = optimizer_format_to_load(path, read_trainer_state(path), self._layout())
-        state, trainer_state, _ = load_checkpoint(path, self.actor.state_dict(is_loading=True, optimizer_format=optimizer_format))
+        saved = read_trainer_state(path)
+        optimizer_format = optimizer_format_to_load(path, saved, self._layout())
+        state, trainer_state, _ = load_checkpoint(path, self.actor.state_dict(is_loading=True, optimizer_format=optimizer_format),
+                                                  trainer_state=saved)
         self.actor.load_state_dict(state)
         self.actor.load_schedule_state(trainer_state)
         self.dataset.load_state_dict(trainer_state["data"])

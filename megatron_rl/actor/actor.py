@@ -40,7 +40,15 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
 from megatron_rl.actor.packing import layout_metrics, write_rows
-from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, init_optimizer_state, kernel_choice_kept, unshare_step_counters
+from megatron_rl.actor.optim import (
+    build_optimizer,
+    build_scheduler,
+    ddp_config,
+    init_optimizer_state,
+    kernel_choice_kept,
+    unshare_step_counters,
+    zero_bucket_padding,
+)
 from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
 from megatron_rl.actor.step import (
@@ -77,30 +85,6 @@ class LogprobsWithRoutes(NamedTuple):
     metrics: dict[str, float]
     """routing/engine_vs_trainer/... when the batch carries engine routes."""
 
-
-
-def zero_bucket_padding(optimizer_state) -> None:
-    """Zero the gaps between parameters megatron's dp_reshardable state writes for each bucket.
-
-    megatron fills them with torch.empty (nothing is loaded back from them), so a checkpoint would hold whatever
-    memory was there: two runs that end in the same weights and moments would not write the same bytes.
-    """
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
-
-    if isinstance(optimizer_state, dict):
-        padding = optimizer_state.get("padding")
-        if isinstance(padding, LocalNonpersistentObject) and padding.unwrap() is True:
-            for value in optimizer_state.values():
-                if isinstance(value, ShardedTensor) and value.data is not None:
-                    value.data.zero_()
-            return
-        children = optimizer_state.values()
-    elif isinstance(optimizer_state, (list, tuple)):
-        children = optimizer_state
-    else:
-        return
-    for child in children:
-        zero_bucket_padding(child)
 
 class Actor:
     """Policy model, optimizer and LR schedule on this rank; see the module docstring."""

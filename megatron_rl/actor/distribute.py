@@ -132,7 +132,7 @@ def _to_leaders(payloads: list[bytes], ctx) -> bytes | None:
 
 def _to_peers(payload: bytes | None, ctx):
     """The leader's payload on every rank of its share group (its TP x PP x CP peers): size, then the bytes."""
-    leader = ctx.share_ranks[0]
+    leader = ctx.dp_leaders[ctx.dp_rank]
     size = torch.tensor([len(payload) if ctx.rank == leader else 0], dtype=torch.int64)
     dist.broadcast(size, src=leader, group=ctx.share_group)
     data = _as_tensor(payload) if ctx.rank == leader else torch.empty(int(size), dtype=torch.uint8)

@@ -186,4 +186,31 @@ def init_optimizer_state(optimizer) -> None:
                 inner.state[param].setdefault("step", torch.tensor(0.0))
 
 
-__all__ = ["build_optimizer", "build_scheduler", "ddp_config", "fuse_torch_adam", "init_optimizer_state", "kernel_choice_kept", "unshare_step_counters"]
+def zero_bucket_padding(optimizer_state) -> None:
+    """Zero the gaps between parameters megatron's dp_reshardable state writes for each bucket.
+
+    megatron fills them with torch.empty (nothing is loaded back from them), so a checkpoint would hold whatever
+    memory was there: two runs that end in the same weights and moments would not write the same bytes.
+    """
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    if isinstance(optimizer_state, dict):
+        padding = optimizer_state.get("padding")
+        if isinstance(padding, LocalNonpersistentObject) and padding.unwrap() is True:
+            for value in optimizer_state.values():
+                if isinstance(value, ShardedTensor) and value.data is not None:
+                    value.data.zero_()
+            return
+        children = optimizer_state.values()
+    elif isinstance(optimizer_state, (list, tuple)):
+        children = optimizer_state
+    else:
+        return
+    for child in children:
+        zero_bucket_padding(child)
+
+
+__all__ = [
+    "build_optimizer", "build_scheduler", "ddp_config", "fuse_torch_adam", "init_optimizer_state", "kernel_choice_kept",
+    "unshare_step_counters", "zero_bucket_padding",
+]

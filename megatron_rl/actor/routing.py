@@ -94,12 +94,12 @@ def _layout(x) -> TokenLayout:
 
 def microbatch_routes(routes: torch.Tensor, layout: TokenLayout | Microbatch, topk: int) -> torch.Tensor:
     """[N_in, W_in, L, K] int64 routes at a microbatch's input positions; padding and -1 entries get experts 0..K-1."""
-    layout = _layout(layout)
-    num_rows, width = layout.rows.shape
-    L = routes.shape[2]
-    default = torch.arange(topk, dtype=torch.int64).expand(num_rows, width, L, topk)
-    out = gathered_routes(routes, layout)
-    return torch.where(out < 0, default, out)
+    return _default_where_missing(gathered_routes(routes, _layout(layout)), topk)
+
+
+def _default_where_missing(routes: torch.Tensor, topk: int) -> torch.Tensor:
+    """Experts 0..K-1 where `routes` ([..., K] int64) holds -1 (a token the replay must still route somewhere)."""
+    return torch.where(routes < 0, torch.arange(topk, dtype=torch.int64).expand_as(routes), routes)
 
 
 def gathered_routes(routes: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
@@ -306,11 +306,10 @@ class RoutingControl:
             self._counted = counted_local.to(self.ctx.device)
         elif reference is not None:
             _, _, counted = microbatch_positions(layout, lengths)
-            raw = gathered_routes(reference, _layout(layout))
+            raw = gathered_routes(reference, layout)
             # Positions whose reference route was not captured (-1) are not counted.
             captured = (raw >= 0).all(dim=-1)  # [N_in, W_in, L]
-            default = torch.arange(self.topk, dtype=torch.int64).expand_as(raw)
-            self._reference = self._per_layer(torch.where(raw < 0, default, raw))
+            self._reference = self._per_layer(_default_where_missing(raw, self.topk))
             counted_local = self._local(counted.unsqueeze(-1) & captured)  # [N_local, L]
             self._counted = counted_local.to(self.ctx.device)
         self._active = True

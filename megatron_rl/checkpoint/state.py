@@ -346,16 +346,20 @@ def load_checkpoint(
     sharded_state_dict: dict,
     *,
     restore_rng: bool = True,
+    trainer_state: dict[str, Any] | None = None,
 ) -> tuple[dict, dict[str, Any], dict[str, Any]]:
     """Load on every rank: (megatron state dict, trainer_state, this rank's extra state).
 
-    The megatron part may be loaded into another parallel layout than it was
-    saved from (dist checkpointing reshards). RNG states are restored only
-    when this rank's file exists (same world size).
+    The model part may be loaded into another parallel layout than it was saved
+    from (dist checkpointing reshards); the optimizer part as its format allows
+    (optimizer_format_to_load). RNG states are restored only when this rank's
+    file exists (same world size). trainer_state: what read_trainer_state(path)
+    gave the caller already (not read again).
     """
     from megatron.core import dist_checkpointing
 
-    trainer_state = read_trainer_state(path)
+    if trainer_state is None:
+        trainer_state = read_trainer_state(path)
     rank_file = path / f"rank_{_rank():05d}.pt"
     try:  # nothing that could run code is unpickled (checkpoint.no_code)
         check_dcp_metadata(path)

@@ -153,38 +153,33 @@ def owner_rounds(params: list[_Param], bucket_bytes: int) -> list[list[tuple[int
     """
     from collections import deque
 
-    queues: dict[int, deque] = {}
-    left: dict[tuple, int] = {}
+    owned: dict[int, dict[tuple, list[_Param]]] = {}  # owner -> layer -> its parameters, in model order
+    for param in params:
+        owned.setdefault(param.owner, {}).setdefault(layer_of(param.name), []).append(param)
+    queues: dict[int, deque] = {}  # owner -> (layer, bucket, bytes) in model order
+    left: dict[tuple, int] = {}  # layer -> buckets not sent yet
     size: dict[tuple, int] = {}
-    for owner in sorted({p.owner for p in params}):
-        owned: dict[tuple, list[_Param]] = {}
-        for param in params:
-            if param.owner == owner:
-                owned.setdefault(layer_of(param.name), []).append(param)
-        queues[owner] = deque((layer, bucket) for layer in sorted(owned) for bucket in _buckets(owned[layer], bucket_bytes))
-        for layer, bucket in queues[owner]:
+    for owner in sorted(owned):
+        queues[owner] = deque((layer, bucket, sum(p.nbytes for p in bucket))
+                              for layer in sorted(owned[owner]) for bucket in _buckets(owned[owner][layer], bucket_bytes))
+        for layer, _, nbytes in queues[owner]:
             left[layer] = left.get(layer, 0) + 1
-            size[layer] = size.get(layer, 0) + sum(p.nbytes for p in bucket)
+            size[layer] = size.get(layer, 0) + nbytes
     limit = max(size.values(), default=0)
-    held: dict[tuple, int] = {}  # incomplete layers: bytes sent so far
+    held = 0  # bytes sent of the layers not complete yet
     plan = []
     while any(queues.values()):
         oldest = min(layer for layer, count in left.items() if count)
-        parts = []
+        parts, done = [], []
         for owner, queue in queues.items():
-            if not queue:
-                continue
-            layer, bucket = queue[0]
-            nbytes = sum(p.nbytes for p in bucket)
-            if layer == oldest or sum(held.values()) + nbytes <= limit:
-                queue.popleft()
+            if queue and (queue[0][0] == oldest or held + queue[0][2] <= limit):
+                layer, bucket, nbytes = queue.popleft()
                 parts.append((owner, bucket))
-                held[layer] = held.get(layer, 0) + nbytes
-        for _, bucket in parts:
-            layer = layer_of(bucket[0].name)
-            left[layer] -= 1
-            if not left[layer]:
-                held.pop(layer, None)
+                held += nbytes
+                left[layer] -= 1
+                if not left[layer]:
+                    done.append(layer)
+        held -= sum(size[layer] for layer in done)  # complete after this round: the worker loads and lets them go
         plan.append(parts)
     return plan
 

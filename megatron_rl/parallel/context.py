@@ -122,13 +122,9 @@ class ParallelContext:
     dp_leaders: tuple[int, ...] = (0,)
     """Global rank of each DP rank's leader (its rank with tp = pp = cp = 0), indexed by dp_rank: rank 0 sends a
     DP rank's rows of the step to its leader only (actor.distribute)."""
-    share_ranks: tuple[int, ...] = ()
-    """Global ranks holding this rank's rows of the step (its TP x PP x CP peers: the same dp_rank), its leader
-    first; empty when the rank is its DP rank's only one."""
     share_group: ProcessGroup | None = field(default=None, repr=False)
-    """gloo group of `share_ranks`: the leader broadcasts the rows it received in it (None when alone)."""
-    own_groups: tuple[ProcessGroup, ...] = field(default=(), repr=False)
-    """Groups init_parallel made beyond megatron's (destroy_parallel destroys them)."""
+    """gloo group of the ranks holding this rank's rows of the step (its TP x PP x CP peers: the same dp_rank),
+    where its leader broadcasts them; None when the rank is its DP rank's only one."""
     owns_world: bool = field(default=True, repr=False)
     """init_parallel created the default process group (destroy_parallel tears it down)."""
 
@@ -331,8 +327,7 @@ def _context_from_mpu(
     host_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=host_timeout)
     coords = (mpu.get_data_parallel_rank(), mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
               mpu.get_context_parallel_rank())
-    dp_leaders, share_ranks, share_group = _share_groups(coords, host_group, host_timeout)
-    own_groups = tuple(g for g in (None if host_group is dist.group.WORLD else host_group, share_group) if g is not None)
+    dp_leaders, share_group = _share_groups(coords, host_group, host_timeout)
     return ParallelContext(
         config=cfg,
         world_size=dist.get_world_size(),
@@ -374,16 +369,14 @@ def _context_from_mpu(
         dp_ranks=_ranks(dp_group),
         ep_ranks=_ranks(ep_group),
         dp_leaders=dp_leaders,
-        share_ranks=share_ranks,
         share_group=share_group,
-        own_groups=own_groups,
         owns_world=owns_world,
     )
 
 
 def _share_groups(coords: tuple[int, int, int, int], host_group: ProcessGroup, timeout: timedelta | None
-                  ) -> tuple[tuple[int, ...], tuple[int, ...], ProcessGroup | None]:
-    """(dp_leaders, share_ranks, share_group) from every rank's (dp, tp, pp, cp) ranks (one all-gather of 4 ints).
+                  ) -> tuple[tuple[int, ...], ProcessGroup | None]:
+    """(dp_leaders, share_group) from every rank's (dp, tp, pp, cp) ranks (one all-gather of 4 ints).
 
     A DP rank's rows go to all its TP x PP x CP peers. Rank 0 sends each DP rank's rows once, to its leader
     (tp = pp = cp = 0), which broadcasts them in the peers' gloo group: rank 0 sends and holds one copy of the
@@ -391,7 +384,7 @@ def _share_groups(coords: tuple[int, int, int, int], host_group: ProcessGroup, t
     """
     world = dist.get_world_size()
     if world == 1:
-        return (0,), (), None
+        return (0,), None
     gathered = [torch.zeros(4, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor(coords, dtype=torch.int64), group=host_group)
     table = [tuple(int(v) for v in row) for row in gathered]
@@ -400,12 +393,11 @@ def _share_groups(coords: tuple[int, int, int, int], host_group: ProcessGroup, t
     if sorted(leaders) != list(range(dp_size)):
         raise RuntimeError(f"data-parallel ranks without a tp = pp = cp = 0 rank among {table}")
     members = [[rank for rank, row in enumerate(table) if row[0] == d] for d in range(dp_size)]
-    mine = members[coords[0]]
-    if len(mine) == 1:  # every DP rank alone (the same size everywhere): no peers to broadcast to
-        return tuple(leaders[d] for d in range(dp_size)), (), None
+    dp_leaders = tuple(leaders[d] for d in range(dp_size))
+    if len(members[coords[0]]) == 1:  # every DP rank alone (the same size everywhere): no peers to broadcast to
+        return dp_leaders, None
     share_group, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout, backend="gloo")
-    leader = leaders[coords[0]]
-    return tuple(leaders[d] for d in range(dp_size)), (leader, *(r for r in mine if r != leader)), share_group
+    return dp_leaders, share_group
 
 
 def destroy_parallel(ctx: ParallelContext | None = None, *, keep_world: bool = False) -> None:
@@ -419,9 +411,10 @@ def destroy_parallel(ctx: ParallelContext | None = None, *, keep_world: bool = F
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    if ctx is not None and keep_world and dist.is_initialized():
-        for group in ctx.own_groups:
-            dist.destroy_process_group(group)
+    if ctx is not None and keep_world and dist.is_initialized():  # the groups init_parallel made beyond megatron's
+        for group in (ctx.share_group, None if ctx.host_group is dist.group.WORLD else ctx.host_group):
+            if group is not None:
+                dist.destroy_process_group(group)
     owns = True if ctx is None else ctx.owns_world
     if not keep_world and owns and dist.is_initialized():
         # No barrier: a failed peer must not make teardown hang.

@@ -49,9 +49,6 @@ One launch per world size (1, 2, 4); layouts switch in-process.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import pickle
 import warnings
 
@@ -59,6 +56,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_distributed
+from tests.distributed.probes import bytes_handed_to_torch_distributed
 
 LOSSES = ("gspo", "gspo_token", "dapo", "dr_grpo", "grpo")
 B, T = 12, 40
@@ -230,7 +228,7 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
                 try:
                     if "logprobs" not in case:
                         if shares:
-                            with _bytes_handed_to_torch_distributed(rank) as handed:
+                            with bytes_handed_to_torch_distributed(rank) as handed:
                                 batch = actor.distribute(batch if rank == 0 else None)
                             case["handed_bytes"] = _gather(sum(handed), ctx)
                             case["share_bytes"] = _gather(actor.last_share_bytes, ctx)
@@ -266,42 +264,6 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
 def _runs(rank: int, world_size: int, runs: list) -> list:
     """Several (model_dir, cases, old_logprobs, losses) runs in one launch."""
     return [_worker(rank, world_size, *run) for run in runs]
-
-
-@contextlib.contextmanager
-def _bytes_handed_to_torch_distributed(rank: int):
-    """The bytes this rank hands torch.distributed to send while the block runs, as the sender of the call: tensors
-    it sends (send, isend, the source of broadcast / scatter) and objects it sends (their pickles). Counted at the
-    call, whatever the collective's algorithm then does on the wire; the real functions run."""
-    import torch.distributed as dist
-
-    handed: list[int] = []
-    real = {name: getattr(dist, name) for name in ("send", "isend", "broadcast", "scatter", "scatter_object_list",
-                                                    "broadcast_object_list")}
-
-    def count(name, *args, **kwargs):
-        bound = inspect.signature(real[name]).bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        if name in ("send", "isend"):
-            handed.append(a["tensor"].numel() * a["tensor"].element_size())
-        elif name == "broadcast" and a["src"] == rank:
-            handed.append(a["tensor"].numel() * a["tensor"].element_size())
-        elif name == "scatter" and a["src"] == rank:
-            handed.extend(t.numel() * t.element_size() for t in a["scatter_list"])
-        elif name == "scatter_object_list" and a["src"] == rank:
-            handed.extend(len(pickle.dumps(o)) for o in a["scatter_object_input_list"])
-        elif name == "broadcast_object_list" and a["src"] == rank:
-            handed.extend(len(pickle.dumps(o)) for o in a["object_list"])
-        return real[name](*args, **kwargs)
-
-    for name in real:
-        setattr(dist, name, functools.partial(count, name))
-    try:
-        yield handed
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
 
 
 def _gather(value, ctx) -> list:
