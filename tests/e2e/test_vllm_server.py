@@ -280,6 +280,11 @@ def test_supervised_server_comes_back_for_an_engine_that_did_not_start_it(server
         before = client.generate(PROMPTS, spec)
         os.killpg(server.process.pid, signal.SIGKILL)
         after = client.generate(PROMPTS, spec)
+        # the supervisor counts its restart when its own /health poll (every 0.5 s) answers: the client, polling
+        # too, may have pushed and sampled before that
+        deadline = time.monotonic() + 10.0
+        while supervisor.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert supervisor.restarts == 1 and after.metrics["restarts"] == 1 and after.weight_version == 9
         assert max_logprob_error(models["moe1"], after, 0.9) < TOL  # moe1 again, not the directory's moe0
         assert [s.response_token_ids.tolist() for s in after] == [s.response_token_ids.tolist() for s in before]
