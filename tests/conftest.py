@@ -1,6 +1,7 @@
 """Test-wide environment: offline, quiet, deterministic, CPU."""
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -8,6 +9,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# pytest-xdist runs N test modules at once: each worker (and what it starts, which inherits this) gets its share of
+# the cores, not every core each (2 workers of 2 threads on 2 cores spin against each other: a transformers
+# warm-up ran 6x slower beside another). The trainer takes OMP_NUM_THREADS as its torch threads.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    if "torch" in sys.modules:  # imported before this file: its pool may have read the environment already
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest  # noqa: E402
 

@@ -387,7 +387,7 @@ class ClusterConfig:
     """Trainer processes on a CPU-only run."""
     cpu_threads: int = 0
     """Torch threads of each trainer process on a CPU-only run (an in-process engine shares them);
-    0 = the cores the process may run on divided by cpu_processes."""
+    0 = OMP_NUM_THREADS where it is set, else the cores the process may run on divided by cpu_processes."""
     push_link_gb_per_s: float = 50.0
     """GB/s of the link between one trainer rank and one engine worker, for the planner's weight-push time
     (megatron_rl.plan.push_time; 50 = 400 Gb/s InfiniBand per GPU)."""

@@ -24,9 +24,17 @@ def available_cores() -> int:
 
 
 def cpu_threads_per_process(cpu_threads: int, cpu_processes: int) -> int:
-    """cluster.cpu_threads, or (0) this process's share of the cores: cores // trainer processes, at least 1."""
+    """cluster.cpu_threads; or (0) OMP_NUM_THREADS where it is set (the user's, or torchrun's 1 for each of several
+    ranks: it stands, as for an engine core); else this process's share of the cores: cores // trainer processes,
+    at least 1."""
     if cpu_threads > 0:
         return cpu_threads
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp:
+        if not omp.isdigit() or int(omp) < 1:
+            raise ValueError(f"OMP_NUM_THREADS={omp!r}: must be a whole number >= 1 (or unset, for the cores divided "
+                             "by cluster.cpu_processes; cluster.cpu_threads overrides both)")
+        return int(omp)
     return max(1, available_cores() // max(1, cpu_processes))
 
 

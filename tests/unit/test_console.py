@@ -68,11 +68,18 @@ def test_metrics_logger_prints_a_summary_every_n_steps(tmp_path, capsys):
     assert out == ["step 1: reward 0.500"]  # step 2 starts the next window, which never fills
 
 
-def test_cpu_threads_per_process():
+def test_cpu_threads_per_process(monkeypatch):
     cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cpu_threads_per_process(3, 1) == 3
     assert cpu_threads_per_process(0, 1) == cores
     assert cpu_threads_per_process(0, 2 * cores) == 1  # never below one thread
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's (or torchrun's) stands; cluster.cpu_threads wins
+    assert cpu_threads_per_process(0, 1) == 5 and cpu_threads_per_process(3, 1) == 3
+    for bad in ("0", "two"):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match=f"OMP_NUM_THREADS='{bad}'"):
+            cpu_threads_per_process(0, 1)
     with pytest.raises(ConfigError, match="cluster.cpu_threads=-1"):
         load_config(RLConfig, None, ["cluster.cpu_threads=-1"])
     with pytest.raises(ConfigError, match="logging.summary_every=-2"):
