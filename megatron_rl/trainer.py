@@ -109,6 +109,30 @@ def run(cfg: RLConfig, engine=None, *, stop=None) -> dict[str, float]:
             destroy_parallel(ctx)
 
 
+def read_prompt_sets(cfg: RLConfig, tokenizer, ctx):
+    """(the training prompt set, the data.eval_sets' Evaluator or None), read and checked before the engine starts,
+    on rank 0 only: the rank that samples, evaluates and records the data position ((None, None) elsewhere).
+    Held on every rank, a prompt set's rows and token ids would cost a node as many copies as it has ranks.
+    A bad row or set is raised on every rank."""
+    from megatron_rl.actor.distribute import on_rank0
+    from megatron_rl.data.dataset import PromptDataset
+
+    def read():
+        dataset = PromptDataset(
+            cfg.data.path, tokenizer, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+            apply_chat_template=cfg.data.apply_chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+            long_prompts=cfg.data.long_prompts, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
+        )
+        evaluator = None
+        if cfg.data.eval_sets:
+            from megatron_rl.evaluation import Evaluator
+
+            evaluator = Evaluator.from_config(cfg, tokenizer)
+        return dataset, evaluator
+
+    return on_rank0(read, ctx) or (None, None)
+
+
 class Trainer:
     """State of one run on this rank: data, actor, engine (rank 0), logger, step counters."""
 
@@ -118,7 +142,6 @@ class Trainer:
         stop: StopSignals installed by the caller (kept after the run); None: the trainer's own, removed by close()."""
         from megatron_rl.actor import Actor
         from megatron_rl.actor.offload import ActorOffload
-        from megatron_rl.data.dataset import PromptDataset
         from megatron_rl.data.tokenizer import load_tokenizer
         from megatron_rl.metrics import MetricsLogger
         from megatron_rl.parallel.threads import cpu_threads_per_process, set_torch_threads
@@ -129,26 +152,7 @@ class Trainer:
             set_torch_threads(cpu_threads_per_process(cfg.cluster.cpu_threads, cfg.cluster.cpu_processes))
         self.tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
         self._saved = False  # a save of this run checked its shards' coverage (megatron's access-integrity check)
-
-        def prompts(path: str, shuffle: bool) -> PromptDataset:
-            return PromptDataset(
-                path,
-                self.tokenizer,
-                prompt_key=cfg.data.prompt_key,
-                answer_key=cfg.data.answer_key,
-                apply_chat_template=cfg.data.apply_chat_template,
-                max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                long_prompts=cfg.data.long_prompts,
-                shuffle=shuffle,
-                seed=cfg.train.seed,
-            )
-
-        self.dataset = prompts(cfg.data.path, cfg.data.shuffle)
-        self.evaluator = None  # data.eval_sets, read and checked on every rank before the engine starts
-        if cfg.data.eval_sets:
-            from megatron_rl.evaluation import Evaluator
-
-            self.evaluator = Evaluator.from_config(cfg, self.tokenizer)
+        self.dataset, self.evaluator = read_prompt_sets(cfg, self.tokenizer, ctx)  # rank 0's (None elsewhere)
         self._evaluated_at = -1
         self._recent_rewards: deque[float] = deque(maxlen=10)  # train.stop_at_reward looks at the last 10 steps
         self.reward_fn = get_reward_fn(cfg.data.reward)
@@ -445,7 +449,9 @@ class Trainer:
         from megatron_rl.models import load_hf_config
         from megatron_rl.preflight import model_architecture
 
-        data_position = self._pending[1] if self._pending is not None else self.dataset.state_dict()
+        data_position = None  # rank 0's: it writes trainer_state.json
+        if self.dataset is not None:
+            data_position = self._pending[1] if self._pending is not None else self.dataset.state_dict()
         if self._stream is not None:
             data_position = self._stream.consumed_position  # groups queued or in flight are generated again on resume
         trainer_state = {
@@ -471,6 +477,7 @@ class Trainer:
 
     def _maybe_resume(self) -> bool:
         """checkpoint.resume; in an attempt torchrun restarted, always the newest complete checkpoint (`latest`)."""
+        from megatron_rl.actor.distribute import on_rank0
         from megatron_rl.checkpoint.state import load_checkpoint, optimizer_format_to_load, read_trainer_state, resolve_checkpoint
         from megatron_rl.errors import restart_resume
 
@@ -486,7 +493,8 @@ class Trainer:
                                                   trainer_state=saved)
         self.actor.load_state_dict(state)
         self.actor.load_schedule_state(trainer_state)
-        self.dataset.load_state_dict(trainer_state["data"])
+        # the data position is rank 0's; a prompt set that does not match it stops every rank
+        on_rank0(lambda: self.dataset.load_state_dict(trainer_state["data"]), self.ctx)
         self.step, self.weight_version = trainer_state["step"], trainer_state["weight_version"]
         if self.ctx.rank == 0:
             logger.warning("resumed from %s at step %d%s", path, self.step, why)

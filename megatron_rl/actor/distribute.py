@@ -49,6 +49,28 @@ def broadcast_object(obj: Any, ctx) -> Any:
     return holder[0]
 
 
+def on_rank0(fn: Callable[[], Any], ctx) -> Any:
+    """fn() on rank 0 only: its result there, None on every other rank. An exception it raises is raised on every
+    rank (one broadcast), so no rank goes on to wait in a collective for a rank 0 that has stopped."""
+    result, error, sent = None, None, None
+    if ctx.rank == 0:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            error = sent = exc
+            try:
+                pickle.loads(pickle.dumps(exc))
+            except Exception:  # noqa: BLE001 - one pickle cannot rebuild reaches the others as its line
+                sent = RuntimeError(f"{type(exc).__name__}: {exc}")
+    if ctx.world_size > 1:
+        sent = broadcast_object(sent, ctx)
+    if ctx.rank == 0 and error is not None:
+        raise error
+    if sent is not None:
+        raise sent
+    return result
+
+
 def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
     """The rows `rows` (step indices, ascending) of a whole-step batch, cut to their longest row.
 
