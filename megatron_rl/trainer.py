@@ -109,15 +109,17 @@ def run(cfg: RLConfig, engine=None, *, stop=None) -> dict[str, float]:
             destroy_parallel(ctx)
 
 
-def read_prompt_sets(cfg: RLConfig, tokenizer, ctx):
-    """(the training prompt set, the data.eval_sets' Evaluator or None), read and checked before the engine starts,
-    on rank 0 only: the rank that samples, evaluates and records the data position ((None, None) elsewhere).
-    Held on every rank, a prompt set's rows and token ids would cost a node as many copies as it has ranks.
-    A bad row or set is raised on every rank."""
+def read_prompt_sets(cfg: RLConfig, ctx):
+    """(tokenizer, the training prompt set, the data.eval_sets' Evaluator or None), read and checked before the
+    engine starts, on rank 0 only: the rank that samples, evaluates and records the data position ((None, None, None)
+    elsewhere). Held on every rank, a prompt set's rows and token ids would cost a node as many copies as it has
+    ranks. A bad tokenizer, row or set is raised on every rank."""
     from megatron_rl.actor.distribute import on_rank0
     from megatron_rl.data.dataset import PromptDataset
+    from megatron_rl.data.tokenizer import load_tokenizer
 
     def read():
+        tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
         dataset = PromptDataset(
             cfg.data.path, tokenizer, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
             apply_chat_template=cfg.data.apply_chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
@@ -128,9 +130,9 @@ def read_prompt_sets(cfg: RLConfig, tokenizer, ctx):
             from megatron_rl.evaluation import Evaluator
 
             evaluator = Evaluator.from_config(cfg, tokenizer)
-        return dataset, evaluator
+        return tokenizer, dataset, evaluator
 
-    return on_rank0(read, ctx) or (None, None)
+    return on_rank0(read, ctx) or (None, None, None)
 
 
 class Trainer:
@@ -142,7 +144,6 @@ class Trainer:
         stop: StopSignals installed by the caller (kept after the run); None: the trainer's own, removed by close()."""
         from megatron_rl.actor import Actor
         from megatron_rl.actor.offload import ActorOffload
-        from megatron_rl.data.tokenizer import load_tokenizer
         from megatron_rl.metrics import MetricsLogger
         from megatron_rl.parallel.threads import cpu_threads_per_process, set_torch_threads
         from megatron_rl.rollout.rewards import get_reward_fn
@@ -150,9 +151,8 @@ class Trainer:
         self.cfg, self.ctx, self._logs = cfg, ctx, logs
         if ctx.device.type == "cpu":  # training and an in-process engine's generation share these threads
             set_torch_threads(cpu_threads_per_process(cfg.cluster.cpu_threads, cfg.cluster.cpu_processes))
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path)
         self._saved = False  # a save of this run checked its shards' coverage (megatron's access-integrity check)
-        self.dataset, self.evaluator = read_prompt_sets(cfg, self.tokenizer, ctx)  # rank 0's (None elsewhere)
+        self.tokenizer, self.dataset, self.evaluator = read_prompt_sets(cfg, ctx)  # rank 0's (None elsewhere)
         self._evaluated_at = -1
         self._recent_rewards: deque[float] = deque(maxlen=10)  # train.stop_at_reward looks at the last 10 steps
         self.reward_fn = get_reward_fn(cfg.data.reward)
