@@ -161,7 +161,9 @@ class Trainer:
             from megatron_rl.rollout.agents import EpisodeRunner, load_agent
 
             self.agent = EpisodeRunner(load_agent(cfg.rollout.agent), self.tokenizer, self.reward_fn, cfg.rollout)
-        self.actor = Actor.from_config(cfg, ctx)
+        resume = self._resume_point()
+        # a resume overwrites every weight the policy has: its HF weights are not read (the reference model's are)
+        self.actor = Actor.from_config(cfg, ctx, load_weights=resume is None)
         from megatron_rl.parallel.watch import PhaseWatch, StopSignals
 
         self._watch = PhaseWatch(ctx.rank, ctx.world_size, cfg.parallel.timeout_s)
@@ -170,7 +172,7 @@ class Trainer:
         self._stop.install()  # a stop asked while the engine starts is acted on at the first step boundary
         self._offload = ActorOffload(self.actor.model, self.actor.optimizer, cfg.train.offload)
         self.step, self.weight_version = 0, 0
-        resumed = self._maybe_resume()
+        resumed = resume is not None and self._resume(*resume)
         self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
         self._placement = None  # the engines' placement (None for an engine started beforehand)
         self._own_engine = engine is None
@@ -475,10 +477,10 @@ class Trainer:
         return {"tensor_parallel": ctx.tp_size, "pipeline_parallel": ctx.pp_size, "expert_parallel": ctx.ep_size,
                 "expert_tensor_parallel": ctx.expert_tp_size, "context_parallel": ctx.cp_size, "data_parallel": ctx.dp_size}
 
-    def _maybe_resume(self) -> bool:
-        """checkpoint.resume; in an attempt torchrun restarted, always the newest complete checkpoint (`latest`)."""
-        from megatron_rl.actor.distribute import on_rank0
-        from megatron_rl.checkpoint.state import load_checkpoint, optimizer_format_to_load, read_trainer_state, resolve_checkpoint
+    def _resume_point(self) -> tuple | None:
+        """(checkpoint directory, why) to resume from: checkpoint.resume; in an attempt torchrun restarted, always the
+        newest complete checkpoint (`latest`). None: the run starts from the model's weights."""
+        from megatron_rl.checkpoint.state import resolve_checkpoint
         from megatron_rl.errors import restart_resume
 
         spec, restart, why = restart_resume(self.cfg.checkpoint.resume, self.cfg.checkpoint.dir)
@@ -486,7 +488,14 @@ class Trainer:
         if path is None:
             if restart and self.ctx.rank == 0:
                 logger.warning("no complete checkpoint in %s yet: starting again from step 0%s", self.cfg.checkpoint.dir, why)
-            return False
+            return None
+        return path, why
+
+    def _resume(self, path, why: str) -> bool:
+        """The actor's state, the schedule, the data position and the counters of the checkpoint at `path`."""
+        from megatron_rl.actor.distribute import on_rank0
+        from megatron_rl.checkpoint.state import load_checkpoint, optimizer_format_to_load, read_trainer_state
+
         saved = read_trainer_state(path)
         optimizer_format = optimizer_format_to_load(path, saved, self._layout())
         state, trainer_state, _ = load_checkpoint(path, self.actor.state_dict(is_loading=True, optimizer_format=optimizer_format),

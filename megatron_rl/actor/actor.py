@@ -101,7 +101,10 @@ class Actor:
         total_optimizer_steps: int | None = None,
         max_response_tokens: int = 0,
         hf_config: dict | None = None,
+        load_weights: bool = True,
     ) -> None:
+        """load_weights=False: the policy keeps its seeded initial weights instead of reading model.path's (a resume
+        overwrites every one of them); the reference model (algorithm.beta > 0) reads them either way."""
         if ctx.cp_size > 1 and not train.pack_sequences:
             raise ConfigError(
                 f"parallel.context_parallel={ctx.cp_size} splits packed sequences over CP ranks: set train.pack_sequences=true"
@@ -134,7 +137,7 @@ class Actor:
         overlap, _ = choose_overlap(detect_kernels(), ctx.dp_size)
         self.model = build_model(
             model, ctx, hf_config=self.hf_config, wrap_ddp=True, ddp_config=ddp_config(optimizer, overlap_grad_reduce=overlap),
-            config_overrides=policy_overrides,
+            config_overrides=policy_overrides, load_weights=None if load_weights else False,
         )
         self.routing = RoutingControl(self.model, self.arch, ctx)
         self.optimizer = build_optimizer(optimizer, self.model, dtype=self.dtype)
@@ -157,10 +160,11 @@ class Actor:
         """Response tokens sampled more weight versions before the batch's policy_version leave the loss."""
 
     @classmethod
-    def from_config(cls, cfg, ctx) -> "Actor":
+    def from_config(cls, cfg, ctx, *, load_weights: bool = True) -> "Actor":
         """An actor for an RLConfig (temperature from rollout, Dr. GRPO's constant from rollout.max_new_tokens)."""
         return cls(
             ctx,
+            load_weights=load_weights,
             model=cfg.model,
             optimizer=cfg.optimizer,
             train=cfg.train,

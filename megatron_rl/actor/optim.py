@@ -157,21 +157,26 @@ def ddp_config(cfg: OptimizerConfig, *, overlap_grad_reduce: bool = False):
 
 
 def unshare_step_counters(optimizer) -> None:
-    """Give each parameter's Adam `step` a tensor of its own after a load.
+    """Give each parameter's Adam `step` the loaded count, in a tensor of its own, after a load.
 
-    megatron's distributed optimizer without apex / Transformer Engine loads one `step` tensor into the state of
-    every parameter; torch's Adam adds 1 to each parameter's counter in place, so a shared one grows by the number
-    of parameters per optimizer step and the bias correction (Kingma & Ba 2015, Alg. 1) goes wrong after a resume.
+    megatron's distributed optimizer without apex / Transformer Engine saves the step count in each param group
+    (torch's Adam keeps it per parameter). Its load puts one `step` tensor into the state of every parameter; torch's
+    Adam adds 1 to each parameter's counter in place, so a shared one grows by the number of parameters per
+    optimizer step and the bias correction (Kingma & Ba 2015, Alg. 1) goes wrong after a resume. And megatron
+    0.16.1's dp_reshardable load then writes every bucket's placeholder `step` (0, from the state the load was
+    described with) over the count: a resume would start Adam's bias correction again from step 1. So each
+    counter is made again here from its group's loaded count (where the group has one), else cloned.
     The fused kernel (actor.optim.fuse_torch_adam) wants each counter on its parameter's device.
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         for group in getattr(inner, "param_groups", []):
             on_device = bool(group.get("fused") or group.get("capturable"))
+            loaded = group.get("step")  # the checkpoint's count (torch's own groups have no "step")
             for param in group["params"]:
                 param_state = inner.state.get(param, {})
                 if isinstance(param_state.get("step"), torch.Tensor):
-                    step = param_state["step"].clone()
+                    step = torch.tensor(float(loaded)) if loaded is not None else param_state["step"].clone()
                     param_state["step"] = step.to(param.device, torch.float32) if on_device else step
 
 

@@ -3,9 +3,9 @@
 Adam on the tiny Qwen3-MoE model, through the calls the trainer makes (actor.state_dict(optimizer_format=...),
 save_checkpoint, load_checkpoint, actor.load_state_dict). Two ranks (DP2) train one step and save in both
 formats (the second save of each without megatron's shard-coverage check, as the trainer's later saves); runs
-resumed on DP2 and on one rank (DP1) must hold the saved Adam state exactly. The state is read
-outside the checkpoint code: each rank's shard of every parameter's main weights, exp_avg and exp_avg_sq, at its
-range of the parameter (megatron's optimizer maps), assembled into whole parameters. To save, a rank holds its
+resumed on DP2 and on one rank (DP1) must hold the saved Adam state exactly, and each parameter's step count.
+The state is read outside the checkpoint code: each rank's shard of every parameter's main weights, exp_avg and
+exp_avg_sq, at its range of the parameter (megatron's optimizer maps), assembled into whole parameters. To save, a rank holds its
 own shard of the optimizer state with dp_reshardable (3 x params / DP fp32 values beyond the model's own
 parameters), and its model-parallel slice's whole state gathered over DP with fully_reshardable (3 x params).
 """
@@ -135,6 +135,9 @@ def _run(rank: int, world_size: int, model_dir: str, out: str, mode: str) -> dic
                                                    actor.state_dict(is_loading=True, optimizer_format=name))
                     actor.load_state_dict(loaded)
                 result["state"][name] = _adam_state(actor, ctx)
+                result.setdefault("steps", {})[name] = sorted({  # each parameter's Adam step count
+                    float(state["step"]) for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+                    for state in opt.optimizer.state.values() if "step" in state})
             finally:
                 actor.close()
     finally:
@@ -162,6 +165,9 @@ def test_a_rank_saves_its_own_optimizer_shard_and_a_resume_on_any_data_parallel_
         assert sum(float(v["exp_avg"].abs().sum()) for v in want.values()) > 0  # the step left moments to keep
         assert not any(v[k].isnan().any() for v in want.values() for k in v)  # every element is some rank's
         for layout, result in resumed.items():
+            # one step was taken before the save: Adam's bias correction goes on from 1 (megatron's dp_reshardable
+            # load alone leaves every count at 0)
+            assert result["steps"][name] == [1.0], (layout, name, result["steps"][name])
             got = result["state"][name]
             assert sorted(got) == sorted(want), (layout, name)
             for param, values in want.items():
