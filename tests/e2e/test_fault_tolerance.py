@@ -48,7 +48,7 @@ def _launch(model_dir: Path, out: Path, max_restarts: int) -> list[str]:
             "--config", str(REPO / "configs" / "tiny-gspo-cpu2.yaml"), f"model.path={model_dir}", f"logging.dir={out}",
             f"checkpoint.dir={out / 'ckpt'}", "logging.progress_bar=false", "train.prompts_per_step=2", "rollout.n_samples=2",
             f"train.steps={STEPS}", "checkpoint.save_every=2", "checkpoint.keep_last=5", "checkpoint.resume=auto",
-            "data.reward=tests.e2e.train_runs:odd_length_reward"]  # groups that differ: a gradient at every step
+            "data.reward=tests.e2e.train_runs:odd_length_reward"]  # groups that differ: gradients (exact gave none)
 
 
 def _start(cmd: list[str], console: Path) -> subprocess.Popen:
