@@ -17,7 +17,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from tests.e2e.train_runs import REPO, run_overrides
+from tests.e2e.train_runs import PARITY, REPO, run_overrides
 
 K = 4
 TRAIN = ("train.steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=3")
@@ -51,8 +51,11 @@ def commands(out: Path, model_dir: Path) -> dict[str, list[str]]:
     return {
         "plain": ["train", *config, *run_overrides(model_dir, out / "plain"), *TRAIN],
         "evaluated": ["train", *config, *run_overrides(model_dir, out / "evaluated"), *TRAIN, "train.eval_every=1", eval_sets(out)],
-        "cli1": ["eval", *config, f"model.path={model_dir}", f"checkpoint.load={step1}", f"logging.dir={out / 'cli1'}", eval_sets(out)],
-        "cli0": ["eval", *config, f"model.path={model_dir}", "rollout.engines=2", f"logging.dir={out / 'cli0'}", eval_sets(out)],
+        # the training runs' data.reward (PARITY) is the `letters` set's too
+        "cli1": ["eval", *config, f"model.path={model_dir}", f"checkpoint.load={step1}", f"logging.dir={out / 'cli1'}", PARITY,
+                 eval_sets(out)],
+        "cli0": ["eval", *config, f"model.path={model_dir}", "rollout.engines=2", f"logging.dir={out / 'cli0'}", PARITY,
+                 eval_sets(out)],
     }
 
 

