@@ -298,6 +298,6 @@ def plan(cfg: RLConfig, spec: ModelSpec) -> Plan:
         engine=engine,
         phases=phase_memory(stage, engine, cfg, spec.total_params() * precision_for(cfg).param),
         budget=device_budget(cfg),
-        push=preset_push_times(cfg, spec.total_params(), precision_for(cfg).param),
+        push=preset_push_times(cfg, spec.total_params(), precision_for(cfg).param, engines),
         warnings=warnings,
     )

@@ -28,11 +28,20 @@ def test_push_times_hand_computed():
     m2n = {r.transport: r for r in push_times(model_bytes=1e9, senders=32, bucket_bytes=1e7, engine_workers=64,
                                               link_bytes_per_s=1e9)}["vllm-nccl_m2n"]
     assert m2n.out_bytes == pytest.approx(1e9 / 16 + 1e7) and m2n.seconds == pytest.approx(1e9 / 16 / 1e9 + 1e-2)
+    # 3 engines (servers): m2n pushes each its own export in turn, 3 x (0.26 GB out, 0.5 GB in) -> 1.5 s; the
+    # broadcasts go into every engine's workers at once: unchanged
+    three = {r.transport: r for r in push_times(model_bytes=1e9, senders=4, bucket_bytes=1e7, engine_workers=2,
+                                                link_bytes_per_s=1e9, engines=3)}
+    assert three["vllm-nccl_m2n"].out_bytes == pytest.approx(3 * 2.6e8) and three["vllm-nccl_m2n"].in_bytes == pytest.approx(5e8)
+    assert three["vllm-nccl_m2n"].seconds == pytest.approx(1.5)
+    assert three["funnel"] == rows["funnel"] and three["owner-parallel"] == rows["owner-parallel"]
     # a bucket larger than the model is the model
     (funnel, owner, _, _) = push_times(model_bytes=1e6, senders=1, bucket_bytes=1e9, engine_workers=1, link_bytes_per_s=1e6)
     assert owner.out_bytes == pytest.approx(2e6)
     with pytest.raises(ValueError, match="senders=0"):
         push_times(model_bytes=1e6, senders=0, bucket_bytes=1, engine_workers=1, link_bytes_per_s=1)
+    with pytest.raises(ValueError, match="engines=0"):
+        push_times(model_bytes=1e6, senders=1, bucket_bytes=1, engine_workers=1, link_bytes_per_s=1, engines=0)
 
 
 def test_deepseek_v3_preset_matches_the_published_funnel_time_and_the_cli_prints_it():
@@ -41,9 +50,11 @@ def test_deepseek_v3_preset_matches_the_published_funnel_time_and_the_cli_prints
     # 671e9 parameters in bf16 = 1.34 TB at 50 GB/s: about 27 s through one rank
     assert rows["funnel"].seconds == pytest.approx(671e9 * 2 / 50e9, rel=0.03)
     # 256 trainer ranks send 1/256 each; m2n sends 16 row blocks (1/16 out of a rank), engines of TP 8 x PP 4
-    # take 1/32 each: 1.34e12 / 16 / 50e9 = 1.7 s, the order of NeMo RL's published 2.4-2.8 s
+    # take 1/32 each: 1.34e12 / 16 / 50e9 = 1.7 s per engine, the order of NeMo RL's published 2.4-2.8 s; the
+    # preset's 8 servers (its 256 rollout GPUs / 32) each get their own export, one after another: 8 x 1.7 s
     assert rows["owner-parallel"].out_bytes == pytest.approx(671e9 * 2 / 256 + 512 * 2**20, rel=0.03)
-    assert rows["vllm-nccl_m2n"].seconds == pytest.approx(671e9 * 2 / 16 / 50e9, rel=0.03)
+    assert result.engines == 256 // 32
+    assert rows["vllm-nccl_m2n"].seconds == pytest.approx(result.engines * 671e9 * 2 / 16 / 50e9, rel=0.03)
     assert rows["vllm-ipc"].seconds == pytest.approx(671e9 * 2 / 50e9, rel=0.03)
     from rich.console import Console
 
