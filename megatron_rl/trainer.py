@@ -172,7 +172,8 @@ class Trainer:
         self._stop.install()  # a stop asked while the engine starts is acted on at the first step boundary
         self._offload = ActorOffload(self.actor.model, self.actor.optimizer, cfg.train.offload)
         self.step, self.weight_version = 0, 0
-        resumed = resume is not None and self._resume(*resume)
+        if resume is not None:
+            self._resume(*resume)
         self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
         self._placement = None  # the engines' placement (None for an engine started beforehand)
         self._own_engine = engine is None
@@ -190,7 +191,7 @@ class Trainer:
             use_tensorboard=cfg.logging.tensorboard,
             progress_total=(cfg.train.steps - self.step) if cfg.logging.progress_bar else None,
             config=to_dict(cfg),
-            resume=resumed,
+            resume=resume is not None,
             summary_every=cfg.logging.summary_every,
         )
         if ctx.rank == 0 and self.dataset.num_dropped_long:
@@ -491,7 +492,7 @@ class Trainer:
             return None
         return path, why
 
-    def _resume(self, path, why: str) -> bool:
+    def _resume(self, path, why: str) -> None:
         """The actor's state, the schedule, the data position and the counters of the checkpoint at `path`."""
         from megatron_rl.actor.distribute import on_rank0
         from megatron_rl.checkpoint.state import load_checkpoint, optimizer_format_to_load, read_trainer_state
@@ -507,7 +508,6 @@ class Trainer:
         self.step, self.weight_version = trainer_state["step"], trainer_state["weight_version"]
         if self.ctx.rank == 0:
             logger.warning("resumed from %s at step %d%s", path, self.step, why)
-        return True
 
     def close(self) -> None:
         if self._stream is not None:

@@ -57,11 +57,7 @@ def on_rank0(fn: Callable[[], Any], ctx) -> Any:
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            error = sent = exc
-            try:
-                pickle.loads(pickle.dumps(exc))
-            except Exception:  # noqa: BLE001 - one pickle cannot rebuild reaches the others as its line
-                sent = RuntimeError(f"{type(exc).__name__}: {exc}")
+            error, sent = exc, _portable(exc)
     if ctx.world_size > 1:
         sent = broadcast_object(sent, ctx)
     if ctx.rank == 0 and error is not None:
@@ -69,6 +65,16 @@ def on_rank0(fn: Callable[[], Any], ctx) -> Any:
     if sent is not None:
         raise sent
     return result
+
+
+def _portable(exc: Exception) -> Exception:
+    """`exc`, or its one line as a RuntimeError where pickle cannot build it again on another rank (an exception
+    whose __init__ takes more than its message)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - whatever pickle raises, the line still reaches the other ranks
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
@@ -112,7 +118,7 @@ def scatter_shares(batch: TrainBatch | None, ctx, assign: Callable[[TrainBatch],
                 raise RuntimeError(f"assign gave rows for {len(rows_per_dp)} data-parallel ranks, the layout has {ctx.dp_size}")
             payloads = [pickle.dumps(select_rows(batch, rows)) for rows in rows_per_dp]
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            payloads = [pickle.dumps(exc)] * ctx.dp_size
+            payloads = [pickle.dumps(_portable(exc))] * ctx.dp_size
     received = _to_leaders(payloads, ctx) if ctx.world_size > 1 else payloads[0]
     if ctx.share_group is not None:
         received = _to_peers(received, ctx)
