@@ -257,7 +257,8 @@ def measure(model_dir: str, **model_settings) -> dict:
     ctx = init_parallel(ParallelConfig(), shape=model_shape(load_hf_config(model_dir)))
     model_cfg = ModelConfig(path=model_dir, **model_settings)
     actor = Actor(ctx, model=model_cfg, optimizer=OptimizerConfig(lr=1e-3),
-                  train=TrainConfig(pack_sequences=True, max_tokens_per_microbatch=TOKENS_PER_MICROBATCH),
+                  # old_logprobs=forward: the old-policy forward is one of the paths counted
+                  train=TrainConfig(pack_sequences=True, max_tokens_per_microbatch=TOKENS_PER_MICROBATCH, old_logprobs="forward"),
                   algorithm=AlgorithmConfig(loss="grpo"))
     counter = OpCounter()
     result = {}

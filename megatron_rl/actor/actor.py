@@ -2,7 +2,8 @@
 
     actor = Actor.from_config(cfg, ctx)               # model (+ frozen reference when beta > 0), optimizer, LR schedule
     batch = actor.distribute(train_batch_from_rollouts(padded, advantages) if rank == 0 else None)
-    batch, metrics = actor.prepare_batch(batch)       # old logprobs (+ R2 routes, + reference logprobs)
+    batch, metrics = actor.prepare_batch(batch)       # old logprobs (+ R2 routes, + reference logprobs); with one
+                                                      # optimizer step per RL step none: the training forward's own
     metrics |= actor.train_step(batch)                # mini-batches x microbatches -> optimizer steps
     for bucket in actor.export_hf_weights(512 << 20): # weight sync, HF names
         ...
@@ -19,6 +20,11 @@ train_step, per mini-batch (one optimizer step):
      the algorithms registry times M x D (see actor.step for why), backward;
      finalize_model_grads reduces gradients over DP;
   4. LR schedule step, optimizer step (gradient clipping inside), metrics.
+
+The old policy: with one optimizer step per RL step (train.old_logprobs, config.schema.old_logprobs_source)
+the training forward runs at the old policy's weights, so its own logprobs, detached, are the old logprobs
+(the ratio is exactly 1, the gradient the same) and prepare_batch runs no forward for them: one forward
+of three per step. Their finiteness is checked after the backward and before the optimizer steps.
 
 Data: rank 0 holds the step's batch; `actor.distribute` gives every rank only
 its DP rank's rows (actor.distribute), and logprobs come back as that share's
@@ -52,6 +58,7 @@ from megatron_rl.actor.optim import (
 from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
 from megatron_rl.actor.step import (
+    NONFINITE_POLICY_TOKENS,
     LogprobSettings,
     inference_loss,
     loss_scale,
@@ -68,7 +75,7 @@ from megatron_rl.algorithms import (
 )
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.core import ConfigError
-from megatron_rl.config.schema import ModelConfig, OptimizerConfig, TrainConfig
+from megatron_rl.config.schema import ModelConfig, OptimizerConfig, TrainConfig, old_logprobs_source
 from megatron_rl.heap import collect_after_close
 from megatron_rl.models import build_model, export_hf_weights, load_hf_config, parse_hf_config, resolve_dtype
 
@@ -118,6 +125,8 @@ class Actor:
             raise ConfigError(f"temperature={temperature}: must be > 0 (rollout.temperature)")
         train.validate()
         algorithm.validate()
+        self.old_logprobs_from, self.old_logprobs_why = old_logprobs_source(train, algorithm)
+        """"training_forward", "forward" or "rollout" (config.schema.old_logprobs_source), and why."""
         self.ctx, self.model_cfg, self.optimizer_cfg, self.train_cfg, self.algorithm = ctx, model, optimizer, train, algorithm
         self.hf_config = hf_config if hf_config is not None else load_hf_config(model.path)
         self.arch = parse_hf_config(self.hf_config)
@@ -391,7 +400,9 @@ class Actor:
     def prepare_batch(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
         """Fill old_logprobs (+ old_routed_experts under R2, + ref_logprobs when beta > 0); returns (batch, metrics).
 
-        With algorithm.bypass_mode the engine's logprobs are the old policy and no forward runs for it.
+        With algorithm.bypass_mode the engine's logprobs are the old policy and no forward runs for it. Where the
+        training forward is the old policy (`old_logprobs_from` "training_forward", train.old_logprobs) no forward
+        runs either: old_logprobs stay None and train_step takes its own forward's, detached.
         """
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
@@ -399,6 +410,12 @@ class Actor:
             if batch.rollout_logprobs is None:
                 raise BatchError("algorithm.bypass_mode needs batch.rollout_logprobs (the engine's logprobs serve as the old policy)")
             batch = batch.replace(old_logprobs=batch.rollout_logprobs)
+            if self.reference is not None:
+                batch = batch.replace(ref_logprobs=self.compute_ref_logprobs(batch))
+            metrics["time/old_logprobs_s"] = time.perf_counter() - t0
+            return batch, metrics
+        if self.old_logprobs_from == "training_forward":
+            self.validate(batch)
             if self.reference is not None:
                 batch = batch.replace(ref_logprobs=self.compute_ref_logprobs(batch))
             metrics["time/old_logprobs_s"] = time.perf_counter() - t0
@@ -435,16 +452,18 @@ class Actor:
         more than `max_staleness` versions old, which leave the loss and its denominators.
         """
         t0 = time.perf_counter()
-        if batch.old_logprobs is None:
+        own_old = batch.old_logprobs is None and self.old_logprobs_from == "training_forward"
+        if batch.old_logprobs is None and not own_old:
             raise BatchError("batch.old_logprobs is missing: compute them with actor.compute_logprobs(batch) (actor.prepare_batch)")
         if self.algorithm.beta > 0 and batch.ref_logprobs is None:
             raise BatchError(f"algorithm.beta={self.algorithm.beta} needs batch.ref_logprobs: use actor.prepare_batch(batch)")
         lengths = self.validate(batch)
-        replay = self._replay_source(batch)
+        # the training forward at the old policy's weights routes as the old policy did: R2 has nothing to replay
+        replay = None if own_old and self.algorithm.routing_replay == "R2" else self._replay_source(batch)
         drift_reference = batch.old_routed_experts if batch.old_routed_experts is not None else batch.routed_experts
         loss_metrics, step_metrics = [], {"grad_norm": [], "lr": [], "microbatches": []}
         for microbatches in self._my_microbatches(batch):
-            metrics, grad_norm = self._optimizer_step(batch, lengths, microbatches, replay, drift_reference)
+            metrics, grad_norm = self._optimizer_step(batch, lengths, microbatches, replay, drift_reference, own_old)
             loss_metrics.append(metrics)
             step_metrics["grad_norm"].append(grad_norm)
             step_metrics["lr"].append(self.optimizer.param_groups[0]["lr"])
@@ -456,11 +475,14 @@ class Actor:
         out["microbatches_per_rank"] = float(sum(step_metrics["microbatches"]))
         out["optimizer_steps"] = float(self.optimizer_steps)
         if self.routing.num_moe_layers and drift_reference is not None:
-            out.update(self.routing.take_drift_metrics("routing/drift", own_prefix="routing/drift_own"))
+            if batch.old_routed_experts is None:  # the engine's routes against the training forward's (at the old weights)
+                out.update(self.routing.take_drift_metrics("routing/engine_vs_trainer_used", own_prefix="routing/engine_vs_trainer"))
+            else:
+                out.update(self.routing.take_drift_metrics("routing/drift", own_prefix="routing/drift_own"))
         out["time/train_step_s"] = time.perf_counter() - t0
         return out
 
-    def _optimizer_step(self, batch, lengths, microbatches, replay, drift_reference) -> tuple[dict, float]:
+    def _optimizer_step(self, batch, lengths, microbatches, replay, drift_reference, own_old=False) -> tuple[dict, float]:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         ctx = self.ctx
@@ -469,7 +491,7 @@ class Actor:
         algo = self.algorithm
         # Whole rows' masks (under CP every CP rank holds the same rows), summed over DP: each sequence once.
         masks = [
-            item.sequence_mask if algo.tis_mode == "none"
+            item.sequence_mask if algo.tis_mode == "none" or own_old  # own_old: the correction drops nothing
             else rejection_response_mask(algo, item.old_logprobs, item.rollout_logprobs, item.sequence_mask)
             for item in items
         ]
@@ -486,7 +508,7 @@ class Actor:
             routing.end_microbatch()
             return output, policy_loss(
                 inputs, self.settings, loss_fn=self.loss_fn, algorithm_cfg=self.algorithm, denom=denom, scale=scale,
-                compute_entropy=self.train_cfg.compute_entropy,
+                compute_entropy=self.train_cfg.compute_entropy, count_nonfinite=own_old,
             )
 
         for chunk in self.model:
@@ -498,6 +520,8 @@ class Actor:
         finally:
             routing.reset()
             clear_aux_losses_tracker()
+        if own_old:
+            self._check_own_logprobs(outputs)
         self.scheduler.step(increment=1)  # optimizer step k runs at the schedule's rate for k
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
@@ -506,6 +530,20 @@ class Actor:
         if not outputs:  # not the last pipeline stage: its metrics are not reported
             return {}, float(grad_norm) if grad_norm is not None else float("nan")
         return {**merge_metrics(outputs), **layout_metrics(items, lengths, ctx.device)}, float(grad_norm) if grad_norm is not None else float("nan")
+
+    def _check_own_logprobs(self, outputs: list[dict]) -> None:
+        """Before the optimizer steps on them: the training forward's own logprobs (the old policy's here) must be
+        finite on every response token, on every rank (the check the old-policy forward makes otherwise)."""
+        bad = sum((float(out[NONFINITE_POLICY_TOKENS]) for out in outputs), 0.0)
+        flag = torch.tensor([bad], dtype=torch.float64, device=self.ctx.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag)  # the last stage's counts reach every rank: all of them stop, or none
+        if float(flag) > 0:
+            raise BatchError(
+                f"policy logprobs: {float(flag):.0f} non-finite response token(s) in the training forward, which is the "
+                "old policy here (train.old_logprobs): the model's forward produced NaN/inf (its weights or activations "
+                "diverged: lower the lr, check the checkpoint); the optimizer did not step"
+            )
 
     def _reduce_loss_metrics(self, per_mini_batch: list[dict]) -> dict[str, float]:
         """Exact metrics over microbatches, mini-batches and DP ranks, broadcast from the last stage to every rank."""

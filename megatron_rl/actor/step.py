@@ -202,6 +202,10 @@ def inference_loss(inputs: MicrobatchInputs, settings: LogprobSettings) -> Calla
     return loss_func
 
 
+NONFINITE_POLICY_TOKENS = "policy/nonfinite_logprobs/sum"
+"""Metric: response tokens whose logprob in the training forward is NaN/inf (where it is the old policy)."""
+
+
 def policy_loss(
     inputs: MicrobatchInputs,
     settings: LogprobSettings,
@@ -211,17 +215,23 @@ def policy_loss(
     denom,
     scale: int,
     compute_entropy: bool,
+    count_nonfinite: bool = False,
 ) -> Callable:
-    """Loss function of a training microbatch: (loss_sum x scale, metrics) with loss_sum from the registry."""
+    """Loss function of a training microbatch: (loss_sum x scale, metrics) with loss_sum from the registry.
+
+    Without inputs.old_logprobs the forward's own logprobs, detached, are the old policy's (train.old_logprobs:
+    the step runs at the old policy's weights); count_nonfinite adds NONFINITE_POLICY_TOKENS, this
+    microbatch's response tokens whose logprob is NaN/inf (the actor refuses to step on any)."""
     train_entropy = bool(algorithm_cfg.entropy_coeff)
 
     def loss_func(logits: torch.Tensor):
         logprobs, entropy = logprobs_of(logits, inputs, settings, with_entropy=compute_entropy or train_entropy)
         if entropy is not None and not train_entropy:
             entropy = entropy.detach()  # a metric only: no backward through it
+        old_logprobs = inputs.old_logprobs if inputs.old_logprobs is not None else logprobs.detach()
         loss_sum, metrics = loss_fn(
             logprobs,
-            inputs.old_logprobs,
+            old_logprobs,
             inputs.advantages,
             inputs.response_mask,
             algorithm_cfg,
@@ -232,6 +242,9 @@ def policy_loss(
         )
         if inputs.token_staleness is not None:
             metrics = {**metrics, **staleness_metrics(inputs)}
+        if count_nonfinite:
+            bad = inputs.response_mask & ~torch.isfinite(logprobs.detach())
+            metrics = {**metrics, NONFINITE_POLICY_TOKENS: bad.sum(dtype=torch.float64)}
         return loss_sum * scale, metrics
 
     return loss_func
@@ -254,6 +267,7 @@ def staleness_metrics(inputs: MicrobatchInputs) -> dict[str, torch.Tensor]:
 
 
 __all__ = [
+    "NONFINITE_POLICY_TOKENS",
     "LogprobSettings",
     "MicrobatchInputs",
     "inference_loss",

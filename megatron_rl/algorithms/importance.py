@@ -96,16 +96,20 @@ class ISCorrection:
     defaults: ISParams
     weights: WeightFn
     """(log_rho [B, T] token or [B, 1] sequence log ratio, finite; params) -> (weight, keep, truncated), same shape."""
+    drops: bool = True
+    """Whether `keep` can be False: a correction that drops tokens sets the step's denominators before any
+    training forward, from the old logprobs (so they need a forward of their own: train.old_logprobs)."""
 
 
 IS_CORRECTIONS: Registry[ISCorrection] = Registry("importance-sampling correction", "algorithm.tis_mode")
 
 
-def register_is_correction(name: str, *, level: Level, **defaults: float) -> Callable[[WeightFn], WeightFn]:
-    """Register `fn(log_rho, params) -> (weight, keep, truncated)` as correction `name` with its default params."""
+def register_is_correction(name: str, *, level: Level, drops: bool = True, **defaults: float) -> Callable[[WeightFn], WeightFn]:
+    """Register `fn(log_rho, params) -> (weight, keep, truncated)` as correction `name` with its default params;
+    drops=False promises that `keep` is always True (a truncation only)."""
 
     def decorate(fn: WeightFn) -> WeightFn:
-        IS_CORRECTIONS.register(name)(ISCorrection(name=name, level=level, defaults=ISParams(**defaults), weights=fn))
+        IS_CORRECTIONS.register(name)(ISCorrection(name=name, level=level, drops=drops, defaults=ISParams(**defaults), weights=fn))
         return fn
 
     return decorate
@@ -143,8 +147,8 @@ def _masked_truncated(log_rho, params):
     return torch.where(keep, ratio.clamp(max=params.cap), 0.0), keep, truncated
 
 
-register_is_correction("token", level="token", cap=2.0)(_truncated)
-register_is_correction("sequence", level="sequence", cap=2.0)(_truncated)
+register_is_correction("token", level="token", drops=False, cap=2.0)(_truncated)
+register_is_correction("sequence", level="sequence", drops=False, cap=2.0)(_truncated)
 register_is_correction("token_mask", level="token", lower=0.0, upper=2.0)(_masked)
 register_is_correction("sequence_mask", level="sequence", lower=0.0, upper=2.0)(_masked)
 register_is_correction("icepop", level="token", lower=0.5, upper=5.0)(_masked)

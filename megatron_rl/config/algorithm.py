@@ -19,6 +19,9 @@ IS_CORRECTION_NAMES = ("icepop", "sequence", "sequence_mask", "sequence_mask_tis
 """The names megatron_rl.algorithms.IS_CORRECTIONS registers (a test keeps the two in step)."""
 TOKEN_LEVEL_IS_CORRECTIONS = ("icepop", "token", "token_mask")
 """Those whose weight is per token (gspo applies them in its token form, as gspo_token)."""
+TRUNCATING_IS_CORRECTIONS = ("sequence", "token")
+"""Those that drop no token (their weight is truncated, never 0): the step's denominators do not depend on
+the old logprobs, so the training forward can supply them (train.old_logprobs)."""
 
 
 @dataclass(kw_only=True)

@@ -210,9 +210,18 @@ class TrainConfig:
     """Packed microbatches (THD): whole sequences back to back in one row with megatron's PackedSeqParams,
     position ids restarting per sequence; no padding row or column goes through the model. Required by
     context parallelism. False: right-padded rows."""
+    old_logprobs: Literal["auto", "forward", "training_forward"] = "auto"
+    """Where the PPO ratio's old-policy logprobs come from. forward: a forward-only pass over the step's rows
+    before training (actor.prepare_batch). training_forward: the training forward's own, detached: with one
+    optimizer step per RL step its weights are the old policy's, so the ratio is exactly 1 with the same
+    gradient, and the extra forward (about a third of the actor's FLOPs per step) is not run. Needs
+    mini_batches_per_step=1 and an algorithm.tis_mode that drops no token (none, token, sequence); under
+    routing_replay=R2 the training forward's own routes are the old policy's. auto: training_forward where it
+    applies, else forward (algorithm.bypass_mode takes the engine's logprobs: neither runs)."""
     routing_drift_metrics: bool = True
     """MoE: record the old-policy forward's experts even without routing replay, so that train_step logs
-    routing/drift per layer (costs one all-reduce of B x T x MoE-layers x top-k bytes per RL step)."""
+    routing/drift per layer (costs one all-reduce of B x T x MoE-layers x top-k bytes per RL step). When the
+    training forward is the old policy (train.old_logprobs) that drift is 0 by construction and not logged."""
     compute_entropy: bool = True
     """Compute the policy's entropy at each response token in the training forward (logged as `entropy`;
     always computed, with gradient, when algorithm.entropy_coeff > 0)."""
@@ -410,6 +419,33 @@ class ClusterConfig:
         return self.nodes * self.gpus_per_node - self.rollout_gpus
 
 
+def old_logprobs_source(train: TrainConfig, algorithm: AlgorithmConfig) -> tuple[str, str]:
+    """(source, why): where a step's old-policy logprobs come from under train.old_logprobs (see it).
+
+    source: "rollout" (algorithm.bypass_mode), "training_forward" or "forward"; why: the reason, for the
+    start-up line. Raises ConfigError for train.old_logprobs=training_forward where it cannot apply.
+    """
+    from megatron_rl.config.algorithm import TRUNCATING_IS_CORRECTIONS
+
+    if train.old_logprobs == "forward" and not algorithm.bypass_mode:
+        return "forward", "train.old_logprobs=forward"
+    blockers = ["algorithm.bypass_mode takes the engine's logprobs as the old policy"] if algorithm.bypass_mode else []
+    if train.mini_batches_per_step != 1:
+        blockers.append(f"train.mini_batches_per_step={train.mini_batches_per_step} makes optimizer steps after the first "
+                        "train at weights that are no longer the old policy")
+    if algorithm.tis_mode not in ("none", *TRUNCATING_IS_CORRECTIONS):
+        blockers.append(f"algorithm.tis_mode={algorithm.tis_mode} drops tokens by the old logprobs, which sets the step's "
+                        "denominators before any training forward")
+    if blockers and train.old_logprobs == "training_forward":
+        raise ConfigError(f"train.old_logprobs=training_forward cannot apply: {'; '.join(blockers)}; set train.old_logprobs="
+                          "auto (a forward of its own where one is needed) or change those settings")
+    if algorithm.bypass_mode:
+        return "rollout", blockers[0]
+    if blockers:
+        return "forward", "; ".join(blockers)
+    return "training_forward", "one optimizer step per RL step: the training forward runs at the old policy's weights"
+
+
 @dataclass(kw_only=True)
 class RLConfig:
     """One RL run: every component's config."""
@@ -446,6 +482,7 @@ class RLConfig:
                 "batch; set rollout.sleep_level=0 or generate synchronously"
             )
         self._validate_asynchronous_correction()
+        old_logprobs_source(self.train, self.algorithm)  # refuses training_forward where it cannot apply
 
     def _validate_asynchronous_correction(self) -> None:
         """Asynchronous training without an importance-sampling correction is refused.

@@ -40,7 +40,7 @@ def _errors(rank: int, world_size: int, model_dir: str) -> dict:
             messages[name] = None
 
     try:
-        actor = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(), train=TrainConfig(),
+        actor = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(), train=TrainConfig(old_logprobs="forward"),
                       algorithm=AlgorithmConfig(loss="grpo", routing_replay="R2"))
         batch = _batch()
         old = actor.compute_logprobs(batch)
@@ -67,6 +67,22 @@ def _errors(rank: int, world_size: int, model_dir: str) -> dict:
         expect("no_old", lambda: actor.train_step(batch))
         expect("r2_without_routes", lambda: actor.train_step(batch.replace(old_logprobs=old)))
         actor.close()
+        # the training forward as the old policy (train.old_logprobs=auto, one optimizer step): a model whose forward
+        # gives NaN is refused before the optimizer steps, and no weight moves
+        own = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(lr=0.1), train=TrainConfig(),
+                    algorithm=AlgorithmConfig(loss="gspo"))
+        messages["own_source"] = own.old_logprobs_from
+        norm = own.model[0].module.decoder.final_layernorm.weight
+        with torch.no_grad():
+            norm[0] = float("nan")
+        before = {n: p.detach().clone() for n, p in own.model[0].named_parameters()}
+        prepared, _ = own.prepare_batch(batch)
+        messages["own_prepared_old"] = prepared.old_logprobs
+        expect("nan_own", lambda: own.train_step(prepared))
+        messages["own_unchanged"] = all(torch.equal(p.detach(), before[n]) or n.endswith("final_layernorm.weight")
+                                        for n, p in own.model[0].named_parameters())
+        messages["own_norm_kept"] = torch.equal(norm[1:].detach(), before["module.decoder.final_layernorm.weight"][1:])
+        own.close()
         bypass = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(), train=TrainConfig(),
                        algorithm=AlgorithmConfig(loss="grpo", bypass_mode=True))
         expect("bypass_without_rollout", lambda: bypass.prepare_batch(batch))
@@ -99,4 +115,8 @@ def test_bad_batches_are_refused_with_the_sample_and_the_fix(tmp_path):
     assert "R2" in m["r2_without_routes"] and "record_routes=True" in m["r2_without_routes"], m["r2_without_routes"]
     assert "bypass_mode needs batch.rollout_logprobs" in m["bypass_without_rollout"], m["bypass_without_rollout"]
     assert m["bypass_old_is_engine"] and m["bypass_trains"] == int(_batch().response_mask.sum())
+    assert m["own_source"] == "training_forward" and m["own_prepared_old"] is None
+    # every response token of the batch (4 rows: 12 + 8 + 5 + 10) is NaN; the message says where it came from and the fix
+    assert "policy logprobs: 35 non-finite response token(s)" in m["nan_own"] and "lower the lr" in m["nan_own"], m["nan_own"]
+    assert "did not step" in m["nan_own"] and m["own_unchanged"] and m["own_norm_kept"]
     assert "R3" in m["r3_without_routes"] and "return_routed_experts" in m["r3_without_routes"], m["r3_without_routes"]

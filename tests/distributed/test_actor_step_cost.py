@@ -85,7 +85,8 @@ def _actor(ctx, model_dir, recompute="none", replay="none"):
         ctx,
         model=ModelConfig(path=model_dir, recompute=recompute, moe_aux_loss_coeff=0.01),
         optimizer=OptimizerConfig(name="sgd", lr=0.1, clip_grad=0.0, use_distributed_optimizer=False),
-        train=TrainConfig(pack_sequences=True, max_tokens_per_microbatch=128),
+        # old_logprobs=forward: the old-policy forward is measured, and R2 replays its routes
+        train=TrainConfig(pack_sequences=True, max_tokens_per_microbatch=128, old_logprobs="forward"),
         algorithm=AlgorithmConfig(loss="grpo", routing_replay=replay),
     )
 

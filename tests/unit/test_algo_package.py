@@ -10,7 +10,9 @@ import torch
 
 from megatron_rl.algorithms import ADVANTAGES, IS_CORRECTIONS, POLICY_LOSSES, NonFiniteLogprobsError, check_finite_logprobs, check_step_metrics
 from megatron_rl.config import AlgorithmConfig, ConfigError, from_dict
-from megatron_rl.config.algorithm import ADVANTAGE_NAMES, IS_CORRECTION_NAMES, POLICY_LOSS_NAMES, TOKEN_LEVEL_IS_CORRECTIONS
+from megatron_rl.config.algorithm import (
+    ADVANTAGE_NAMES, IS_CORRECTION_NAMES, POLICY_LOSS_NAMES, TOKEN_LEVEL_IS_CORRECTIONS, TRUNCATING_IS_CORRECTIONS,
+)
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl" / "algorithms"
 
@@ -40,6 +42,7 @@ def test_config_names_match_the_registries():
     assert list(ADVANTAGE_NAMES) == ADVANTAGES.names()
     assert list(IS_CORRECTION_NAMES) == IS_CORRECTIONS.names()
     assert sorted(TOKEN_LEVEL_IS_CORRECTIONS) == sorted(n for n in IS_CORRECTIONS.names() if IS_CORRECTIONS.get(n).level == "token")
+    assert sorted(TRUNCATING_IS_CORRECTIONS) == sorted(n for n in IS_CORRECTIONS.names() if not IS_CORRECTIONS.get(n).drops)
     with pytest.raises(ConfigError, match="valid names: none, icepop, sequence"):
         from_dict(AlgorithmConfig, {"tis_mode": "tis"})
     with pytest.raises(ConfigError, match="is_lower=3.0, algorithm.is_upper=2.0"):
@@ -66,3 +69,14 @@ def test_check_finite_logprobs():
     check_step_metrics({"tokens/sum": 3.0, "nonfinite_tokens/sum": 1.0})
     with pytest.raises(NonFiniteLogprobsError, match="every one of the step's 4 response tokens"):
         check_step_metrics({"tokens/sum": 0.0, "nonfinite_tokens/sum": 4.0})
+
+
+def test_corrections_that_say_they_drop_nothing_keep_every_token():
+    from megatron_rl.algorithms.importance import get_is_correction, is_correction_params
+
+    log_rho = torch.tensor([[-30.0, -2.0, -0.5, 0.0, 0.5, 2.0, 30.0]])
+    for name in IS_CORRECTIONS.names():
+        entry = get_is_correction(name)
+        params = is_correction_params(AlgorithmConfig(loss="dapo", tis_mode=name))
+        _, keep, _ = entry.weights(log_rho, params)
+        assert bool(keep.all()) == (not entry.drops), name  # a dropping one drops ratios of e^-30 or e^30

@@ -1,0 +1,135 @@
+"""The old policy from the training forward (train.old_logprobs): one forward less per step, the same step.
+
+With one optimizer step per RL step the training forward runs at the old policy's weights, so its own
+logprobs, detached, are the old logprobs. Per layout (two real ranks over gloo, the trainer's calls:
+distribute, prepare_batch, train_step), two actors from the same weights train the same batch:
+`forward` (a forward of its own in prepare_batch) and `training_forward`. What is checked:
+
+- training_forward ran no forward in prepare_batch (forward hooks on the policy's chunks), forward did;
+- every loss metric, the gradient norm and every weight after the step (SGD: the update is the gradient)
+  equal forward's within 1e-6 relative, for GSPO on PP2 (with R2, whose replay of the recorded routes must
+  equal the training forward's own routes, and with R3's engine routes), DAPO with token TIS against engine
+  logprobs on EP2 (DP2) packed, and GSPO on CP2 packed;
+- the ratio is exactly 1 where the training forward is the old policy (GSPO's sequence ratio: exp(0));
+- the engine-vs-trainer routing metrics, measured in the training forward, equal those of forward's
+  old-policy forward (the same weights and routers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_distributed
+
+B, T, NUM_EXPERTS, TOPK, MOE_LAYERS = 8, 24, 8, 2, 2
+PACKED = {"pack_sequences": True, "max_tokens_per_microbatch": 48}
+CASES = {
+    # name: (layout, train, algorithm, engine routes, engine logprobs)
+    "PP2/gspo": ({"pipeline_parallel": 2}, {"micro_batch_size": 2}, {"loss": "gspo"}, False, False),
+    "PP2/gspo/R2": ({"pipeline_parallel": 2}, {"micro_batch_size": 2}, {"loss": "gspo", "routing_replay": "R2"}, False, False),
+    "PP2/gspo/R3": ({"pipeline_parallel": 2}, {"micro_batch_size": 2}, {"loss": "gspo", "routing_replay": "R3"}, True, False),
+    "EP2/dapo/tis/packed": ({"expert_parallel": 2}, PACKED, {"loss": "dapo", "tis_mode": "token"}, True, True),
+    "CP2/gspo/packed": ({"context_parallel": 2}, PACKED, {"loss": "gspo"}, False, False),
+}
+TOLERANCE = 1e-6
+
+
+def make_batch(engine_routes: bool, engine_logprobs: bool):
+    from megatron_rl.actor import TrainBatch
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([24, 20, 17, 12, 22, 9, 15, 24])
+    prompts = torch.tensor([5, 4, 6, 3, 8, 2, 4, 4])
+    positions = torch.arange(T)
+    mask = (positions[None] >= prompts[:, None]) & (positions[None] < lengths[:, None])
+    routes = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(B * T * MOE_LAYERS)])
+    return TrainBatch(
+        tokens=torch.randint(0, 256, (B, T), generator=g),
+        response_mask=mask,
+        advantages=torch.randn(B, generator=g),
+        prompt_lengths=prompts,
+        sequence_lengths=lengths,
+        routed_experts=routes.reshape(B, T, MOE_LAYERS, TOPK).to(torch.int16) if engine_routes else None,
+        # an engine whose logprobs are near, not equal to, the trainer's: TIS weights other than 1
+        rollout_logprobs=torch.where(mask, -5.0 + 0.3 * torch.rand(B, T, generator=g), 0.0) if engine_logprobs else None,
+    )
+
+
+def _step(ctx, model_dir, rank, train, algorithm, source, engine_routes, engine_logprobs) -> dict:
+    from megatron_rl.actor import Actor
+    from megatron_rl.config import AlgorithmConfig, ModelConfig, OptimizerConfig, TrainConfig
+
+    actor = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(name="sgd", lr=0.1, clip_grad=0.0, use_distributed_optimizer=False),
+                  train=TrainConfig(old_logprobs=source, **train), algorithm=AlgorithmConfig(**algorithm))
+    try:
+        forwards = [0]
+        hooks = [chunk.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1)) for chunk in actor.model]
+        share = actor.distribute(make_batch(engine_routes, engine_logprobs) if rank == 0 else None)
+        share, prepare_metrics = actor.prepare_batch(share)
+        prepare_forwards = forwards[0]
+        for hook in hooks:
+            hook.remove()
+        metrics = actor.train_step(share)
+        weights = {name: p.detach().float().clone() for chunk in actor.model for name, p in chunk.named_parameters()}
+        return {"source": actor.old_logprobs_from, "prepare_forwards": prepare_forwards, "prepare": prepare_metrics,
+                "train": metrics, "weights": weights}
+    finally:
+        actor.close()
+
+
+def _worker(rank: int, world_size: int, model_dir: str) -> dict:
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.models import load_hf_config, model_shape
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    shape = model_shape(load_hf_config(model_dir))
+    out = {}
+    for name, (layout, train, algorithm, engine_routes, engine_logprobs) in CASES.items():
+        ctx = init_parallel(ParallelConfig(timeout_s=120, **layout), shape=shape)
+        try:
+            out[name] = {source: _step(ctx, model_dir, rank, train, algorithm, source, engine_routes, engine_logprobs)
+                         for source in ("forward", "training_forward")}
+        finally:
+            destroy_parallel(ctx, keep_world=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    model_dir = str(make_tiny_model_dir(tmp_path_factory.mktemp("old") / "moe", "qwen3_moe", seed=7, with_tokenizer=False))
+    return run_distributed(_worker, 2, model_dir, timeout=300)
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1e-12)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_training_forward_as_old_policy_gives_the_step_of_a_forward_of_its_own(ranks, name):
+    for rank, result in enumerate(ranks):
+        forward, own = result[name]["forward"], result[name]["training_forward"]
+        assert (forward["source"], own["source"]) == ("forward", "training_forward")
+        assert forward["prepare_forwards"] > 0 and own["prepare_forwards"] == 0, (rank, forward["prepare_forwards"], own["prepare_forwards"])
+        f, o = forward["train"], own["train"]
+        assert f["tokens/sum"] == o["tokens/sum"] > 0 and f["grad_norm"] > 0
+        compared = [k for k in f if k.startswith(("loss", "grad_norm", "tokens", "sequences", "ratio", "clip", "is/", "mismatch/",
+                                                  "kl", "entropy"))]
+        assert "loss/sum" in compared and "ratio/max" in compared, sorted(f)
+        if CASES[name][4]:
+            assert "is/weight" in compared and "mismatch/abs_logprob_diff" in compared, sorted(f)
+        differ = {k: (f[k], o.get(k)) for k in compared if k not in o or not _close(f[k], o[k])}
+        assert not differ, (rank, differ)
+        worst = max(float(((forward["weights"][n] - w).abs() / (w.abs() + 1e-3)).max()) for n, w in own["weights"].items())
+        assert worst <= TOLERANCE, (rank, worst)
+        if CASES[name][2]["loss"] == "gspo":
+            assert o["ratio/min"] == o["ratio/max"] == 1.0, (o["ratio/min"], o["ratio/max"])
+        if CASES[name][3]:
+            # forward measured the engine's routes in its old-policy forward, training_forward in its training forward
+            for key in ("routing/engine_vs_trainer", "routing/engine_vs_trainer_used"):
+                assert _close(forward["prepare"][key], o[key]), (key, forward["prepare"][key], o[key])
+            assert o["routing/engine_vs_trainer"] > 0
+        else:  # no engine routes: old-vs-new drift is 0 by construction and not logged
+            assert not any(k.startswith("routing/") for k in o), sorted(o)
