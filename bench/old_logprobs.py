@@ -3,10 +3,12 @@
 One Qwen3-MoE-shaped model (megatron-core, local spec, one CPU process, float32, the packing benchmark's
 shape) and one batch of long-tailed sequences, packed. Two actors built from the same weights run the
 trainer's calls on it, interleaved, REPEATS times: `Actor.distribute`, `prepare_batch`, `train_step`
-(Adam, one optimizer step per RL step). `train.old_logprobs=forward` runs the old-policy forward in
-prepare_batch; `training_forward` takes the training forward's own logprobs (the weights it runs at are
-the old policy's). Reported: the minimum over repeats of prepare_batch, train_step and their sum for each,
-the ratio of the sums, and the first repeat's loss and gradient norm of both (they train the same step).
+(Adam), with 1 and with 4 optimizer steps per RL step (the large presets' train.mini_batches_per_step).
+`train.old_logprobs=forward` runs the old-policy forward over every row in prepare_batch;
+`training_forward` takes the first mini-batch's from its training forward (the weights it runs at are
+the old policy's) and runs the forward over the other mini-batches' rows only (none with one).
+Reported: the minimum over repeats of prepare_batch, train_step and their sum for each, the ratio of
+the sums, and the first repeat's loss and gradient norm of both (they train the same step).
 
 Writes bench/results/old_logprobs.json. Run: python bench/old_logprobs.py  (under a minute).
 """
@@ -34,7 +36,7 @@ B, MAX_LEN, BUDGET, REPEATS = 32, 512, 4096, 7
 SOURCES = ("forward", "training_forward")
 
 
-def measure(model_dir: str) -> dict:
+def measure(model_dir: str, mini_batches: int) -> dict:
     from megatron_rl.actor import Actor
     from megatron_rl.config import AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
     from megatron_rl.models import load_hf_config, model_shape
@@ -46,7 +48,8 @@ def measure(model_dir: str) -> dict:
     try:
         for source in SOURCES:
             actors[source] = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(lr=1e-6),
-                                   train=TrainConfig(max_tokens_per_microbatch=BUDGET, pack_sequences=True, old_logprobs=source),
+                                   train=TrainConfig(max_tokens_per_microbatch=BUDGET, pack_sequences=True, old_logprobs=source,
+                                                     prompts_per_step=B, mini_batches_per_step=mini_batches),
                                    algorithm=AlgorithmConfig(loss="gspo"))
         for repeat in range(REPEATS + 1):  # the first is a warm-up (lazy initialisation, optimizer state): not timed
             for source, actor in actors.items():
@@ -80,11 +83,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model_dir(Path(tmp) / "moe", "qwen3_moe", seed=0, with_tokenizer=False, **MODEL))
-        result = measure(model_dir)
-    f, o = result["forward"], result["training_forward"]
-    print(f"forward: prepare {f['prepare_s']:.2f} s + train {f['train_s']:.2f} s = {f['step_s']:.2f} s; training_forward: "
-          f"prepare {o['prepare_s']:.2f} s + train {o['train_s']:.2f} s = {o['step_s']:.2f} s; "
-          f"x{result['training_forward_over_forward_step_s']:.3f} the time", flush=True)
+        result = {f"mini_batches_{m}": measure(model_dir, m) for m in (1, 4)}
+    for key, r in result.items():
+        f, o = r["forward"], r["training_forward"]
+        print(f"{key}: forward: prepare {f['prepare_s']:.2f} s + train {f['train_s']:.2f} s = {f['step_s']:.2f} s; "
+              f"training_forward: prepare {o['prepare_s']:.2f} s + train {o['train_s']:.2f} s = {o['step_s']:.2f} s; "
+              f"x{r['training_forward_over_forward_step_s']:.3f} the time", flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "what": "prepare_batch + train_step seconds with the old policy from a forward of its own vs from the training "

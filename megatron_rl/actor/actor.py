@@ -310,7 +310,8 @@ class Actor:
         return self.ctx.is_pipeline_last_stage() and self.ctx.tp_rank == 0
 
     @torch.no_grad()
-    def _forward_logprobs(self, batch: TrainBatch, *, reference_model: bool, record: bool, replay, drift_reference):
+    def _forward_logprobs(self, batch: TrainBatch, *, reference_model: bool, record: bool, replay, drift_reference,
+                          first_mini_batch: int = 0):
         """Forward-only pass over this rank's rows; (logprobs [B, T], recorded routes or None) aligned with `batch`."""
         chunks = self.reference if reference_model else self.model
         lengths = batch.lengths()
@@ -331,7 +332,7 @@ class Actor:
         for chunk in chunks:
             chunk.eval()
         logprobs = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
-        for microbatches in self._my_microbatches(batch):  # one schedule per mini-batch: shapes agree within one
+        for microbatches in self._my_microbatches(batch)[first_mini_batch:]:  # one schedule per mini-batch: shapes agree within one
             items = [self._inputs(batch, mb, lengths, with_loss_inputs=False) for mb in microbatches]
             try:
                 outputs = self._run_schedule(chunks, items, forward_step, forward_only=True)
@@ -353,7 +354,7 @@ class Actor:
         return [ctx.model_parallel_group, ctx.cp_group if ctx.cp_size > 1 else None,
                 ctx.dp_group if batch.row_ids is None and ctx.dp_size > 1 else None]
 
-    def compute_logprobs(self, batch: TrainBatch, *, record_routes: bool = False):
+    def compute_logprobs(self, batch: TrainBatch, *, record_routes: bool = False, skip_first_mini_batch: bool = False):
         """log pi_theta of every token under the current policy, no gradient ([B, T], on every rank).
 
         With algorithm.routing_replay=R3 the forward replays batch.routed_experts (so
@@ -364,7 +365,8 @@ class Actor:
         routes, per layer and overall: ``routing/engine_vs_trainer`` (fraction of
         tokens whose top-k set from the trainer's own router differs from the
         engine's) and ``routing/engine_vs_trainer_used`` (the same for the experts
-        the forward used: 0 under R3 replay).
+        the forward used: 0 under R3 replay). skip_first_mini_batch: the rows of the step's first mini-batch
+        are not computed (0, no routes): its training forward supplies them (train.old_logprobs).
         """
         self.validate(batch)
         replay = batch.routed_experts if self.algorithm.routing_replay == "R3" else None
@@ -372,7 +374,8 @@ class Actor:
             self._replay_source(batch)  # raises with the fix
         drift_reference = batch.routed_experts if record_routes else None
         logprobs, routes = self._forward_logprobs(
-            batch, reference_model=False, record=record_routes and replay is None, replay=replay, drift_reference=drift_reference
+            batch, reference_model=False, record=record_routes and replay is None, replay=replay, drift_reference=drift_reference,
+            first_mini_batch=1 if skip_first_mini_batch else 0,
         )
         self._check_model_output(batch, logprobs, "policy")
         if not record_routes:
@@ -401,8 +404,10 @@ class Actor:
         """Fill old_logprobs (+ old_routed_experts under R2, + ref_logprobs when beta > 0); returns (batch, metrics).
 
         With algorithm.bypass_mode the engine's logprobs are the old policy and no forward runs for it. Where the
-        training forward is the old policy (`old_logprobs_from` "training_forward", train.old_logprobs) no forward
-        runs either: old_logprobs stay None and train_step takes its own forward's, detached.
+        first mini-batch's training forward is the old policy (`old_logprobs_from` "training_forward",
+        train.old_logprobs) the forward covers only the other mini-batches' rows (the first's old_logprobs
+        are left 0: train_step takes its own forward's, detached), and none runs with one mini-batch
+        (old_logprobs stay None).
         """
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
@@ -414,8 +419,10 @@ class Actor:
                 batch = batch.replace(ref_logprobs=self.compute_ref_logprobs(batch))
             metrics["time/old_logprobs_s"] = time.perf_counter() - t0
             return batch, metrics
-        if self.old_logprobs_from == "training_forward":
+        own_first = self.old_logprobs_from == "training_forward"
+        if own_first and self.train_cfg.mini_batches_per_step == 1:
             self.validate(batch)
+            batch = batch.replace(old_logprobs=None, old_routed_experts=None, old_logprobs_first_from_training=True)
             if self.reference is not None:
                 batch = batch.replace(ref_logprobs=self.compute_ref_logprobs(batch))
             metrics["time/old_logprobs_s"] = time.perf_counter() - t0
@@ -423,12 +430,13 @@ class Actor:
         record = self.routing.num_moe_layers > 0 and (
             self.algorithm.routing_replay == "R2" or self.train_cfg.routing_drift_metrics or batch.routed_experts is not None
         )
-        result = self.compute_logprobs(batch, record_routes=record)
+        result = self.compute_logprobs(batch, record_routes=record, skip_first_mini_batch=own_first)
         if record:
             batch = batch.replace(old_logprobs=result.logprobs, old_routed_experts=result.routed_experts)
             metrics.update(result.metrics)
         else:
             batch = batch.replace(old_logprobs=result)
+        batch = batch.replace(old_logprobs_first_from_training=own_first)
         if self.reference is not None:
             batch = batch.replace(ref_logprobs=self.compute_ref_logprobs(batch))
         metrics["time/old_logprobs_s"] = time.perf_counter() - t0
@@ -452,18 +460,26 @@ class Actor:
         more than `max_staleness` versions old, which leave the loss and its denominators.
         """
         t0 = time.perf_counter()
-        own_old = batch.old_logprobs is None and self.old_logprobs_from == "training_forward"
-        if batch.old_logprobs is None and not own_old:
+        own_first = batch.old_logprobs_first_from_training  # the first mini-batch's old logprobs: its own (prepare_batch)
+        if own_first and self.old_logprobs_from != "training_forward":
+            raise BatchError(f"the batch leaves the first mini-batch's old logprobs to its training forward, which this actor's "
+                             f"settings do not allow ({self.old_logprobs_why}): prepare the batch with this actor")
+        if batch.old_logprobs is None and not (own_first and self.train_cfg.mini_batches_per_step == 1):
             raise BatchError("batch.old_logprobs is missing: compute them with actor.compute_logprobs(batch) (actor.prepare_batch)")
         if self.algorithm.beta > 0 and batch.ref_logprobs is None:
             raise BatchError(f"algorithm.beta={self.algorithm.beta} needs batch.ref_logprobs: use actor.prepare_batch(batch)")
         lengths = self.validate(batch)
-        # the training forward at the old policy's weights routes as the old policy did: R2 has nothing to replay
-        replay = None if own_old and self.algorithm.routing_replay == "R2" else self._replay_source(batch)
+        r2_own = own_first and self.algorithm.routing_replay == "R2" and batch.old_routed_experts is None
+        replay = None if r2_own else self._replay_source(batch)
         drift_reference = batch.old_routed_experts if batch.old_routed_experts is not None else batch.routed_experts
         loss_metrics, step_metrics = [], {"grad_norm": [], "lr": [], "microbatches": []}
-        for microbatches in self._my_microbatches(batch):
-            metrics, grad_norm = self._optimizer_step(batch, lengths, microbatches, replay, drift_reference, own_old)
+        for index, microbatches in enumerate(self._my_microbatches(batch)):
+            own = own_first and index == 0
+            # the training forward at the old policy's weights routes as the old policy did: nothing to replay under
+            # R2, and no drift from the old routes (none were recorded for these rows)
+            mb_replay = None if own and self.algorithm.routing_replay == "R2" else replay
+            mb_reference = None if own and batch.old_routed_experts is not None else drift_reference
+            metrics, grad_norm = self._optimizer_step(batch, lengths, microbatches, mb_replay, mb_reference, own)
             loss_metrics.append(metrics)
             step_metrics["grad_norm"].append(grad_norm)
             step_metrics["lr"].append(self.optimizer.param_groups[0]["lr"])
@@ -487,6 +503,9 @@ class Actor:
 
         ctx = self.ctx
         items = [self._inputs(batch, mb, lengths, with_loss_inputs=True) for mb in microbatches]
+        if own_old:  # the old policy is this forward's own (policy_loss): the batch holds none for these rows
+            for item in items:
+                item.old_logprobs = None
         # The step's global counts: one all-reduce over DP x CP, before the first microbatch.
         algo = self.algorithm
         # Whole rows' masks (under CP every CP rank holds the same rows), summed over DP: each sequence once.

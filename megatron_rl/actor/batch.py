@@ -47,6 +47,10 @@ class TrainBatch:
     """[B] int64: real tokens (prompt + response) of each row; None = derived from the masks."""
     old_logprobs: torch.Tensor | None = None
     """[B, T] float32: log pi_old of each token (from `Actor.compute_logprobs`); needed by train_step."""
+    old_logprobs_first_from_training: bool = False
+    """Set by `Actor.prepare_batch` (train.old_logprobs): the rows of the step's first mini-batch have no
+    old_logprobs of their own (0); that mini-batch's training forward gives them. With one mini-batch
+    old_logprobs is then None."""
     rollout_logprobs: torch.Tensor | None = None
     """[B, T] float32: the rollout engine's logprob of each response token (TIS, mismatch metrics)."""
     ref_logprobs: torch.Tensor | None = None

@@ -212,16 +212,18 @@ class TrainConfig:
     context parallelism. False: right-padded rows."""
     old_logprobs: Literal["auto", "forward", "training_forward"] = "auto"
     """Where the PPO ratio's old-policy logprobs come from. forward: a forward-only pass over the step's rows
-    before training (actor.prepare_batch). training_forward: the training forward's own, detached: with one
-    optimizer step per RL step its weights are the old policy's, so the ratio is exactly 1 with the same
-    gradient, and the extra forward (about a third of the actor's FLOPs per step) is not run. Needs
-    mini_batches_per_step=1 and an algorithm.tis_mode that drops no token (none, token, sequence); under
-    routing_replay=R2 the training forward's own routes are the old policy's. auto: training_forward where it
-    applies, else forward (algorithm.bypass_mode takes the engine's logprobs: neither runs)."""
+    before training (actor.prepare_batch). training_forward: the first mini-batch's optimizer step runs at the
+    old policy's weights, so its training forward's own logprobs, detached, are its old logprobs (the ratio
+    exactly 1, the same gradient); the forward-only pass covers only the other mini-batches' rows, and with
+    mini_batches_per_step=1 it does not run (a third of the actor's FLOPs per step). Needs an
+    algorithm.tis_mode that drops no token (none, token, sequence); under routing_replay=R2 the first
+    mini-batch's own routes are the old policy's. auto: training_forward where it applies, else forward
+    (algorithm.bypass_mode takes the engine's logprobs: neither runs)."""
     routing_drift_metrics: bool = True
     """MoE: record the old-policy forward's experts even without routing replay, so that train_step logs
-    routing/drift per layer (costs one all-reduce of B x T x MoE-layers x top-k bytes per RL step). When the
-    training forward is the old policy (train.old_logprobs) that drift is 0 by construction and not logged."""
+    routing/drift per layer (costs one all-reduce of B x T x MoE-layers x top-k bytes per RL step). Where the
+    first mini-batch's training forward is the old policy (train.old_logprobs) its drift is 0 by construction:
+    routing/drift is then over the later mini-batches (not logged with one mini-batch)."""
     compute_entropy: bool = True
     """Compute the policy's entropy at each response token in the training forward (logged as `entropy`;
     always computed, with gradient, when algorithm.entropy_coeff > 0)."""
@@ -430,9 +432,6 @@ def old_logprobs_source(train: TrainConfig, algorithm: AlgorithmConfig) -> tuple
     if train.old_logprobs == "forward" and not algorithm.bypass_mode:
         return "forward", "train.old_logprobs=forward"
     blockers = ["algorithm.bypass_mode takes the engine's logprobs as the old policy"] if algorithm.bypass_mode else []
-    if train.mini_batches_per_step != 1:
-        blockers.append(f"train.mini_batches_per_step={train.mini_batches_per_step} makes optimizer steps after the first "
-                        "train at weights that are no longer the old policy")
     if algorithm.tis_mode not in ("none", *TRUNCATING_IS_CORRECTIONS):
         blockers.append(f"algorithm.tis_mode={algorithm.tis_mode} drops tokens by the old logprobs, which sets the step's "
                         "denominators before any training forward")
@@ -443,7 +442,10 @@ def old_logprobs_source(train: TrainConfig, algorithm: AlgorithmConfig) -> tuple
         return "rollout", blockers[0]
     if blockers:
         return "forward", "; ".join(blockers)
-    return "training_forward", "one optimizer step per RL step: the training forward runs at the old policy's weights"
+    if train.mini_batches_per_step == 1:
+        return "training_forward", "one optimizer step per RL step: the training forward runs at the old policy's weights"
+    return "training_forward", (f"the first of {train.mini_batches_per_step} mini-batches trains at the old policy's weights: "
+                                "a forward of their own for the other mini-batches' rows only")
 
 
 @dataclass(kw_only=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tests.distributed.harness import run_distributed
@@ -72,6 +74,9 @@ def _errors(rank: int, world_size: int, model_dir: str) -> dict:
         own = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(lr=0.1), train=TrainConfig(),
                     algorithm=AlgorithmConfig(loss="gspo"))
         messages["own_source"] = own.old_logprobs_from
+        # old logprobs the caller gives are used as given (here 0.05 nats below the policy: GSPO's ratio e^0.05)
+        given = own.train_step(batch.replace(old_logprobs=own.compute_logprobs(batch) - 0.05 * batch.response_mask))
+        messages["own_given_ratio"] = (given["ratio/min"], given["ratio/max"])
         norm = own.model[0].module.decoder.final_layernorm.weight
         with torch.no_grad():
             norm[0] = float("nan")
@@ -116,6 +121,7 @@ def test_bad_batches_are_refused_with_the_sample_and_the_fix(tmp_path):
     assert "bypass_mode needs batch.rollout_logprobs" in m["bypass_without_rollout"], m["bypass_without_rollout"]
     assert m["bypass_old_is_engine"] and m["bypass_trains"] == int(_batch().response_mask.sum())
     assert m["own_source"] == "training_forward" and m["own_prepared_old"] is None
+    assert all(abs(r - math.exp(0.05)) < 1e-5 for r in m["own_given_ratio"]), m["own_given_ratio"]
     # every response token of the batch (4 rows: 12 + 8 + 5 + 10) is NaN; the message says where it came from and the fix
     assert "policy logprobs: 35 non-finite response token(s)" in m["nan_own"] and "lower the lr" in m["nan_own"], m["nan_own"]
     assert "did not step" in m["nan_own"] and m["own_unchanged"] and m["own_norm_kept"]

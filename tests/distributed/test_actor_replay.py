@@ -51,8 +51,10 @@ WORLD4 = {
     "TP2xPP2xEP2": {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2},
     "TP2xPP2xEP2/packed": {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2},
 }
-PADDED = {"micro_batch_size": 2, "mini_batches_per_step": 2}
-PACKED = {"pack_sequences": True, "max_tokens_per_microbatch": 48, "mini_batches_per_step": 2}
+# old_logprobs=forward: the old-policy forward records every row's routes (the subject here); the first mini-batch
+# taking its own (train.old_logprobs=auto) is tests/distributed/test_old_logprobs.py's
+PADDED = {"micro_batch_size": 2, "mini_batches_per_step": 2, "old_logprobs": "forward"}
+PACKED = {"pack_sequences": True, "max_tokens_per_microbatch": 48, "mini_batches_per_step": 2, "old_logprobs": "forward"}
 
 # DeepSeek-V3 with two dense layers first: MoE layer l of the routes is decoder layer l + 2.
 DENSE_FIRST_WORLD1 = {"single": {}}

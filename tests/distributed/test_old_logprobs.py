@@ -5,12 +5,15 @@ logprobs, detached, are the old logprobs. Per layout (two real ranks over gloo, 
 distribute, prepare_batch, train_step), two actors from the same weights train the same batch:
 `forward` (a forward of its own in prepare_batch) and `training_forward`. What is checked:
 
-- training_forward ran no forward in prepare_batch (forward hooks on the policy's chunks), forward did;
+- with one mini-batch, training_forward ran no forward in prepare_batch (forward hooks on the policy's chunks),
+  forward did; with two, training_forward's forward ran over the second mini-batch's microbatches only;
 - every loss metric, the gradient norm and every weight after the step (SGD: the update is the gradient)
   equal forward's within 1e-6 relative, for GSPO on PP2 (with R2, whose replay of the recorded routes must
   equal the training forward's own routes, and with R3's engine routes), DAPO with token TIS against engine
   logprobs on EP2 (DP2) packed, and GSPO on CP2 packed;
 - the ratio is exactly 1 where the training forward is the old policy (GSPO's sequence ratio: exp(0));
+- routing/drift: 0 under R2 (the second mini-batch replays what its forward recorded), else over the second
+  mini-batch only (the first's is 0 by construction);
 - the engine-vs-trainer routing metrics, measured in the training forward, equal those of forward's
   old-policy forward (the same weights and routers).
 """
@@ -31,6 +34,12 @@ CASES = {
     "PP2/gspo/R3": ({"pipeline_parallel": 2}, {"micro_batch_size": 2}, {"loss": "gspo", "routing_replay": "R3"}, True, False),
     "EP2/dapo/tis/packed": ({"expert_parallel": 2}, PACKED, {"loss": "dapo", "tis_mode": "token"}, True, True),
     "CP2/gspo/packed": ({"context_parallel": 2}, PACKED, {"loss": "gspo"}, False, False),
+    # two optimizer steps: the first mini-batch's old logprobs from its training forward, the second's from a forward
+    # over its rows only (R2: the second replays the routes that forward recorded)
+    "PP2/gspo/R2/2 mini-batches": ({"pipeline_parallel": 2}, {"micro_batch_size": 2, "mini_batches_per_step": 2},
+                                   {"loss": "gspo", "routing_replay": "R2"}, False, False),
+    "DP2/dapo/tis/2 mini-batches": ({}, {"micro_batch_size": 2, "mini_batches_per_step": 2},
+                                    {"loss": "dapo", "tis_mode": "token"}, False, True),
 }
 TOLERANCE = 1e-6
 
@@ -70,9 +79,11 @@ def _step(ctx, model_dir, rank, train, algorithm, source, engine_routes, engine_
         prepare_forwards = forwards[0]
         for hook in hooks:
             hook.remove()
+        first = len(actor._my_microbatches(share)[0])
         metrics = actor.train_step(share)
         weights = {name: p.detach().float().clone() for chunk in actor.model for name, p in chunk.named_parameters()}
         return {"source": actor.old_logprobs_from, "prepare_forwards": prepare_forwards, "prepare": prepare_metrics,
+                "first_mini_batch_microbatches": first,
                 "train": metrics, "weights": weights}
     finally:
         actor.close()
@@ -112,7 +123,12 @@ def test_the_training_forward_as_old_policy_gives_the_step_of_a_forward_of_its_o
     for rank, result in enumerate(ranks):
         forward, own = result[name]["forward"], result[name]["training_forward"]
         assert (forward["source"], own["source"]) == ("forward", "training_forward")
-        assert forward["prepare_forwards"] > 0 and own["prepare_forwards"] == 0, (rank, forward["prepare_forwards"], own["prepare_forwards"])
+        mini_batches = CASES[name][1].get("mini_batches_per_step", 1)
+        if mini_batches == 1:
+            assert forward["prepare_forwards"] > 0 and own["prepare_forwards"] == 0, (rank, forward["prepare_forwards"], own["prepare_forwards"])
+        else:  # each mini-batch's forward calls: its microbatches (x PP stages' chunks on this rank: one)
+            assert own["prepare_forwards"] == forward["prepare_forwards"] - own["first_mini_batch_microbatches"] > 0, (
+                rank, forward["prepare_forwards"], own["prepare_forwards"], own["first_mini_batch_microbatches"])
         f, o = forward["train"], own["train"]
         assert f["tokens/sum"] == o["tokens/sum"] > 0 and f["grad_norm"] > 0
         compared = [k for k in f if k.startswith(("loss", "grad_norm", "tokens", "sequences", "ratio", "clip", "is/", "mismatch/",
@@ -124,12 +140,16 @@ def test_the_training_forward_as_old_policy_gives_the_step_of_a_forward_of_its_o
         assert not differ, (rank, differ)
         worst = max(float(((forward["weights"][n] - w).abs() / (w.abs() + 1e-3)).max()) for n, w in own["weights"].items())
         assert worst <= TOLERANCE, (rank, worst)
-        if CASES[name][2]["loss"] == "gspo":
+        if CASES[name][2]["loss"] == "gspo" and mini_batches == 1:
             assert o["ratio/min"] == o["ratio/max"] == 1.0, (o["ratio/min"], o["ratio/max"])
         if CASES[name][3]:
             # forward measured the engine's routes in its old-policy forward, training_forward in its training forward
             for key in ("routing/engine_vs_trainer", "routing/engine_vs_trainer_used"):
                 assert _close(forward["prepare"][key], o[key]), (key, forward["prepare"][key], o[key])
             assert o["routing/engine_vs_trainer"] > 0
-        else:  # no engine routes: old-vs-new drift is 0 by construction and not logged
+        elif mini_batches == 1:  # no engine routes: old-vs-new drift is 0 by construction and not logged
             assert not any(k.startswith("routing/") for k in o), sorted(o)
+        elif CASES[name][2].get("routing_replay") == "R2":  # the second mini-batch replays the routes its forward recorded
+            assert o["routing/drift"] == f["routing/drift"] == 0.0
+        else:  # over the second mini-batch only (the first's, 0 by construction, is in forward's mean)
+            assert o["routing/drift"] >= f["routing/drift"] > 0

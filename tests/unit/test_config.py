@@ -142,22 +142,20 @@ def test_old_logprobs_come_from_the_training_forward_only_where_it_is_the_old_po
         cfg = from_dict(RLConfig, {"train": train or {}, "algorithm": algorithm or {}})
         return old_logprobs_source(cfg.train, cfg.algorithm)[0]
 
-    # one optimizer step per RL step: the training forward runs at the old policy's weights (also asynchronously,
-    # with the truncated token correction asynchronous training needs, and under R2 / R3)
+    # the first optimizer step of an RL step runs at the old policy's weights (also asynchronously, with the
+    # truncated token correction asynchronous training needs, under R2 / R3, and with more mini-batches)
     assert source() == "training_forward"
+    assert source({"prompts_per_step": 8, "mini_batches_per_step": 2}) == "training_forward"
     assert source({"max_staleness": 1}, {"tis_mode": "token"}) == "training_forward"
     assert source({}, {"tis_mode": "sequence", "routing_replay": "R2"}) == "training_forward"
     assert source({"old_logprobs": "training_forward"}, {"routing_replay": "R3"}) == "training_forward"
-    # a forward of its own: asked for, a second optimizer step, or a correction that drops tokens by the old logprobs
+    # a forward of its own: asked for, or a correction that drops tokens by the old logprobs
     assert source({"old_logprobs": "forward"}) == "forward"
-    assert source({"prompts_per_step": 8, "mini_batches_per_step": 2}) == "forward"
     for mode in ("icepop", "token_mask", "sequence_mask", "sequence_mask_tis"):
         assert source({}, {"loss": "dapo", "tis_mode": mode}) == "forward", mode
     # bypass mode: the engine's logprobs, whatever train.old_logprobs says (but training_forward is refused)
     assert source({"old_logprobs": "forward"}, {"bypass_mode": True}) == "rollout"
     assert source({}, {"bypass_mode": True}) == "rollout"
-    with pytest.raises(ConfigError, match=r"train.old_logprobs=training_forward cannot apply: train.mini_batches_per_step=2"):
-        source({"old_logprobs": "training_forward", "prompts_per_step": 8, "mini_batches_per_step": 2})
     with pytest.raises(ConfigError, match=r"algorithm.tis_mode=icepop drops tokens .* set train.old_logprobs=auto"):
         source({"old_logprobs": "training_forward"}, {"loss": "dapo", "tis_mode": "icepop"})
     with pytest.raises(ConfigError, match="bypass_mode takes the engine's logprobs"):
