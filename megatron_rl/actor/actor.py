@@ -2,8 +2,8 @@
 
     actor = Actor.from_config(cfg, ctx)               # model (+ frozen reference when beta > 0), optimizer, LR schedule
     batch = actor.distribute(train_batch_from_rollouts(padded, advantages) if rank == 0 else None)
-    batch, metrics = actor.prepare_batch(batch)       # old logprobs (+ R2 routes, + reference logprobs); with one
-                                                      # optimizer step per RL step none: the training forward's own
+    batch, metrics = actor.prepare_batch(batch)       # old logprobs (+ R2 routes, + reference logprobs), but the
+                                                      # first mini-batch's: its training forward's own
     metrics |= actor.train_step(batch)                # mini-batches x microbatches -> optimizer steps
     for bucket in actor.export_hf_weights(512 << 20): # weight sync, HF names
         ...
@@ -21,10 +21,11 @@ train_step, per mini-batch (one optimizer step):
      finalize_model_grads reduces gradients over DP;
   4. LR schedule step, optimizer step (gradient clipping inside), metrics.
 
-The old policy: with one optimizer step per RL step (train.old_logprobs, config.schema.old_logprobs_source)
-the training forward runs at the old policy's weights, so its own logprobs, detached, are the old logprobs
-(the ratio is exactly 1, the gradient the same) and prepare_batch runs no forward for them: one forward
-of three per step. Their finiteness is checked after the backward and before the optimizer steps.
+The old policy (train.old_logprobs, config.schema.old_logprobs_source): the first mini-batch's optimizer
+step runs at the old policy's weights, so its training forward's own logprobs, detached, are its old
+logprobs (the ratio exactly 1, the gradient the same) and prepare_batch's forward covers only the other
+mini-batches' rows: with one mini-batch, one forward of three per step is not run. Their finiteness is
+checked after the backward and before the optimizer steps.
 
 Data: rank 0 holds the step's batch; `actor.distribute` gives every rank only
 its DP rank's rows (actor.distribute), and logprobs come back as that share's
