@@ -385,7 +385,7 @@ class Actor:
         if self.routing.num_moe_layers:
             metrics = self.routing.take_drift_metrics("routing/engine_vs_trainer_used", own_prefix="routing/engine_vs_trainer")
         if routes is None and replay is not None:
-            routes = replay.to(torch.int16)
+            routes = replay  # the engine's, as they came (int8 / int16): no copy
         return LogprobsWithRoutes(logprobs, routes, metrics)
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -61,7 +61,7 @@ class TrainBatch:
     policy_version: int | None = None
     """The weight version of the policy this step trains (the trainer's weights when the step starts)."""
     routed_experts: torch.Tensor | None = None
-    """[B, T, L, K] int16: the engine's top-k experts of each token per MoE layer (R3 source);
+    """[B, T, L, K] int8 / int16: the engine's top-k experts of each token per MoE layer (R3 source);
     L = MoE layers in model order, K = experts per token; -1 where not captured (padding)."""
     old_routed_experts: "torch.Tensor | RankRoutes | None" = None
     """The trainer's own top-k experts in the old-policy forward (R2 source), from
@@ -252,7 +252,7 @@ def check_routes(
             hint = ": the routes are not aligned with `tokens` (pad them to the batch's [B, T] as PaddedRollouts does)"
         raise BatchError(f"batch.{name} has shape {got}, expected [B, T, L, K] = {list(expected)}{hint}")
     if routes.dtype.is_floating_point or routes.dtype == torch.bool:
-        raise BatchError(f"batch.{name} must hold integer expert ids (int16), got {routes.dtype}")
+        raise BatchError(f"batch.{name} must hold integer expert ids (int8 / int16), got {routes.dtype}")
     real = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1))  # [B, T]
     out_of_range = (routes >= num_experts) | (routes < -1)
     missing = (routes == -1) & real[:, :, None, None] if complete else torch.zeros_like(out_of_range)

@@ -31,7 +31,7 @@ class RolloutSample:
     """One sampled response to one prompt.
 
     Routed experts (MoE, when asked for): `routed_experts[t, l, k]` is the k-th
-    expert MoE layer l sent one token to, int16. Row t is the token at sequence
+    expert MoE layer l sent one token to, int8 when every id is below 128, else int16 (-1: no route). Row t is the token at sequence
     position t (prompt positions 0..P-1, then the response) when
     `routed_experts_include_prompt`, else response token t (position P + t).
     The rows are the routing computed when that token was the model's INPUT,
@@ -60,7 +60,7 @@ class RolloutSample:
     weight_version: int
     """Version of the weights that generated it (the version of the last push; 0 = the model directory's)."""
     routed_experts: torch.Tensor | None = None
-    """[R, L, K] or [P + R, L, K] int16, or None when not asked for (see the class docstring)."""
+    """[R, L, K] or [P + R, L, K] int8 / int16, or None when not asked for (see the class docstring)."""
     routed_experts_include_prompt: bool = False
     """Whether routed_experts rows start at the prompt (True) or at the response (False)."""
     token_versions: torch.Tensor | None = None
@@ -108,7 +108,8 @@ class PaddedRollouts:
     response_lengths: torch.Tensor
     """[B] int64."""
     routed_experts: torch.Tensor | None
-    """[B, T, L, K] int16 aligned with `tokens`; -1 on padding (and on prompt positions when they were not captured)."""
+    """[B, T, L, K] int8 (every expert id below 128) or int16 aligned with `tokens`; -1 on padding (and on prompt
+    positions when they were not captured)."""
     weight_version: int
     """Weight version of the rollouts."""
     token_versions: torch.Tensor | None = None
@@ -156,8 +157,9 @@ class Rollouts:
         versions = torch.full((batch, total), -1, dtype=torch.int64)
         routes = None
         first = self.samples[0].routed_experts
-        if first is not None:
-            routes = torch.full((batch, total, first.shape[1], first.shape[2]), -1, dtype=torch.int16)
+        if first is not None:  # the widest of the samples' types (rollout.routing.compact_routes: int8 or int16)
+            wide = any(s.routed_experts is not None and s.routed_experts.dtype != torch.int8 for s in self.samples)
+            routes = torch.full((batch, total, first.shape[1], first.shape[2]), -1, dtype=torch.int16 if wide else torch.int8)
         for b, s in enumerate(self.samples):
             p, r = s.prompt_length, s.response_length
             tokens[b, : p + r] = s.token_ids

@@ -59,7 +59,7 @@ def make_batch(engine_routes: bool, engine_logprobs: bool):
         advantages=torch.randn(B, generator=g),
         prompt_lengths=prompts,
         sequence_lengths=lengths,
-        routed_experts=routes.reshape(B, T, MOE_LAYERS, TOPK).to(torch.int16) if engine_routes else None,
+        routed_experts=routes.reshape(B, T, MOE_LAYERS, TOPK).to(torch.int8) if engine_routes else None,  # as compact_routes makes them
         # an engine whose logprobs are near, not equal to, the trainer's: TIS weights other than 1
         rollout_logprobs=torch.where(mask, -5.0 + 0.3 * torch.rand(B, T, generator=g), 0.0) if engine_logprobs else None,
     )

@@ -196,7 +196,7 @@ def test_routed_experts_equal_hf_router(moe_engine, models, weights):
     checked = 0
     for s in rollouts.samples:
         total = s.prompt_length + s.response_length
-        assert s.routed_experts.shape == (total, layers, top_k) and s.routed_experts.dtype == torch.int16
+        assert s.routed_experts.shape == (total, layers, top_k) and s.routed_experts.dtype == torch.int8  # 8 experts: one byte per id
         assert s.routed_experts_include_prompt
         ids, margin = hf_router_topk(models[weights], s.token_ids, top_k)
         engine_ids = s.routed_experts.long().sort(dim=-1).values

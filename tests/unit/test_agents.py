@@ -254,7 +254,7 @@ def test_episode_routes_take_each_position_from_its_first_request():
     rows = episode_routes(tokens, episode.requests, index, layers=1, top_k=2, where="e")
     # 0-4 from request 0; 5 (turn 1's last token), 6-7 (observation), 8 from request 1; 9 (never an input) copies 8
     expected = [[p, 10] for p in range(5)] + [[p, 20] for p in range(5, 9)] + [[8, 20]]
-    assert rows.dtype == torch.int16 and rows[:, 0, :].tolist() == expected
+    assert rows.dtype == torch.int8 and rows[:, 0, :].tolist() == expected  # ids below 128: one byte each
 
     # request 0's capture lost (an engine restart): request 1's prefill covers its positions
     rows = episode_routes(tokens, episode.requests, CaptureIndex([request1]), layers=1, top_k=2, where="e")

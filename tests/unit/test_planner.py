@@ -276,6 +276,11 @@ def test_batch_share_is_this_dp_ranks_rows_with_their_routes():
     assert mem.batch_share == 128 * 33792 * 4 + 128 * 33792 / 8 * (8 + 48 * 8)
     halved = stage_memory(spec, cfg, world=64, microbatches=32, stage=0)  # DP 8: half the rows
     assert halved.batch_share == pytest.approx(mem.batch_share / 2)
+    # R3: the engine's routes of every token travel with the rows, 48 layers x top-8 ids of one byte (128 experts:
+    # int8, rollout.routing.compact_routes); nothing recorded
+    r3 = load_config(RLConfig, CONFIGS / "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml",
+                     ["algorithm.routing_replay=R3", "rollout.return_routed_experts=true", "rollout.routed_experts_include_prompt=true"])
+    assert stage_memory(spec, r3, world=32, microbatches=32, stage=0).batch_share == 128 * 33792 * (4 + 48 * 8 * 1)
 
 
 def test_dedicated_rollout_gpus_shrink_the_trainer_and_free_its_memory():

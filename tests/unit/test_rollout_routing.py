@@ -41,8 +41,8 @@ def test_rows_align_with_input_positions_and_last_row_copies():
     prompt, response = [1, 5, 6], [7, 8, 9, 2]
     capture = _capture(prompt, response, range(6))  # positions 0..5: the last token (position 6) is never an input
     full = assemble_routes(capture, prompt, response, include_prompt=True, where="s")
-    assert full.shape == (7, L, K) and full.dtype == torch.int16
-    assert torch.equal(full[:6], torch.from_numpy(_routes_for(range(6))))
+    assert full.shape == (7, L, K) and full.dtype == torch.int8  # every id below 128: one byte each (compact_routes)
+    assert torch.equal(full[:6], torch.from_numpy(_routes_for(range(6))).to(torch.int8))
     assert torch.equal(full[6], full[5])
     resp = assemble_routes(capture, prompt, response, include_prompt=False, where="s")
     assert torch.equal(resp, full[3:])
@@ -92,3 +92,29 @@ def test_encode_decode_round_trip():
             assert np.array_equal(want.positions, got.positions) and np.array_equal(want.routes, got.routes)
             assert np.array_equal(want.token_ids, got.token_ids)
     assert decode_captures(encode_captures([])) == []
+
+
+def test_routes_take_one_byte_each_up_to_expert_127_and_two_above():
+    from megatron_rl.data.batch import RolloutSample, Rollouts
+
+    prompt, response = [1, 5, 6], [7, 8, 9, 2]
+    capture = _capture(prompt, response, range(6))
+    capture.routes[2, 0, 1] = 127  # the largest id int8 holds
+    narrow = assemble_routes(capture, prompt, response, include_prompt=True, where="s")
+    assert narrow.dtype == torch.int8 and int(narrow[2, 0, 1]) == 127
+    capture.routes[2, 0, 1] = 200  # a model of more than 128 experts (DeepSeek-V3's 256)
+    wide = assemble_routes(capture, prompt, response, include_prompt=True, where="s")
+    assert wide.dtype == torch.int16 and int(wide[2, 0, 1]) == 200
+    assert torch.equal(wide.to(torch.int64)[:2], narrow.to(torch.int64)[:2])  # the same ids, -1 alike
+
+    def sample(routes):
+        return RolloutSample(prompt_index=0, sample_index=0, prompt_token_ids=torch.tensor(prompt),
+                             response_token_ids=torch.tensor(response), rollout_logprobs=torch.zeros(4), finish_reason="stop",
+                             stop_reason=None, weight_version=0, routed_experts=routes, routed_experts_include_prompt=True)
+
+    # a step's padded routes take the widest of its samples' types; -1 pads
+    padded = Rollouts([sample(narrow), sample(wide)], n_samples=2, weight_version=0).to_padded()
+    assert padded.routed_experts.dtype == torch.int16 and torch.equal(padded.routed_experts[1], wide)
+    assert torch.equal(padded.routed_experts[0], narrow.to(torch.int16))
+    only_narrow = Rollouts([sample(narrow), sample(narrow)], n_samples=2, weight_version=0).to_padded()
+    assert only_narrow.routed_experts.dtype == torch.int8

@@ -43,7 +43,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from megatron_rl.rollout.routing import CaptureIndex, RequestCapture, RoutedExpertsError
+from megatron_rl.rollout.routing import CaptureIndex, RequestCapture, RoutedExpertsError, compact_routes
 
 
 def episode_routes(
@@ -56,7 +56,7 @@ def episode_routes(
     where: str,
     allow_missing: bool = False,
 ) -> torch.Tensor:
-    """[T, L, K] int16 routes of one episode's T tokens (see the module docstring).
+    """[T, L, K] routes of one episode's T tokens, int8 or int16 (rollout.routing.compact_routes; see the module docstring).
 
     requests: (L_k input tokens, n_k sampled tokens) of every engine request, in order.
     allow_missing: positions no capture covers get experts 0..K-1 instead of an error (a failed episode: out of
@@ -84,7 +84,7 @@ def episode_routes(
             "rollout.return_routed_experts=true (no prefix caching) for the whole batch of episodes"
         )
     rows[missing] = np.arange(top_k, dtype=np.int16)[None, :]
-    return torch.from_numpy(rows)
+    return compact_routes(rows)
 
 
 def _capture_rows(capture: RequestCapture, length: int, layers: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
