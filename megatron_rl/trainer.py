@@ -164,9 +164,6 @@ class Trainer:
         resume = self._resume_point()
         # a resume overwrites every weight the policy has: its HF weights are not read (the reference model's are)
         self.actor = Actor.from_config(cfg, ctx, load_weights=resume is None)
-        if ctx.rank == 0:
-            where = {"training_forward": "the training forward", "forward": "a forward of their own", "rollout": "the engine"}
-            logger.info("old-policy logprobs from %s: %s", where[self.actor.old_logprobs_from], self.actor.old_logprobs_why)
         from megatron_rl.parallel.watch import PhaseWatch, StopSignals
 
         self._watch = PhaseWatch(ctx.rank, ctx.world_size, cfg.parallel.timeout_s)

@@ -79,6 +79,7 @@ from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import ModelConfig, OptimizerConfig, TrainConfig, old_logprobs_source
 from megatron_rl.heap import collect_after_close
 from megatron_rl.models import build_model, export_hf_weights, load_hf_config, parse_hf_config, resolve_dtype
+from megatron_rl.models.build import announce
 
 
 class LogprobsWithRoutes(NamedTuple):
@@ -128,6 +129,7 @@ class Actor:
         algorithm.validate()
         self.old_logprobs_from, self.old_logprobs_why = old_logprobs_source(train, algorithm)
         """"training_forward", "forward" or "rollout" (config.schema.old_logprobs_source), and why."""
+        announce(f"old-policy logprobs: {self.old_logprobs_why}")
         self.ctx, self.model_cfg, self.optimizer_cfg, self.train_cfg, self.algorithm = ctx, model, optimizer, train, algorithm
         self.hf_config = hf_config if hf_config is not None else load_hf_config(model.path)
         self.arch = parse_hf_config(self.hf_config)
@@ -463,8 +465,8 @@ class Actor:
         t0 = time.perf_counter()
         own_first = batch.old_logprobs_first_from_training  # the first mini-batch's old logprobs: its own (prepare_batch)
         if own_first and self.old_logprobs_from != "training_forward":
-            raise BatchError(f"the batch leaves the first mini-batch's old logprobs to its training forward, which this actor's "
-                             f"settings do not allow ({self.old_logprobs_why}): prepare the batch with this actor")
+            raise BatchError(f"the batch leaves the first mini-batch's old logprobs to its training forward, but this actor takes "
+                             f"them from {self.old_logprobs_why}: prepare the batch with this actor")
         if batch.old_logprobs is None and not (own_first and self.train_cfg.mini_batches_per_step == 1):
             raise BatchError("batch.old_logprobs is missing: compute them with actor.compute_logprobs(batch) (actor.prepare_batch)")
         if self.algorithm.beta > 0 and batch.ref_logprobs is None:

@@ -424,13 +424,13 @@ class ClusterConfig:
 def old_logprobs_source(train: TrainConfig, algorithm: AlgorithmConfig) -> tuple[str, str]:
     """(source, why): where a step's old-policy logprobs come from under train.old_logprobs (see it).
 
-    source: "rollout" (algorithm.bypass_mode), "training_forward" or "forward"; why: the reason, for the
+    source: "rollout" (algorithm.bypass_mode), "training_forward" or "forward"; why: where from and why, for the
     start-up line. Raises ConfigError for train.old_logprobs=training_forward where it cannot apply.
     """
     from megatron_rl.config.algorithm import TRUNCATING_IS_CORRECTIONS
 
     if train.old_logprobs == "forward" and not algorithm.bypass_mode:
-        return "forward", "train.old_logprobs=forward"
+        return "forward", "a forward of their own (train.old_logprobs=forward)"
     blockers = ["algorithm.bypass_mode takes the engine's logprobs as the old policy"] if algorithm.bypass_mode else []
     if algorithm.tis_mode not in ("none", *TRUNCATING_IS_CORRECTIONS):
         blockers.append(f"algorithm.tis_mode={algorithm.tis_mode} drops tokens by the old logprobs, which sets the step's "
@@ -439,13 +439,13 @@ def old_logprobs_source(train: TrainConfig, algorithm: AlgorithmConfig) -> tuple
         raise ConfigError(f"train.old_logprobs=training_forward cannot apply: {'; '.join(blockers)}; set train.old_logprobs="
                           "auto (a forward of its own where one is needed) or change those settings")
     if algorithm.bypass_mode:
-        return "rollout", blockers[0]
+        return "rollout", "the engine's (algorithm.bypass_mode)"
     if blockers:
-        return "forward", "; ".join(blockers)
+        return "forward", f"a forward of their own ({'; '.join(blockers)})"
     if train.mini_batches_per_step == 1:
-        return "training_forward", "one optimizer step per RL step: the training forward runs at the old policy's weights"
-    return "training_forward", (f"the first of {train.mini_batches_per_step} mini-batches trains at the old policy's weights: "
-                                "a forward of their own for the other mini-batches' rows only")
+        return "training_forward", "the training forward's own (one optimizer step per RL step: it runs at the old policy's weights)"
+    return "training_forward", (f"the first of {train.mini_batches_per_step} mini-batches' training forward (it runs at the old "
+                                "policy's weights); a forward of their own for the other mini-batches' rows")
 
 
 @dataclass(kw_only=True)

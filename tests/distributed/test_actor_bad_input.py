@@ -91,6 +91,8 @@ def _errors(rank: int, world_size: int, model_dir: str) -> dict:
         bypass = Actor(ctx, model=ModelConfig(path=model_dir), optimizer=OptimizerConfig(), train=TrainConfig(),
                        algorithm=AlgorithmConfig(loss="grpo", bypass_mode=True))
         expect("bypass_without_rollout", lambda: bypass.prepare_batch(batch))
+        # a batch whose first mini-batch was left to the training forward, given to an actor that does not do that
+        expect("foreign_prepared", lambda: bypass.train_step(prepared.replace(rollout_logprobs=torch.zeros(B, T))))
 
         def no_forward(*args, **kwargs):
             raise AssertionError("bypass mode ran the old-policy forward")
@@ -121,6 +123,7 @@ def test_bad_batches_are_refused_with_the_sample_and_the_fix(tmp_path):
     assert "bypass_mode needs batch.rollout_logprobs" in m["bypass_without_rollout"], m["bypass_without_rollout"]
     assert m["bypass_old_is_engine"] and m["bypass_trains"] == int(_batch().response_mask.sum())
     assert m["own_source"] == "training_forward" and m["own_prepared_old"] is None
+    assert "takes them from the engine's (algorithm.bypass_mode)" in m["foreign_prepared"], m["foreign_prepared"]
     assert all(abs(r - math.exp(0.05)) < 1e-5 for r in m["own_given_ratio"]), m["own_given_ratio"]
     # every response token of the batch (4 rows: 12 + 8 + 5 + 10) is NaN; the message says where it came from and the fix
     assert "policy logprobs: 35 non-finite response token(s)" in m["nan_own"] and "lower the lr" in m["nan_own"], m["nan_own"]
