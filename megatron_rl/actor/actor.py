@@ -59,17 +59,16 @@ from megatron_rl.actor.optim import (
 from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
 from megatron_rl.actor.step import (
-    NONFINITE_POLICY_TOKENS,
     LogprobSettings,
     inference_loss,
     loss_scale,
     microbatch_inputs,
     policy_loss,
+    reduce_step_metrics,
+    refuse_nonfinite_own_logprobs,
 )
 from megatron_rl.algorithms import (
-    all_reduce_metrics,
     compute_loss_denominators,
-    finalize_metrics,
     get_policy_loss,
     merge_metrics,
     rejection_response_mask,
@@ -487,7 +486,7 @@ class Actor:
             step_metrics["grad_norm"].append(grad_norm)
             step_metrics["lr"].append(self.optimizer.param_groups[0]["lr"])
             step_metrics["microbatches"].append(len(microbatches))
-        out = self._reduce_loss_metrics(loss_metrics)
+        out = reduce_step_metrics(loss_metrics, self.ctx)
         out["grad_norm"] = sum(step_metrics["grad_norm"]) / len(step_metrics["grad_norm"])
         out["grad_norm/max"] = max(step_metrics["grad_norm"])
         out["lr"] = step_metrics["lr"][-1]
@@ -543,7 +542,7 @@ class Actor:
             routing.reset()
             clear_aux_losses_tracker()
         if own_old:
-            self._check_own_logprobs(outputs)
+            refuse_nonfinite_own_logprobs(outputs, self.ctx.device)
         self.scheduler.step(increment=1)  # optimizer step k runs at the schedule's rate for k
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
@@ -552,32 +551,6 @@ class Actor:
         if not outputs:  # not the last pipeline stage: its metrics are not reported
             return {}, float(grad_norm) if grad_norm is not None else float("nan")
         return {**merge_metrics(outputs), **layout_metrics(items, lengths, ctx.device)}, float(grad_norm) if grad_norm is not None else float("nan")
-
-    def _check_own_logprobs(self, outputs: list[dict]) -> None:
-        """Before the optimizer steps on them: the training forward's own logprobs (the old policy's here) must be
-        finite on every response token, on every rank (the check the old-policy forward makes otherwise)."""
-        bad = sum((float(out[NONFINITE_POLICY_TOKENS]) for out in outputs), 0.0)
-        flag = torch.tensor([bad], dtype=torch.float64, device=self.ctx.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag)  # the last stage's counts reach every rank: all of them stop, or none
-        if float(flag) > 0:
-            raise BatchError(
-                f"policy logprobs: {float(flag):.0f} non-finite response token(s) in the training forward, which is the "
-                "old policy here (train.old_logprobs): the model's forward produced NaN/inf (its weights or activations "
-                "diverged: lower the lr, check the checkpoint); the optimizer did not step"
-            )
-
-    def _reduce_loss_metrics(self, per_mini_batch: list[dict]) -> dict[str, float]:
-        """Exact metrics over microbatches, mini-batches and DP ranks, broadcast from the last stage to every rank."""
-        ctx = self.ctx
-        result = [None]
-        if ctx.is_pipeline_last_stage():
-            merged = merge_metrics(per_mini_batch)
-            merged = all_reduce_metrics(merged, group=ctx.dp_cp_group)
-            result[0] = finalize_metrics(merged)
-        if ctx.pp_size > 1:
-            dist.broadcast_object_list(result, src=ctx.pp_last_rank, group=ctx.pp_group)
-        return dict(result[0])
 
     # -- state --------------------------------------------------------------------------------------
 

@@ -33,11 +33,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_rl.actor.batch import BatchError
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_layout, unpack_index
 from megatron_rl.actor.plan import Microbatch
+from megatron_rl.algorithms import all_reduce_metrics, finalize_metrics, merge_metrics
 from megatron_rl.algorithms.metrics import max_metric, mean_metric
 
 
@@ -266,6 +269,36 @@ def staleness_metrics(inputs: MicrobatchInputs) -> dict[str, torch.Tensor]:
     }
 
 
+def refuse_nonfinite_own_logprobs(outputs: list[dict], device: torch.device) -> None:
+    """Before the optimizer steps on them: the training forward's own logprobs (the old policy's where
+    train.old_logprobs takes them, NONFINITE_POLICY_TOKENS of each microbatch's `policy_loss`) must be finite on
+    every response token, on every rank (the check the old-policy forward makes otherwise). Every rank calls it."""
+    flag = torch.zeros((), dtype=torch.float64, device=device)
+    for out in outputs:  # summed on the device: one host read below, once per step
+        flag += out[NONFINITE_POLICY_TOKENS]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag)  # the last stage's counts reach every rank: all of them stop, or none
+    bad = float(flag)
+    if bad > 0:
+        raise BatchError(
+            f"policy logprobs: {bad:.0f} non-finite response token(s) in the training forward, which is the "
+            "old policy here (train.old_logprobs): the model's forward produced NaN/inf (its weights or activations "
+            "diverged: lower the lr, check the checkpoint); the optimizer did not step"
+        )
+
+
+def reduce_step_metrics(per_mini_batch: list[dict], ctx) -> dict[str, float]:
+    """Exact metrics over microbatches, mini-batches and DP ranks, broadcast from the last stage to every rank."""
+    result = [None]
+    if ctx.is_pipeline_last_stage():
+        merged = merge_metrics(per_mini_batch)
+        merged = all_reduce_metrics(merged, group=ctx.dp_cp_group)
+        result[0] = finalize_metrics(merged)
+    if ctx.pp_size > 1:
+        dist.broadcast_object_list(result, src=ctx.pp_last_rank, group=ctx.pp_group)
+    return dict(result[0])
+
+
 __all__ = [
     "NONFINITE_POLICY_TOKENS",
     "LogprobSettings",
@@ -275,6 +308,8 @@ __all__ = [
     "loss_scale",
     "microbatch_inputs",
     "policy_loss",
+    "reduce_step_metrics",
+    "refuse_nonfinite_own_logprobs",
     "staleness_metrics",
     "take_rows",
     "token_aligned",
