@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config.core import ConfigError, load_config
-from megatron_rl.config.schema import RLConfig
+from megatron_rl.config.schema import RLConfig, old_logprobs_source
 from megatron_rl.plan.memory import GIB
 from megatron_rl.plan.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
 from megatron_rl.plan.planner import Plan, plan
@@ -128,6 +128,7 @@ def render(p: Plan, console=None) -> None:
         )
     layout.add_row("sequences per optimizer step", f"{p.sequences_per_step} ({cfg.train.mini_batches_per_step} step(s) per RL step)")
     layout.add_row("microbatches per DP rank", f"{p.microbatches} x {p.tokens_per_microbatch} tokens")
+    layout.add_row("old-policy logprobs", old_logprobs_source(cfg.train, cfg.algorithm)[1])
     if p.engine is not None:
         layout.add_row(
             "rollout engines",

@@ -219,8 +219,14 @@ def test_every_preset_passes_the_planner(path):
     out = io.StringIO()
     from rich.console import Console
 
-    render(plan, Console(file=out, width=120))
+    render(plan, Console(file=out, width=200))
     assert "fits:" in out.getvalue()
+    # where the old-policy logprobs come from (config.schema.old_logprobs_source), e.g. the large presets' 4 mini-batches
+    steps = plan.cfg.train.mini_batches_per_step
+    expected = "the training forward's own" if steps == 1 else f"the first of {steps} mini-batches' training forward"
+    if plan.cfg.algorithm.tis_mode not in ("none", "token", "sequence"):
+        expected = "a forward of their own"
+    assert expected in " ".join(out.getvalue().split()), out.getvalue()
 
 
 def test_the_large_models_do_not_fit_one_node_and_the_message_names_the_numbers(capsys):
