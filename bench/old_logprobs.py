@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "bench" / "results" / "old_logprobs.json"
 
-from bench.packing import MODEL, make_batch  # noqa: E402  (the packing benchmark's model and length distribution)
+from bench.packing import MODEL, make_batch, model_in  # noqa: E402  (the packing benchmark's model and lengths)
 
 B, MAX_LEN, BUDGET, REPEATS = 32, 512, 4096, 7
 SOURCES = ("forward", "training_forward")
@@ -79,10 +79,8 @@ def measure(model_dir: str, mini_batches: int) -> dict:
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(1)
-    from megatron_rl.models.tiny import make_tiny_model_dir
-
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_tiny_model_dir(Path(tmp) / "moe", "qwen3_moe", seed=0, with_tokenizer=False, **MODEL))
+        model_dir = model_in(tmp)
         result = {f"mini_batches_{m}": measure(model_dir, m) for m in (1, 4)}
     for key, r in result.items():
         f, o = r["forward"], r["training_forward"]

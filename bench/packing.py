@@ -138,14 +138,19 @@ def share_bytes() -> dict:
     return out
 
 
+def model_in(tmp: str) -> str:
+    """The benchmark's model (MODEL: random weights, megatron-core reads it as HF) written under `tmp`."""
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    return str(make_tiny_model_dir(Path(tmp) / "moe", "qwen3_moe", seed=0, with_tokenizer=False, **MODEL))
+
+
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(1)
-    from megatron_rl.models.tiny import make_tiny_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_tiny_model_dir(Path(tmp) / "moe", "qwen3_moe", seed=0, with_tokenizer=False, **MODEL))
-        step = throughput(model_dir)
+        step = throughput(model_in(tmp))
     print(f"padded {step['padded']['tokens_per_s']:.0f} tokens/s ({step['padded']['padding_fraction']:.0%} padding), "
           f"packed {step['packed']['tokens_per_s']:.0f} tokens/s ({step['packed']['padding_fraction']:.0%}): "
           f"x{step['packed_over_padded_tokens_per_s']:.2f}; padded 4 rows at a time "

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_distributed
-
-B, T, NUM_EXPERTS, TOPK, MOE_LAYERS = 8, 24, 8, 2, 2
+from tests.distributed.test_actor_replay import B, T
+from tests.distributed.test_actor_replay import make_batch as replay_batch
 PACKED = {"pack_sequences": True, "max_tokens_per_microbatch": 48}
 CASES = {
     # name: (layout, train, algorithm, engine routes, engine logprobs)
@@ -45,23 +45,13 @@ TOLERANCE = 1e-6
 
 
 def make_batch(engine_routes: bool, engine_logprobs: bool):
-    from megatron_rl.actor import TrainBatch
-
+    """The routing-replay test's batch (8 rows of 9-24 tokens, random engine routes), routes int8 as compact_routes
+    makes them for 8 experts, and engine logprobs near, not equal to, the trainer's (TIS weights other than 1)."""
+    batch = replay_batch(engine_routes)
     g = torch.Generator().manual_seed(3)
-    lengths = torch.tensor([24, 20, 17, 12, 22, 9, 15, 24])
-    prompts = torch.tensor([5, 4, 6, 3, 8, 2, 4, 4])
-    positions = torch.arange(T)
-    mask = (positions[None] >= prompts[:, None]) & (positions[None] < lengths[:, None])
-    routes = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(B * T * MOE_LAYERS)])
-    return TrainBatch(
-        tokens=torch.randint(0, 256, (B, T), generator=g),
-        response_mask=mask,
-        advantages=torch.randn(B, generator=g),
-        prompt_lengths=prompts,
-        sequence_lengths=lengths,
-        routed_experts=routes.reshape(B, T, MOE_LAYERS, TOPK).to(torch.int8) if engine_routes else None,  # as compact_routes makes them
-        # an engine whose logprobs are near, not equal to, the trainer's: TIS weights other than 1
-        rollout_logprobs=torch.where(mask, -5.0 + 0.3 * torch.rand(B, T, generator=g), 0.0) if engine_logprobs else None,
+    return batch.replace(
+        routed_experts=batch.routed_experts.to(torch.int8) if engine_routes else None,
+        rollout_logprobs=torch.where(batch.response_mask, -5.0 + 0.3 * torch.rand(B, T, generator=g), 0.0) if engine_logprobs else None,
     )
 
 
