@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
-from megatron_rl.actor.packing import layout_metrics, write_rows
+from megatron_rl.actor.packing import layout_metrics, microbatch_layout, write_rows
 from megatron_rl.actor.optim import (
     build_optimizer,
     build_scheduler,
@@ -225,7 +225,8 @@ class Actor:
 
         Rows go to DP ranks as the plan assigns them (balanced by tokens per mini-batch);
         only rank 0 ever holds the whole step (actor.distribute). The bytes this rank
-        received are in `last_share_bytes`.
+        received are in `last_share_bytes`. Under R3 the share's engine routes ([B/D, T, L, K])
+        become the `RankRoutes` this rank's routers replay (`_replay_routes`).
         """
 
         def assign(whole: TrainBatch) -> list[list[int]]:
@@ -233,7 +234,20 @@ class Actor:
             return [sorted(r for mini in plan for mb in mini[d] for r in mb.rows if r >= 0) for d in range(self.ctx.dp_size)]
 
         share, self.last_share_bytes = scatter_shares(batch, self.ctx, assign)
+        if self.algorithm.routing_replay == "R3" and isinstance(share.routed_experts, torch.Tensor) and self.routing.num_moe_layers:
+            share = share.replace(routed_experts=self._replay_routes(share))
         return share
+
+    def _replay_routes(self, share: TrainBatch) -> RankRoutes:
+        """R3: of the share's engine routes, the ones this rank replays: the tokens its routers see (its
+        sequence-parallel slice, its CP chunks) at its pipeline stage's MoE layers. The share's routes
+        have every layer of every token: held for the step they would be TP x CP x PP times more (with
+        sequence parallelism) than a rank uses."""
+        lengths = share.lengths()
+        ctx = self.ctx
+        layouts = (microbatch_layout(mb, lengths, multiple=self._width_multiple, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank)
+                   for mini in self._my_microbatches(share) for mb in mini)
+        return self.routing.rank_routes(share.routed_experts, layouts, lengths)
 
     def _my_microbatches(self, batch: TrainBatch) -> list[list[Microbatch]]:
         """This rank's microbatches per mini-batch, rows indexed in `batch` (a share or the whole step).

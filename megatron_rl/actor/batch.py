@@ -60,9 +60,10 @@ class TrainBatch:
     policy_version, response tokens more than train.max_staleness versions old leave the loss."""
     policy_version: int | None = None
     """The weight version of the policy this step trains (the trainer's weights when the step starts)."""
-    routed_experts: torch.Tensor | None = None
+    routed_experts: "torch.Tensor | RankRoutes | None" = None
     """[B, T, L, K] int8 / int16: the engine's top-k experts of each token per MoE layer (R3 source);
-    L = MoE layers in model order, K = experts per token; -1 where not captured (padding)."""
+    L = MoE layers in model order, K = experts per token; -1 where not captured (padding). Under R3 a
+    share from ``Actor.distribute`` holds a `routing.RankRoutes` instead: only what this rank replays."""
     old_routed_experts: "torch.Tensor | RankRoutes | None" = None
     """The trainer's own top-k experts in the old-policy forward (R2 source), from
     ``Actor.compute_logprobs(batch, record_routes=True)``: a `routing.RankRoutes` holding only
@@ -102,9 +103,9 @@ class TrainBatch:
         fields = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "old_routed_experts" and value is not None and not isinstance(value, torch.Tensor):
-                raise BatchError("batch.old_routed_experts holds this rank's recorded routes keyed by row: select rows "
-                                 "before actor.prepare_batch, or drop them with batch.replace(old_routed_experts=None)")
+            if f.name in ("routed_experts", "old_routed_experts") and value is not None and not isinstance(value, torch.Tensor):
+                raise BatchError(f"batch.{f.name} holds this rank's routes keyed by row: select rows before "
+                                 f"actor.distribute / actor.prepare_batch, or drop them with batch.replace({f.name}=None)")
             fields[f.name] = value[rows] if isinstance(value, torch.Tensor) else value
         return TrainBatch(**fields)
 

@@ -14,7 +14,8 @@ sequence-parallel / CP tokens), keyed by (row, position), so the training
 forward of the same rows replays them on that rank whatever its microbatch
 plan; no collective moves them. Per rank that is B/D x T/(TP x CP) x L/PP x K
 bytes (uint8 ids for fewer than 256 experts). R3 routes come from the engine as
-[B, T, L, K] per row and travel with their rows (actor.distribute).
+[B, T, L, K] per row and travel with their rows (actor.distribute); each rank then keeps
+only what its routers replay, as the same `RankRoutes` (`replay_routes`).
 
 Global layout (what the engine returns and what the actor records):
 ``routes[b, t, l, k]`` = the k-th expert MoE layer l (MoE layers in model
@@ -196,6 +197,24 @@ class RouteRecorder:
         return RankRoutes(unique, experts[first].contiguous(), tuple(layer_ids), self.batch_shape, self.num_moe_layers, self.topk)
 
 
+def replay_routes(routes: torch.Tensor, layouts, lengths: torch.Tensor, *, layer_ids, local, num_moe_layers: int,
+                  topk: int, num_experts: int) -> RankRoutes:
+    """Of the engine's [B, T, L, K] routes (R3, validated complete), what one rank's routers replay: the real
+    tokens of `layouts` (its microbatches', CP-local) in its sequence-parallel slice (`local`: [B_m, T_m, ...]
+    -> [N_local, ...], `local_tokens`), at the MoE layers `layer_ids` of its pipeline stage; keyed like recorded
+    R2 routes (uint8 ids up to 256 experts)."""
+    B, T = routes.shape[:2]
+    recorder = RouteRecorder((B, T), num_moe_layers, topk, num_experts)
+    layers = torch.tensor(list(layer_ids), dtype=torch.int64)
+    for layout in layouts:
+        layout = _layout(layout)
+        rows, positions = local(layout.rows), local(layout.positions)
+        keep = (rows >= 0) & (positions >= 0) & (positions < lengths[rows.clamp(min=0)])
+        rows, positions = rows[keep], positions[keep]
+        recorder.add(rows * T + positions, routes[rows, positions].index_select(1, layers))
+    return recorder.finish(list(layer_ids))
+
+
 class RoutingControl:
     """This rank's routers: replay, record and drift measurement (see the module docstring)."""
 
@@ -263,6 +282,11 @@ class RoutingControl:
         default = torch.arange(self.topk, dtype=torch.int64).expand_as(experts[:, 0])
         per_layer = [torch.where(found[:, None], experts[:, c], default).contiguous().to(self.ctx.device) for c in range(len(self.layer_ids))]
         return per_layer, found
+
+    def rank_routes(self, routes: torch.Tensor, layouts, lengths: torch.Tensor) -> RankRoutes:
+        """`replay_routes` for this rank's routers (none on a stage without MoE layers: no token kept)."""
+        return replay_routes(routes, layouts if self.routers else (), lengths, layer_ids=self.layer_ids, local=self._local,
+                             num_moe_layers=self.num_moe_layers, topk=self.topk, num_experts=self.num_experts)
 
     # -- one microbatch ---------------------------------------------------------------------------
 
@@ -450,4 +474,4 @@ class RoutingControl:
 
 
 __all__ = ["RankRoutes", "RouteRecorder", "RoutingControl", "local_tokens", "microbatch_positions", "microbatch_routes",
-           "set_differs"]
+           "replay_routes", "set_differs"]

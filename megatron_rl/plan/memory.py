@@ -24,10 +24,12 @@ Sources for each term:
 - Batch share: each DP rank receives only its rows of the step (actor.distribute):
   S = prompts x samples / D sequences of up to T tokens. On the device, while the
   old-policy forward assembles them: their float32 logprobs [S, T]; for MoE models
-  recording routes (R2, drift metrics), the routes this rank's routers computed:
-  S x T / (SP x CP) tokens x (an 8-byte key + this stage's MoE layers x K expert
-  ids, 1 byte each up to 256 experts, else 2); for engine routes (R3, or
-  rollout.return_routed_experts), the rows' [S, T, L, K] routes (int8 ids up to 128 experts, else int16).
+  replaying or recording routes (R2, R3, drift metrics), the routes this rank's routers
+  use: S x T / (SP x CP) tokens x (an 8-byte key + this stage's MoE layers x K expert
+  ids, 1 byte each up to 256 experts, else 2); R3's engine routes arrive with the rows
+  and are cut to those (Actor.distribute). Engine routes kept for drift metrics only
+  (rollout.return_routed_experts without R3) stay whole: the rows' [S, T, L, K] (int8
+  ids up to 128 experts, else int16).
 - Engine: vLLM takes `gpu_memory_utilization` of each of its GPUs for its
   weights (split over its TP x PP GPUs) and its KV cache, 2 x layers x
   kv_heads x head_dim values per token.
@@ -236,9 +238,9 @@ def batch_share_bytes(spec: ModelSpec, cfg: RLConfig, dp: int, stage_moe_layers:
     if not spec.is_moe:
         return total
     engine_routes = algo.routing_replay == "R3" or rollout.return_routed_experts
-    if engine_routes:  # every layer, travelling with the rows: int8 up to 128 experts, else int16 (compact_routes)
+    if engine_routes and algo.routing_replay != "R3":  # metrics only: every layer, int8 up to 128 experts, else int16
         total += rows * seq * spec.num_moe_layers * spec.experts_per_token * (1 if spec.num_experts <= 128 else 2)
-    if algo.routing_replay != "R3" and (algo.routing_replay == "R2" or cfg.train.routing_drift_metrics or engine_routes):
+    if algo.routing_replay != "none" or cfg.train.routing_drift_metrics or engine_routes:
         layers = spec.num_moe_layers if stage_moe_layers is None else stage_moe_layers
         token_split = (par.tensor_parallel if par.use_sequence_parallel() else 1) * par.context_parallel
         expert_id = 1 if spec.num_experts <= 256 else 2

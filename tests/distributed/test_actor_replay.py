@@ -233,15 +233,19 @@ def _check(name: str, case: dict, single: dict) -> None:
     assert recorded.shape == (B, T, MOE_LAYERS, TOPK)
     assert bool((recorded[real] >= 0).all())
     assert torch.equal(_sets(recorded)[real], _sets(expected)[real]), name
-    # Each rank holds only what its routers computed: its DP rows, SP / CP tokens and PP stage's layers.
-    ranks, whole = r2["held"]["ranks"], single["R2"]["held"]["ranks"][0]
-    split = ranks[0]["token_split"]
-    for held in ranks:
-        # tokens ~ 1 / (SP x CP x DP) of one rank's (+ sequence-parallel / CP padding), 8-byte key + uint8 ids
-        assert held["tokens"] <= whole["tokens"] / split * 1.25 + 8, (name, held, whole)
-        assert held["bytes"] == held["tokens"] * (8 + held["layers"] * TOPK), (name, held)
-    assert sum(held["layers"] for held in ranks) == MOE_LAYERS * len(ranks) // ranks[0]["pp"], (name, ranks)
-    print(f"{name:12s} held per rank (bytes) {[h['bytes'] for h in ranks]} of {whole['bytes']}")
+    # Each rank holds only what its routers use: its DP rows, SP / CP tokens and PP stage's layers, for R2's recorded
+    # routes and R3's engine routes alike (the share came with every layer of every token of its rows).
+    for mode in ("R2", "R3"):
+        ranks, whole = case[mode]["held"]["ranks"], single[mode]["held"]["ranks"][0]
+        if mode == "R3":  # the real tokens (R2 records every position its forward ran, padding too)
+            assert whole["tokens"] == int(lengths.sum()), (name, mode, whole)
+        split = ranks[0]["token_split"]
+        for held in ranks:
+            # tokens ~ 1 / (SP x CP x DP) of one rank's (+ sequence-parallel / CP padding), 8-byte key + uint8 ids
+            assert held["tokens"] <= whole["tokens"] / split * 1.25 + 8, (name, mode, held, whole)
+            assert held["bytes"] == held["tokens"] * (8 + held["layers"] * TOPK), (name, mode, held)
+        assert sum(held["layers"] for held in ranks) == MOE_LAYERS * len(ranks) // ranks[0]["pp"], (name, mode, ranks)
+        print(f"{name:12s} {mode} held per rank (bytes) {[h['bytes'] for h in ranks]} of {whole['bytes']}")
     print(f"{name:12s} drift none {none['train']['routing/drift']:.3f}  R2 {r2['train']['routing/drift']} "
           f"(own {r2['train']['routing/drift_own']:.3f})  R3 {r3['train']['routing/drift']}  R3 logprobs {r3_err:.1e}")
 

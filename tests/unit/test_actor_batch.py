@@ -65,6 +65,21 @@ def test_missing_routes_only_matter_for_replay():
     validate_batch(_batch(routed_experts=routes), complete_routes=("routed_experts",), **LIMITS)
 
 
+def test_rank_routes_stay_with_their_rows():
+    # A share's routes kept per rank (R3's after actor.distribute, R2's after prepare_batch) are keyed by its rows:
+    # selecting rows afterwards is refused, naming the field; the share's routes check against its own shape.
+    from megatron_rl.actor.routing import RankRoutes
+
+    held = RankRoutes(torch.tensor([0, 1]), torch.zeros(2, 1, 2, dtype=torch.uint8), (1,), (B, T), 2, 2)
+    for name in ("routed_experts", "old_routed_experts"):
+        validate_batch(_batch(**{name: held}), **LIMITS)
+        with pytest.raises(BatchError, match=rf"batch.{name} holds this rank's routes.*replace\({name}=None\)"):
+            _batch(**{name: held}).select(torch.tensor([0]))
+        with pytest.raises(BatchError, match=rf"batch.{name} was recorded on a \[B, T\] = \(3, 10\) batch with 2 MoE layers"):
+            validate_batch(_batch(**{name: held}).replace(tokens=torch.zeros(B, T + 1, dtype=torch.int64),
+                                                          response_mask=torch.zeros(B, T + 1, dtype=torch.bool)), **LIMITS)
+
+
 def test_too_long_and_bad_tokens():
     with pytest.raises(BatchError, match="sample 0 has 10 tokens, more than the model's max_position_embeddings=8"):
         validate_batch(_batch(), **{**LIMITS, "max_positions": 8})

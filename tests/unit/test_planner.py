@@ -282,11 +282,15 @@ def test_batch_share_is_this_dp_ranks_rows_with_their_routes():
     assert mem.batch_share == 128 * 33792 * 4 + 128 * 33792 / 8 * (8 + 48 * 8)
     halved = stage_memory(spec, cfg, world=64, microbatches=32, stage=0)  # DP 8: half the rows
     assert halved.batch_share == pytest.approx(mem.batch_share / 2)
-    # R3: the engine's routes of every token travel with the rows, 48 layers x top-8 ids of one byte (128 experts:
-    # int8, rollout.routing.compact_routes); nothing recorded
-    r3 = load_config(RLConfig, CONFIGS / "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml",
-                     ["algorithm.routing_replay=R3", "rollout.return_routed_experts=true", "rollout.routed_experts_include_prompt=true"])
-    assert stage_memory(spec, r3, world=32, microbatches=32, stage=0).batch_share == 128 * 33792 * (4 + 48 * 8 * 1)
+    # R3: the engine's routes arrive with the rows and are cut to what this rank replays: the same tokens and
+    # layers as recorded ones (not the rows' whole [S, T, 48, 8], 8x more at SP 2 x CP 4)
+    r3_overrides = ["algorithm.routing_replay=R3", "rollout.return_routed_experts=true", "rollout.routed_experts_include_prompt=true"]
+    r3 = load_config(RLConfig, CONFIGS / "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml", r3_overrides)
+    assert stage_memory(spec, r3, world=32, microbatches=32, stage=0).batch_share == mem.batch_share
+    # engine routes for the drift metrics only (no replay): kept whole (int8 for 128 experts), + the recorded ones
+    metrics_only = load_config(RLConfig, CONFIGS / "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml",
+                               ["algorithm.routing_replay=none", *r3_overrides[1:]])
+    assert stage_memory(spec, metrics_only, world=32, microbatches=32, stage=0).batch_share == mem.batch_share + 128 * 33792 * 48 * 8
 
 
 def test_dedicated_rollout_gpus_shrink_the_trainer_and_free_its_memory():
