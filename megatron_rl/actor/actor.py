@@ -47,15 +47,7 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
 from megatron_rl.actor.packing import layout_metrics, microbatch_layout, write_rows
-from megatron_rl.actor.optim import (
-    build_optimizer,
-    build_scheduler,
-    ddp_config,
-    init_optimizer_state,
-    kernel_choice_kept,
-    unshare_step_counters,
-    zero_bucket_padding,
-)
+from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, load_sharded_state, sharded_state
 from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
 from megatron_rl.actor.step import (
@@ -89,7 +81,7 @@ class LogprobsWithRoutes(NamedTuple):
     routed_experts: "torch.Tensor | RankRoutes"
     """R2: `RankRoutes`, the experts this rank's routers used (its layers and tokens; the whole
     [B, T, L, K] int16 tensor with `.gather(actor.route_groups(batch))`); under R3 the engine's
-    [B, T, L, K] routes that the forward replayed."""
+    routes that the forward replayed, as the batch held them (a share's: this rank's `RankRoutes`)."""
     metrics: dict[str, float]
     """routing/engine_vs_trainer/... when the batch carries engine routes."""
 
@@ -569,35 +561,14 @@ class Actor:
     # -- state --------------------------------------------------------------------------------------
 
     def state_dict(self, *, is_loading: bool = False, optimizer_format: str = "dp_reshardable") -> dict:
-        """Model chunks and optimizer as one megatron sharded state dict (dist checkpointing).
-
-        Keys: ``model{i}`` per model chunk, ``optimizer``. With is_loading=True every
-        parameter first gets an (empty) optimizer state: megatron's distributed optimizer
-        builds its sharded state from the inner torch optimizer's, which is empty before
-        the first step; the loaded values replace these placeholders in place.
-        `optimizer_format` is megatron's sharding type of the optimizer state
-        (checkpoint.optimizer_format; a load must use the one the checkpoint was saved with).
-        """
-        if is_loading:
-            init_optimizer_state(self.optimizer)
-        # megatron's DDP has no sharded_state_dict of its own (the generic one would prefix every
-        # key with "module."), while its load_state_dict goes to the wrapped module: use that module.
-        state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.model)}
-        state["optimizer"] = self.optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format}
-        )
-        if not is_loading:
-            zero_bucket_padding(state["optimizer"])
-        return state
+        """Model chunks (``model{i}``) and optimizer (``optimizer``) as one megatron sharded state dict (dist
+        checkpointing): `optim.sharded_state`. optimizer_format: megatron's sharding type of the optimizer state
+        (checkpoint.optimizer_format; a load must use the one the checkpoint was saved with)."""
+        return sharded_state(self.model, self.optimizer, is_loading=is_loading, optimizer_format=optimizer_format)
 
     def load_state_dict(self, state: dict) -> None:
-        """Load what `state_dict(is_loading=True)` described, after dist checkpointing filled it."""
-        for i, chunk in enumerate(self.model):
-            chunk.module.load_state_dict(state[f"model{i}"])
-        # no_grad: fp32 main parameters are views of the model's (leaf) parameters, which the load copies into
-        with kernel_choice_kept(self.optimizer), torch.no_grad():  # the saved groups' fused / foreach flags are not this machine's
-            self.optimizer.load_state_dict(state["optimizer"])
-        unshare_step_counters(self.optimizer)
+        """Load what `state_dict(is_loading=True)` described, after dist checkpointing filled it (`optim.load_sharded_state`)."""
+        load_sharded_state(self.model, self.optimizer, state)
 
     def schedule_state(self) -> dict:
         """The LR schedule and optimizer-step counter (small, JSON-serialisable; the same on every rank)."""

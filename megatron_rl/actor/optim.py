@@ -215,7 +215,37 @@ def zero_bucket_padding(optimizer_state) -> None:
         zero_bucket_padding(child)
 
 
+def sharded_state(model_chunks: list, optimizer, *, is_loading: bool, optimizer_format: str) -> dict:
+    """The model chunks (``model{i}``) and the optimizer as one megatron sharded state dict.
+
+    With is_loading=True every parameter first gets an (empty) optimizer state: megatron's distributed optimizer
+    builds its sharded state from the inner torch optimizer's, which is empty before the first step; the loaded
+    values replace these placeholders in place.
+    """
+    if is_loading:
+        init_optimizer_state(optimizer)
+    # megatron's DDP has no sharded_state_dict of its own (the generic one would prefix every
+    # key with "module."), while its load_state_dict goes to the wrapped module: use that module.
+    state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format}
+    )
+    if not is_loading:
+        zero_bucket_padding(state["optimizer"])
+    return state
+
+
+def load_sharded_state(model_chunks: list, optimizer, state: dict) -> None:
+    """Load what `sharded_state(..., is_loading=True)` described, after dist checkpointing filled it."""
+    for i, chunk in enumerate(model_chunks):
+        chunk.module.load_state_dict(state[f"model{i}"])
+    # no_grad: fp32 main parameters are views of the model's (leaf) parameters, which the load copies into
+    with kernel_choice_kept(optimizer), torch.no_grad():  # the saved groups' fused / foreach flags are not this machine's
+        optimizer.load_state_dict(state["optimizer"])
+    unshare_step_counters(optimizer)
+
+
 __all__ = [
     "build_optimizer", "build_scheduler", "ddp_config", "fuse_torch_adam", "init_optimizer_state", "kernel_choice_kept",
-    "unshare_step_counters", "zero_bucket_padding",
+    "load_sharded_state", "sharded_state", "unshare_step_counters", "zero_bucket_padding",
 ]
