@@ -3,10 +3,10 @@
 For two real MoE shapes, a step of SEQUENCES samples with long-tailed lengths (the packing benchmark's
 distribution, up to MAX_LEN tokens) gets random routes as the engine returns them ([T, L, K] per sample,
 made by `rollout.routing.compact_routes`, as `assemble_routes` makes them), then goes the trainer's way:
-`Rollouts.to_padded` (rank 0's [B, T, L, K]), `train_batch_from_rollouts`, and `actor.distribute`'s
-`select_rows` + pickle for D = 4 data-parallel ranks (the actor's token-balanced plan). Each is measured
-twice: with the routes compact_routes chose (int8 for up to 128 experts) and with every route int16
-(what each took before). Then, for the shape's preset layout (TP with sequence parallelism x PP), what each
+`train_batch_from_rollouts` (rank 0's step batch) and `actor.distribute`'s `select_rows` + pickle for
+D = 4 data-parallel ranks (the actor's token-balanced plan). Three ways: every id int16 and padded to
+[B, T, L, K] (`Rollouts.to_padded`), compact_routes' ids (int8 for up to 128 experts) padded, and those
+packed by sample without padding (`pack_routes=True`, `actor.PackedRoutes`: what the trainer does). Then, for the shape's preset layout (TP with sequence parallelism x PP), what each
 rank of DP rank 0 keeps of its share for the step: `routing.replay_routes` on that rank's microbatch
 layouts, sequence-parallel slice and stage's MoE layers (Actor.distribute under R3), against the share's
 [B/D, T, L, K] routes it received.
@@ -45,7 +45,9 @@ TOKENS_PER_MICROBATCH = 8192
 SEQUENCES, MAX_LEN, PROMPT, DP = 32, 2048, 64, 4
 
 
-def step(layers: int, topk: int, experts: int, widen: bool):
+def step(layers: int, topk: int, experts: int, widen: bool, packed: bool):
+    """(the samples' route bytes, the step's TrainBatch): routes padded to [B, T, L, K] (Rollouts.to_padded) or
+    packed by sample (train_batch_from_rollouts(pack_routes=True), the trainer's)."""
     from megatron_rl.actor import train_batch_from_rollouts
     from megatron_rl.data.batch import RolloutSample, Rollouts
     from megatron_rl.rollout.routing import compact_routes
@@ -63,9 +65,7 @@ def step(layers: int, topk: int, experts: int, widen: bool):
             routed_experts=routes.to(torch.int16) if widen else routes, routed_experts_include_prompt=True))
     rollouts = Rollouts(samples, n_samples=1, weight_version=0)
     sample_bytes = sum(s.routed_experts.nbytes for s in samples)
-    padded = rollouts.to_padded()
-    batch = train_batch_from_rollouts(padded, torch.zeros(SEQUENCES))
-    return sample_bytes, padded.routed_experts, batch
+    return sample_bytes, train_batch_from_rollouts(rollouts, torch.zeros(SEQUENCES), pack_routes=packed)
 
 
 def share_bytes(batch) -> list[int]:
@@ -98,11 +98,19 @@ def held_per_rank(batch, layers: int, topk: int, experts: int, tp: int, pp: int)
         for tp_rank in range(tp):
             local = partial(local_tokens, tp_rank=tp_rank, tp_size=tp, sequence_parallel=tp > 1)
             routes = replay_routes(share.routed_experts, (microbatch_layout(mb, lengths, multiple=tp) for mb in microbatches),
-                                   lengths, layer_ids=layer_ids, local=local, num_moe_layers=layers, topk=topk, num_experts=experts)
+                                   lengths, batch_shape=(share.batch_size, share.seq_len), layer_ids=layer_ids, local=local,
+                                   num_moe_layers=layers, topk=topk, num_experts=experts)
             held.append(routes.nbytes)
     received = share.routed_experts.nbytes
     return {"tp": tp, "pp": pp, "share_routes_bytes": received, "held_bytes_per_rank": held,
             "max_held_over_share": max(held) / received}
+
+
+VARIANTS = {  # label: (every id int16, routes packed by sample)
+    "int16_padded": (True, False),
+    "compact_padded": (False, False),
+    "compact_packed": (False, True),
+}
 
 
 def main() -> None:
@@ -110,26 +118,29 @@ def main() -> None:
     result = {}
     for name, (layers, topk, experts) in SHAPES.items():
         out = {}
-        for label, widen in (("compact", False), ("int16", True)):
-            sample_bytes, routes, batch = step(layers, topk, experts, widen)
+        for label, (widen, packed) in VARIANTS.items():
+            sample_bytes, batch = step(layers, topk, experts, widen, packed)
             shares = share_bytes(batch)
-            out[label] = {"dtype": str(routes.dtype).removeprefix("torch."), "sample_routes_bytes": sample_bytes,
-                          "padded_routes_bytes": routes.nbytes, "share_pickle_bytes": shares, "max_share_bytes": max(shares)}
-        out["compact_over_int16_max_share"] = out["compact"]["max_share_bytes"] / out["int16"]["max_share_bytes"]
-        out["compact_over_int16_padded"] = out["compact"]["padded_routes_bytes"] / out["int16"]["padded_routes_bytes"]
+            routes = batch.routed_experts
+            out[label] = {"dtype": str((routes.values if packed else routes).dtype).removeprefix("torch."),
+                          "sample_routes_bytes": sample_bytes, "rank0_routes_bytes": routes.nbytes,
+                          "share_pickle_bytes": shares, "max_share_bytes": max(shares)}
+        for label in ("compact_padded", "compact_packed"):
+            out[f"{label}_over_int16_padded"] = {
+                key: out[label][key] / out["int16_padded"][key] for key in ("rank0_routes_bytes", "max_share_bytes")}
         preset, tp, pp = LAYOUTS[name]
-        out["held"] = {"preset": preset, **held_per_rank(step(layers, topk, experts, False)[2], layers, topk, experts, tp, pp)}
+        out["held"] = {"preset": preset, **held_per_rank(step(layers, topk, experts, False, True)[1], layers, topk, experts, tp, pp)}
         result[name] = {"moe_layers": layers, "topk": topk, "experts": experts, **out}
-        print(f"{name}: routes {out['compact']['dtype']}; rank 0's padded routes {out['compact']['padded_routes_bytes'] / 2**20:.0f} "
-              f"MiB (int16: {out['int16']['padded_routes_bytes'] / 2**20:.0f}); largest share {out['compact']['max_share_bytes'] / 2**20:.0f} "
-              f"MiB (int16: {out['int16']['max_share_bytes'] / 2**20:.0f}): x{out['compact_over_int16_max_share']:.3f}; "
-              f"held per rank at TP{tp} x PP{pp}: {max(out['held']['held_bytes_per_rank']) / 2**20:.1f} MiB of the share's "
+        mib = {label: (out[label]["rank0_routes_bytes"] / 2**20, out[label]["max_share_bytes"] / 2**20) for label in VARIANTS}
+        print(f"{name}: rank 0's routes / largest share, MiB: " + "; ".join(f"{label} {a:.1f} / {b:.1f}" for label, (a, b) in mib.items())
+              + f"; held per rank at TP{tp} x PP{pp}: {max(out['held']['held_bytes_per_rank']) / 2**20:.2f} MiB of the share's "
               f"{out['held']['share_routes_bytes'] / 2**20:.1f} (x{out['held']['max_held_over_share']:.3f})", flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
-        "what": "bytes of R3's engine routes: samples, rank 0's padded [B, T, L, K] and the pickled share of each of "
-                f"{DP} DP ranks, with compact_routes' dtype and with int16; held: what each TP x PP rank of DP rank 0 keeps "
-                "for the step (routing.replay_routes) against the share's routes",
+        "what": "bytes of R3's engine routes: the samples', rank 0's in the step's batch and the pickled share of each of "
+                f"{DP} DP ranks; int16 ids padded to [B, T, L, K], compact_routes' ids padded, compact ids packed by sample "
+                "(the trainer's); held: what each TP x PP rank of DP rank 0 keeps for the step (routing.replay_routes) "
+                "against the routes of the share it received",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "step": {"sequences": SEQUENCES, "max_len": MAX_LEN, "prompt": PROMPT, "lengths": "log-normal, median a quarter of max"},
         "shapes": result,

@@ -15,7 +15,7 @@ Importing this package does not import megatron-core (building an Actor does).
 """
 
 from megatron_rl.actor.actor import Actor, LogprobsWithRoutes
-from megatron_rl.actor.batch import BatchError, TrainBatch, train_batch_from_rollouts, validate_batch
+from megatron_rl.actor.batch import BatchError, PackedRoutes, TrainBatch, train_batch_from_rollouts, validate_batch
 from megatron_rl.actor.logprobs import reference_logprobs, vocab_parallel_logprobs
 from megatron_rl.actor.plan import Microbatch, plan_step
 
@@ -25,6 +25,7 @@ __all__ = [
     "BatchError",
     "LogprobsWithRoutes",
     "Microbatch",
+    "PackedRoutes",
     "TrainBatch",
     "plan_step",
     "reference_logprobs",

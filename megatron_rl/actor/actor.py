@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor.batch import BatchError, TrainBatch, check_finite, validate_batch
+from megatron_rl.actor.batch import BatchError, PackedRoutes, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
 from megatron_rl.actor.packing import layout_metrics, microbatch_layout, write_rows
 from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, load_sharded_state, sharded_state
@@ -178,8 +178,12 @@ class Actor:
 
     # -- checks and plans ---------------------------------------------------------------------------
 
-    def validate(self, batch: TrainBatch) -> torch.Tensor:
-        """validate_batch against this model; returns the [B] sequence lengths."""
+    def validate(self, batch: TrainBatch, *, step: bool = False) -> torch.Tensor:
+        """validate_batch against this model; returns the [B] sequence lengths. step: the step's batch that
+        `distribute` shares out, the only one that may hold `PackedRoutes`."""
+        if not step and isinstance(batch.routed_experts, PackedRoutes):
+            raise BatchError("batch.routed_experts are packed by sample (train_batch_from_rollouts(..., pack_routes=True)), "
+                             "for actor.distribute: give the step's batch to actor.distribute and train the share it returns")
         validate_batch(
             batch,
             vocab_size=self.arch.vocab_size,
@@ -217,17 +221,20 @@ class Actor:
 
         Rows go to DP ranks as the plan assigns them (balanced by tokens per mini-batch);
         only rank 0 ever holds the whole step (actor.distribute). The bytes this rank
-        received are in `last_share_bytes`. Under R3 the share's engine routes ([B/D, T, L, K])
-        become the `RankRoutes` this rank's routers replay (`_replay_routes`).
+        received are in `last_share_bytes`. Under R3 the share's engine routes (`PackedRoutes` from the
+        trainer, or [B/D, T, L, K]) become the `RankRoutes` this rank's routers replay (`_replay_routes`).
         """
 
         def assign(whole: TrainBatch) -> list[list[int]]:
-            plan = self._step_plan(self.validate(whole))
+            plan = self._step_plan(self.validate(whole, step=True))
             return [sorted(r for mini in plan for mb in mini[d] for r in mb.rows if r >= 0) for d in range(self.ctx.dp_size)]
 
         share, self.last_share_bytes = scatter_shares(batch, self.ctx, assign)
-        if self.algorithm.routing_replay == "R3" and isinstance(share.routed_experts, torch.Tensor) and self.routing.num_moe_layers:
+        routes = share.routed_experts
+        if self.algorithm.routing_replay == "R3" and routes is not None and self.routing.num_moe_layers:
             share = share.replace(routed_experts=self._replay_routes(share))
+        elif isinstance(routes, PackedRoutes):  # kept for the routing metrics: the share's [B/D, T, L, K]
+            share = share.replace(routed_experts=routes.to_padded(share.seq_len))
         return share
 
     def _replay_routes(self, share: TrainBatch) -> RankRoutes:
@@ -239,7 +246,7 @@ class Actor:
         ctx = self.ctx
         layouts = (microbatch_layout(mb, lengths, multiple=self._width_multiple, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank)
                    for mini in self._my_microbatches(share) for mb in mini)
-        return self.routing.rank_routes(share.routed_experts, layouts, lengths)
+        return self.routing.rank_routes(share.routed_experts, layouts, lengths, (share.batch_size, share.seq_len))
 
     def _my_microbatches(self, batch: TrainBatch) -> list[list[Microbatch]]:
         """This rank's microbatches per mini-batch, rows indexed in `batch` (a share or the whole step).

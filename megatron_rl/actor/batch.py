@@ -25,6 +25,83 @@ class BatchError(ValueError):
     """A batch the actor cannot train on; the message names the sample and the fix."""
 
 
+@dataclass
+class PackedRoutes:
+    """The engine's routes of a batch's rows back to back, without padding (R3, rollout.return_routed_experts).
+
+    Row b's positions 0 .. length_b - 1 are ``values[offsets[b]:offsets[b + 1]]`` ([N, L, K] int8 / int16
+    expert ids, -1 where the engine captured none); positions past a row's length hold nothing. The
+    trainer's step batch carries its routes so (`train_batch_from_rollouts(..., pack_routes=True)`): rank 0
+    and the shares `Actor.distribute` sends hold no padding routes, each a [T, L, K] block per padded
+    position otherwise (94 x 8 bytes a position for Qwen3-235B).
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+    """[B + 1] int64, offsets[0] = 0."""
+
+    @classmethod
+    def from_samples(cls, samples) -> "PackedRoutes":
+        """The routes of rollout samples (`RolloutSample.routed_experts`, with or without prompt rows), in the widest
+        of their types (rollout.routing.compact_routes: int8 or int16)."""
+        wide = any(s.routed_experts.dtype != torch.int8 for s in samples)
+        dtype = torch.int16 if wide else torch.int8
+        parts, lengths = [], []
+        for b, s in enumerate(samples):
+            if s.routed_experts is None:
+                raise ValueError(f"sample {b} has no routed experts while sample 0 has")
+            routes = s.routed_experts.to(dtype)
+            if not s.routed_experts_include_prompt:  # prompt positions: not captured
+                routes = torch.cat([routes.new_full((s.prompt_length, *routes.shape[1:]), -1), routes])
+            parts.append(routes)
+            lengths.append(s.prompt_length + s.response_length)
+        values = torch.cat(parts)
+        offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor([p.shape[0] for p in parts]).cumsum(0)
+        if [p.shape[0] for p in parts] != lengths:
+            b = next(i for i, (p, n) in enumerate(zip(parts, lengths)) if p.shape[0] != n)
+            raise ValueError(f"sample {b}'s routed experts cover {parts[b].shape[0]} positions, its tokens {lengths[b]}")
+        return cls(values, offsets)
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.offsets.nbytes
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets.diff()
+
+    def token_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row [N], position [N]) of each entry of `values`."""
+        lengths = self.lengths()
+        rows = torch.repeat_interleave(torch.arange(self.batch_size), lengths)
+        return rows, torch.arange(self.values.shape[0]) - self.offsets[:-1].repeat_interleave(lengths)
+
+    def at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N, L, K] routes at (rows [N], positions [N]), each position within its row's length."""
+        return self.values[self.offsets[rows] + positions]
+
+    def select(self, rows: torch.Tensor) -> "PackedRoutes":
+        """The rows `rows` (a [b] int64 index), in that order."""
+        lengths = self.lengths()[rows]
+        offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        starts = self.offsets[rows].repeat_interleave(lengths)
+        index = starts + torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(lengths)
+        return PackedRoutes(self.values[index], offsets)
+
+    def to_padded(self, width: int) -> torch.Tensor:
+        """[B, width, L, K], -1 past each row's length (the layout of `PaddedRollouts.routed_experts`)."""
+        out = self.values.new_full((self.batch_size, width, *self.values.shape[1:]), -1)
+        rows, positions = self.token_index()
+        keep = positions < width
+        out[rows[keep], positions[keep]] = self.values[keep]
+        return out
+
+
 @dataclass(kw_only=True)
 class TrainBatch:
     """One RL step's sequences (B rows, right-padded to T tokens): the whole step, or one DP rank's share.
@@ -60,10 +137,11 @@ class TrainBatch:
     policy_version, response tokens more than train.max_staleness versions old leave the loss."""
     policy_version: int | None = None
     """The weight version of the policy this step trains (the trainer's weights when the step starts)."""
-    routed_experts: "torch.Tensor | RankRoutes | None" = None
+    routed_experts: "torch.Tensor | PackedRoutes | RankRoutes | None" = None
     """[B, T, L, K] int8 / int16: the engine's top-k experts of each token per MoE layer (R3 source);
-    L = MoE layers in model order, K = experts per token; -1 where not captured (padding). Under R3 a
-    share from ``Actor.distribute`` holds a `routing.RankRoutes` instead: only what this rank replays."""
+    L = MoE layers in model order, K = experts per token; -1 where not captured (padding). The trainer's
+    step batch holds them as `PackedRoutes` (no padding), which ``Actor.distribute`` turns into each
+    share's: under R3 a `routing.RankRoutes` (only what this rank replays), else the [B, T, L, K] tensor."""
     old_routed_experts: "torch.Tensor | RankRoutes | None" = None
     """The trainer's own top-k experts in the old-policy forward (R2 source), from
     ``Actor.compute_logprobs(batch, record_routes=True)``: a `routing.RankRoutes` holding only
@@ -103,6 +181,9 @@ class TrainBatch:
         fields = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, PackedRoutes):
+                fields[f.name] = value.select(rows)
+                continue
             if f.name in ("routed_experts", "old_routed_experts") and value is not None and not isinstance(value, torch.Tensor):
                 raise BatchError(f"batch.{f.name} holds this rank's routes keyed by row: select rows before "
                                  f"actor.distribute / actor.prepare_batch, or drop them with batch.replace({f.name}=None)")
@@ -215,7 +296,7 @@ def validate_batch(
                  fix="the reference model's forward diverged (check its weights for NaN)")
     for name in ("routed_experts", "old_routed_experts"):
         routes = getattr(batch, name)
-        if routes is not None and not isinstance(routes, torch.Tensor):  # routing.RankRoutes of this rank
+        if routes is not None and not isinstance(routes, (torch.Tensor, PackedRoutes)):  # routing.RankRoutes of this rank
             if tuple(routes.batch_shape) != (B, T) or routes.num_moe_layers != num_moe_layers or routes.topk != topk:
                 raise BatchError(
                     f"batch.{name} was recorded on a [B, T] = {tuple(routes.batch_shape)} batch with {routes.num_moe_layers} MoE "
@@ -228,7 +309,7 @@ def validate_batch(
 
 
 def check_routes(
-    routes: torch.Tensor,
+    routes: "torch.Tensor | PackedRoutes",
     name: str,
     lengths: torch.Tensor,
     *,
@@ -238,45 +319,68 @@ def check_routes(
     batch_shape: tuple[int, int],
     complete: bool = True,
 ) -> None:
-    """routes must be [B, T, L, K] integers in [-1, E); with `complete`, no -1 on a real token (replay needs them)."""
+    """routes must be [B, T, L, K] integers in [-1, E) (or `PackedRoutes` of the rows' lengths); with `complete`,
+    no -1 on a real token (replay needs them)."""
     B, T = batch_shape
     if num_moe_layers == 0:
         raise BatchError(f"batch.{name} is set but the model has no MoE layers: drop it (rollout.return_routed_experts=false)")
+    packed = isinstance(routes, PackedRoutes)
+    values = routes.values if packed else routes
     expected = (B, T, num_moe_layers, topk)
-    if routes.dim() != 4 or tuple(routes.shape) != expected:
-        got = tuple(routes.shape)
+    if packed:  # [B, (each row's length), L, K]
+        got, aligned = (routes.batch_size, "...", *values.shape[1:]), values.dim() == 3 and routes.batch_size == B
+    else:
+        got, aligned = tuple(values.shape), values.dim() == 4 and tuple(values.shape[:2]) == (B, T)
+    if not aligned or tuple(got[2:]) != expected[2:]:
         hint = ""
-        if routes.dim() == 4 and got[:2] == (B, T):
+        if aligned:
             hint = (f": the routes describe {got[2]} MoE layer(s) x top-{got[3]}, the model has {num_moe_layers} x "
                     f"top-{topk}; the engine ran another model than the trainer (check rollout and model paths)")
-        elif routes.dim() == 4:
+        elif packed or values.dim() == 4:
             hint = ": the routes are not aligned with `tokens` (pad them to the batch's [B, T] as PaddedRollouts does)"
         raise BatchError(f"batch.{name} has shape {got}, expected [B, T, L, K] = {list(expected)}{hint}")
-    if routes.dtype.is_floating_point or routes.dtype == torch.bool:
-        raise BatchError(f"batch.{name} must hold integer expert ids (int8 / int16), got {routes.dtype}")
-    real = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1))  # [B, T]
-    out_of_range = (routes >= num_experts) | (routes < -1)
-    missing = (routes == -1) & real[:, :, None, None] if complete else torch.zeros_like(out_of_range)
+    if packed and not torch.equal(routes.lengths(), lengths):
+        b = int(torch.nonzero(routes.lengths() != lengths)[0])
+        raise BatchError(f"batch.{name} holds {int(routes.lengths()[b])} positions of sample {b}, which has {int(lengths[b])} "
+                         "tokens: the routes are not aligned with `tokens` (PackedRoutes.from_samples of the batch's samples)")
+    if values.dtype.is_floating_point or values.dtype == torch.bool:
+        raise BatchError(f"batch.{name} must hold integer expert ids (int8 / int16), got {values.dtype}")
+    # flat [N, L, K] over the positions, with each one's (row, position) and whether it is a real token
+    if packed:
+        flat, (rows, positions) = values, routes.token_index()
+        real = torch.ones(rows.shape, dtype=torch.bool)
+    else:
+        flat, rows, positions = values.reshape(B * T, *values.shape[2:]), torch.arange(B).repeat_interleave(T), torch.arange(T).repeat(B)
+        real = positions < lengths[rows]
+    out_of_range = (flat >= num_experts) | (flat < -1)
+    missing = (flat == -1) & real[:, None, None] if complete else torch.zeros_like(out_of_range)
     for problem, what, fix in (
         (out_of_range, f"expert ids outside [0, {num_experts})", "the engine ran a model with another number of experts"),
         (missing, "no captured route (-1) on a real token, which replay needs",
          "the engine did not capture every position; set rollout.routed_experts_include_prompt=true (R3 replays the "
          "prompt's routing too) or use algorithm.routing_replay=R2"),
     ):
-        per_sample = problem.reshape(B, -1).any(dim=1)
-        if bool(per_sample.any()):
-            b = int(torch.nonzero(per_sample)[0])
-            t, layer, k = (int(i) for i in torch.nonzero(problem[b])[0])
+        per_position = problem.any(dim=2).any(dim=1)
+        if bool(per_position.any()):
+            n = int(torch.nonzero(per_position)[0])
+            b, t = int(rows[n]), int(positions[n])
+            layer, k = (int(i) for i in torch.nonzero(problem[n])[0])
+            samples = int(torch.zeros(B, dtype=torch.bool).index_fill_(0, rows[per_position], True).sum())
             raise BatchError(
-                f"batch.{name}[{b}, {t}, {layer}, {k}] = {int(routes[b, t, layer, k])} (sample {b}, position {t}, MoE "
-                f"layer {layer}): {what} in {int(per_sample.sum())} sample(s); {fix}"
+                f"batch.{name}[{b}, {t}, {layer}, {k}] = {int(flat[n, layer, k])} (sample {b}, position {t}, MoE "
+                f"layer {layer}): {what} in {samples} sample(s); {fix}"
             )
 
 
-def train_batch_from_rollouts(rollouts, advantages: torch.Tensor, policy_version: int | None = None) -> TrainBatch:
+def train_batch_from_rollouts(rollouts, advantages: torch.Tensor, policy_version: int | None = None, *,
+                              pack_routes: bool = False) -> TrainBatch:
     """A TrainBatch from `megatron_rl.data.batch.PaddedRollouts` (same layout; `Rollouts` are padded first)
-    and the advantages ([B] or [B, T]); policy_version: the weight version the step trains (see TrainBatch)."""
-    padded = rollouts.to_padded() if hasattr(rollouts, "to_padded") else rollouts
+    and the advantages ([B] or [B, T]); policy_version: the weight version the step trains (see TrainBatch).
+
+    pack_routes (with `Rollouts`): the samples' engine routes as `PackedRoutes`, never padded: the trainer's
+    step batch, for ``Actor.distribute`` (the actor's other calls take the shares it makes)."""
+    packed = pack_routes and hasattr(rollouts, "to_padded") and bool(rollouts.samples) and rollouts.samples[0].routed_experts is not None
+    padded = rollouts.to_padded(routes=not packed) if hasattr(rollouts, "to_padded") else rollouts
     return TrainBatch(
         tokens=padded.tokens,
         response_mask=padded.response_mask,
@@ -284,10 +388,10 @@ def train_batch_from_rollouts(rollouts, advantages: torch.Tensor, policy_version
         prompt_lengths=padded.prompt_lengths,
         sequence_lengths=padded.prompt_lengths + padded.response_lengths,
         rollout_logprobs=padded.rollout_logprobs,
-        routed_experts=padded.routed_experts,
+        routed_experts=PackedRoutes.from_samples(rollouts.samples) if packed else padded.routed_experts,
         token_versions=padded.token_versions,
         policy_version=policy_version,
     )
 
 
-__all__ = ["BatchError", "TrainBatch", "check_finite", "check_routes", "train_batch_from_rollouts", "validate_batch"]
+__all__ = ["BatchError", "PackedRoutes", "TrainBatch", "check_finite", "check_routes", "train_batch_from_rollouts", "validate_batch"]

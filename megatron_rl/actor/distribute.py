@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor.batch import TrainBatch
+from megatron_rl.actor.batch import PackedRoutes, TrainBatch
 
 
 def broadcast_object(obj: Any, ctx) -> Any:
@@ -81,7 +81,8 @@ def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
     """The rows `rows` (step indices, ascending) of a whole-step batch, cut to their longest row.
 
     Every tensor field indexed by row ([B, ...]) is indexed; per-token fields
-    ([B, T, ...]) keep T_share = the longest selected row's length columns.
+    ([B, T, ...]) keep T_share = the longest selected row's length columns; `PackedRoutes` keep
+    the selected rows' routes, still without padding.
     """
     if batch.row_ids is not None:
         raise ValueError("select_rows takes the whole step's batch, not a share (row_ids is set)")
@@ -91,6 +92,9 @@ def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
     changes = {}
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
+        if isinstance(value, PackedRoutes):  # the rows' routes without padding (train_batch_from_rollouts(pack_routes=True))
+            changes[f.name] = value.select(index)
+            continue
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != batch.batch_size:
             continue
         value = value[index]

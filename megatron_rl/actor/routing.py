@@ -197,21 +197,22 @@ class RouteRecorder:
         return RankRoutes(unique, experts[first].contiguous(), tuple(layer_ids), self.batch_shape, self.num_moe_layers, self.topk)
 
 
-def replay_routes(routes: torch.Tensor, layouts, lengths: torch.Tensor, *, layer_ids, local, num_moe_layers: int,
-                  topk: int, num_experts: int) -> RankRoutes:
-    """Of the engine's [B, T, L, K] routes (R3, validated complete), what one rank's routers replay: the real
+def replay_routes(routes, layouts, lengths: torch.Tensor, *, batch_shape: tuple[int, int], layer_ids, local,
+                  num_moe_layers: int, topk: int, num_experts: int) -> RankRoutes:
+    """Of the engine's routes ([B, T, L, K] or `batch.PackedRoutes`; R3, validated complete), what one rank's routers replay: the real
     tokens of `layouts` (its microbatches', CP-local) in its sequence-parallel slice (`local`: [B_m, T_m, ...]
     -> [N_local, ...], `local_tokens`), at the MoE layers `layer_ids` of its pipeline stage; keyed like recorded
-    R2 routes (uint8 ids up to 256 experts)."""
-    B, T = routes.shape[:2]
-    recorder = RouteRecorder((B, T), num_moe_layers, topk, num_experts)
+    R2 routes (uint8 ids up to 256 experts) of a batch of `batch_shape` [B, T]."""
+    T = batch_shape[1]
+    recorder = RouteRecorder(tuple(batch_shape), num_moe_layers, topk, num_experts)
     layers = torch.tensor(list(layer_ids), dtype=torch.int64)
     for layout in layouts:
         layout = _layout(layout)
         rows, positions = local(layout.rows), local(layout.positions)
         keep = (rows >= 0) & (positions >= 0) & (positions < lengths[rows.clamp(min=0)])
         rows, positions = rows[keep], positions[keep]
-        recorder.add(rows * T + positions, routes[rows, positions].index_select(1, layers))
+        picked = routes[rows, positions] if isinstance(routes, torch.Tensor) else routes.at(rows, positions)
+        recorder.add(rows * T + positions, picked.index_select(1, layers))
     return recorder.finish(list(layer_ids))
 
 
@@ -283,10 +284,10 @@ class RoutingControl:
         per_layer = [torch.where(found[:, None], experts[:, c], default).contiguous().to(self.ctx.device) for c in range(len(self.layer_ids))]
         return per_layer, found
 
-    def rank_routes(self, routes: torch.Tensor, layouts, lengths: torch.Tensor) -> RankRoutes:
+    def rank_routes(self, routes, layouts, lengths: torch.Tensor, batch_shape: tuple[int, int]) -> RankRoutes:
         """`replay_routes` for this rank's routers (none on a stage without MoE layers: no token kept)."""
-        return replay_routes(routes, layouts if self.routers else (), lengths, layer_ids=self.layer_ids, local=self._local,
-                             num_moe_layers=self.num_moe_layers, topk=self.topk, num_experts=self.num_experts)
+        return replay_routes(routes, layouts if self.routers else (), lengths, batch_shape=batch_shape, layer_ids=self.layer_ids,
+                             local=self._local, num_moe_layers=self.num_moe_layers, topk=self.topk, num_experts=self.num_experts)
 
     # -- one microbatch ---------------------------------------------------------------------------
 

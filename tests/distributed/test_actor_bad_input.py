@@ -60,6 +60,12 @@ def _errors(rank: int, world_size: int, model_dir: str) -> dict:
                    algorithm=AlgorithmConfig(loss="grpo", routing_replay="R3"))
         expect("routes_missing", lambda: r3.compute_logprobs(batch.replace(routed_experts=missing)))
         expect("r3_without_routes", lambda: r3.compute_logprobs(batch))
+        from megatron_rl.actor import PackedRoutes
+
+        whole = torch.zeros(B, T, 2, 2, dtype=torch.int16)  # the trainer's step batch: routes packed, for distribute only
+        packed = PackedRoutes(torch.cat([whole[b, :n] for b, n in enumerate(batch.lengths().tolist())]),
+                              torch.cat([torch.zeros(1, dtype=torch.int64), batch.lengths().cumsum(0)]))
+        expect("packed_not_shared", lambda: r3.prepare_batch(batch.replace(routed_experts=packed)))
         r3.close()
         long_tokens = torch.zeros(B, 600, dtype=torch.int64)
         long_mask = torch.zeros(B, 600, dtype=torch.bool)
@@ -129,3 +135,4 @@ def test_bad_batches_are_refused_with_the_sample_and_the_fix(tmp_path):
     assert "policy logprobs: 35 non-finite response token(s)" in m["nan_own"] and "lower the lr" in m["nan_own"], m["nan_own"]
     assert "did not step" in m["nan_own"] and m["own_unchanged"] and m["own_norm_kept"]
     assert "R3" in m["r3_without_routes"] and "return_routed_experts" in m["r3_without_routes"], m["r3_without_routes"]
+    assert "packed by sample" in m["packed_not_shared"] and "give the step's batch to actor.distribute" in m["packed_not_shared"]

@@ -16,7 +16,9 @@ first), with megatron's distributed optimizer:
   rank's local tokens, sequence-parallel slice and local layers is right).
 
 Every layout gets the step as the trainer gives it: rank 0 holds the batch and
-`actor.distribute` sends each rank its DP rank's rows.
+`actor.distribute` sends each rank its DP rank's rows (R3's engine routes packed
+without padding, as the trainer's step batch holds them; padded on the one-rank
+reference).
 
 The routes recorded on every layout equal the single rank's (gathered for the
 assertion only); each rank holds only the routes its routers computed (its DP
@@ -62,8 +64,10 @@ DENSE_FIRST_WORLD2 = {"PP2": WORLD2["PP2"], "EP2": WORLD2["EP2"]}
 DENSE_FIRST_WORLD4 = {"TP2xEP2": WORLD4["TP2xEP2"]}
 
 
-def make_batch(engine_routes: bool):
-    from megatron_rl.actor import TrainBatch
+def make_batch(engine_routes: bool, packed: bool = False):
+    """packed: the engine routes as the trainer's step batch holds them (PackedRoutes: each row's real positions
+    back to back, no padding)."""
+    from megatron_rl.actor import PackedRoutes, TrainBatch
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([24, 20, 17, 12, 22, 9, 15, 24])
@@ -71,6 +75,9 @@ def make_batch(engine_routes: bool):
     positions = torch.arange(T)
     routes = torch.stack([torch.randperm(NUM_EXPERTS, generator=g)[:TOPK] for _ in range(B * T * MOE_LAYERS)])
     routes = routes.reshape(B, T, MOE_LAYERS, TOPK).to(torch.int16)
+    if packed and engine_routes:
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        routes = PackedRoutes(torch.cat([routes[b, : lengths[b]] for b in range(B)]), offsets)
     return TrainBatch(
         tokens=torch.randint(0, 256, (B, T), generator=g),
         response_mask=(positions[None] >= prompts[:, None]) & (positions[None] < lengths[:, None]),
@@ -108,7 +115,9 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict) -> dict | N
                 )
                 try:
                     # As the trainer runs it: rank 0 holds the step, actor.distribute sends each rank its rows.
-                    share = actor.distribute(make_batch(engine_routes=mode == "R3") if rank == 0 else None)
+                    # R3's routes: padded [B, T, L, K] on the one-rank reference, packed as the trainer's elsewhere
+                    batch = make_batch(engine_routes=mode == "R3", packed=name != "single") if rank == 0 else None
+                    share = actor.distribute(batch)
                     batch, prepare_metrics = actor.prepare_batch(share)
                     train_metrics = actor.train_step(batch)
                     case[mode] = {

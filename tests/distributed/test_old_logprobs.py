@@ -16,9 +16,14 @@ distribute, prepare_batch, train_step), two actors from the same weights train t
   mini-batch only (the first's is 0 by construction);
 - the engine-vs-trainer routing metrics, measured in the training forward, equal those of forward's
   old-policy forward (the same weights and routers).
+
+`forward` gets the engine routes padded to [B, T, L, K], `training_forward` packed by sample as the trainer's
+step batch holds them (`PackedRoutes`): R3's replay (PP2) and the metrics-only routes (EP2) give the same step.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -44,13 +49,17 @@ CASES = {
 TOLERANCE = 1e-6
 
 
-def make_batch(engine_routes: bool, engine_logprobs: bool):
+def make_batch(engine_routes: bool, engine_logprobs: bool, packed: bool = False):
     """The routing-replay test's batch (8 rows of 9-24 tokens, random engine routes), routes int8 as compact_routes
-    makes them for 8 experts, and engine logprobs near, not equal to, the trainer's (TIS weights other than 1)."""
-    batch = replay_batch(engine_routes)
+    makes them for 8 experts (packed: without padding, as the trainer's step batch holds them), and engine logprobs
+    near, not equal to, the trainer's (TIS weights other than 1)."""
+    batch = replay_batch(engine_routes, packed=packed)
     g = torch.Generator().manual_seed(3)
+    routes = batch.routed_experts
+    if engine_routes:
+        routes = dataclasses.replace(routes, values=routes.values.to(torch.int8)) if packed else routes.to(torch.int8)
     return batch.replace(
-        routed_experts=batch.routed_experts.to(torch.int8) if engine_routes else None,
+        routed_experts=routes,
         rollout_logprobs=torch.where(batch.response_mask, -5.0 + 0.3 * torch.rand(B, T, generator=g), 0.0) if engine_logprobs else None,
     )
 
@@ -64,7 +73,9 @@ def _step(ctx, model_dir, rank, train, algorithm, source, engine_routes, engine_
     try:
         forwards = [0]
         hooks = [chunk.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1)) for chunk in actor.model]
-        share = actor.distribute(make_batch(engine_routes, engine_logprobs) if rank == 0 else None)
+        # the engine routes padded for `forward`, packed (the trainer's) for `training_forward`: the same step
+        packed = source == "training_forward"
+        share = actor.distribute(make_batch(engine_routes, engine_logprobs, packed) if rank == 0 else None)
         share, prepare_metrics = actor.prepare_batch(share)
         prepare_forwards = forwards[0]
         for hook in hooks:

@@ -126,3 +126,72 @@ def test_from_rollouts_keeps_the_layout():
                    complete_routes=("routed_experts",))
     unpadded = train_batch_from_rollouts(Rollouts(samples=samples, n_samples=2, weight_version=0), torch.tensor([1.0, -1.0]))
     assert torch.equal(unpadded.tokens, batch.tokens) and torch.equal(unpadded.routed_experts, batch.routed_experts)
+
+
+def _route_samples() -> list:
+    """Samples of uneven lengths, with and without prompt rows in their routes, in int8 and int16."""
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for j, (prompt, response, include_prompt, dtype) in enumerate(
+        ((3, 4, True, torch.int8), (2, 6, False, torch.int16), (4, 1, True, torch.int8), (1, 3, True, torch.int8))
+    ):
+        rows = prompt + response if include_prompt else response
+        samples.append(RolloutSample(
+            prompt_index=j, sample_index=0, prompt_token_ids=torch.arange(5, 5 + prompt),
+            response_token_ids=torch.arange(10, 10 + response), rollout_logprobs=-torch.rand(response, generator=g),
+            finish_reason="stop", stop_reason=None, weight_version=0,
+            routed_experts=torch.randint(0, 4, (rows, 2, 2), generator=g).to(dtype), routed_experts_include_prompt=include_prompt))
+    return samples
+
+
+def test_packed_routes_hold_what_padding_holds_and_no_padding():
+    # The reference is Rollouts.to_padded's [B, T, L, K] (each sample's routes written at its positions, -1 elsewhere).
+    from megatron_rl.actor import PackedRoutes
+    from megatron_rl.actor.distribute import select_rows
+
+    rollouts = Rollouts(samples=_route_samples(), n_samples=1, weight_version=0)
+    padded = rollouts.to_padded().routed_experts  # [4, 8, 2, 2] int16: one sample is int16
+    batch = train_batch_from_rollouts(rollouts, torch.zeros(4), pack_routes=True)
+    packed = batch.routed_experts
+    assert isinstance(packed, PackedRoutes) and packed.values.dtype == torch.int16 == padded.dtype
+    assert packed.lengths().tolist() == [7, 8, 5, 4] and packed.values.shape == (24, 2, 2)  # 24 positions, not 4 x 8
+    assert torch.equal(packed.to_padded(8), padded)
+    assert bool((packed.values[7:9] == -1).all())  # sample 1's prompt: not captured
+    rows, positions = torch.tensor([3, 0, 1, 1]), torch.tensor([2, 6, 0, 7])
+    assert torch.equal(packed.at(rows, positions), padded[rows, positions])
+    picked = packed.select(torch.tensor([2, 0]))
+    assert torch.equal(picked.to_padded(7), padded[[2, 0], :7])
+    # a share (actor.distribute's select_rows) keeps its rows' routes, unpadded
+    share = select_rows(batch, [0, 2])
+    assert torch.equal(share.routed_experts.to_padded(share.seq_len), padded[[0, 2], :7])
+    assert share.routed_experts.values.shape[0] == 12
+    assert torch.equal(batch.select(torch.tensor([1])).routed_experts.to_padded(8), padded[[1]])
+    limits = dict(vocab_size=100, max_positions=64, num_moe_layers=2, topk=2, num_experts=4)
+    validate_batch(batch, **limits)  # sample 1's prompt holds no routes: fine unless they are replayed
+    with pytest.raises(BatchError, match=r"routed_experts\[1, 0, 0, 0\] = -1 \(sample 1, position 0, MoE layer 0\): no captured "
+                                         r"route \(-1\) on a real token, which replay needs in 1 sample\(s\)"):
+        validate_batch(batch, complete_routes=("routed_experts",), **limits)
+
+
+def test_packed_routes_are_refused_as_padded_routes_are():
+    # The same bad routes, padded and packed, give the same message.
+    from megatron_rl.actor import PackedRoutes
+
+    rollouts = Rollouts(samples=[s for s in _route_samples() if s.routed_experts_include_prompt], n_samples=1, weight_version=0)
+    padded_batch = train_batch_from_rollouts(rollouts, torch.zeros(3))
+    packed_batch = train_batch_from_rollouts(rollouts, torch.zeros(3), pack_routes=True)
+    limits = dict(vocab_size=100, max_positions=64, num_moe_layers=2, topk=2, num_experts=4)
+    packed_batch.routed_experts.values[7 + 3, 1, 0] = 9  # sample 1, position 3
+    padded_batch.routed_experts[1, 3, 1, 0] = 9
+    packed_batch.routed_experts.values[-1, 0, 1] = 4  # sample 2, position 3
+    padded_batch.routed_experts[2, 3, 0, 1] = 4
+    for batch in (padded_batch, packed_batch):
+        with pytest.raises(BatchError, match=r"routed_experts\[1, 3, 1, 0\] = 9 \(sample 1, position 3, MoE layer 1\): expert "
+                                             r"ids outside \[0, 4\) in 2 sample\(s\)"):
+            validate_batch(batch, **limits)
+        with pytest.raises(BatchError, match=r"the routes describe 2 MoE layer\(s\) x top-2, the model has 3 x top-2"):
+            validate_batch(batch, **{**limits, "num_moe_layers": 3})
+    routes = packed_batch.routed_experts
+    short = packed_batch.replace(routed_experts=PackedRoutes(routes.values[:-1], routes.offsets - torch.tensor([0, 0, 0, 1])))
+    with pytest.raises(BatchError, match="holds 3 positions of sample 2, which has 4 tokens: the routes are not aligned"):
+        validate_batch(short, **limits)
