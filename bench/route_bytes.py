@@ -1,4 +1,4 @@
-"""Bytes of R3's engine routes through a step: the samples, rank 0's padded batch and the share each DP rank receives.
+"""Bytes of R3's engine routes through a step: the samples, rank 0's step batch, each DP rank's share, what a rank keeps.
 
 For two real MoE shapes, a step of SEQUENCES samples with long-tailed lengths (the packing benchmark's
 distribution, up to MAX_LEN tokens) gets random routes as the engine returns them ([T, L, K] per sample,
@@ -6,10 +6,12 @@ made by `rollout.routing.compact_routes`, as `assemble_routes` makes them), then
 `train_batch_from_rollouts` (rank 0's step batch) and `actor.distribute`'s `select_rows` + pickle for
 D = 4 data-parallel ranks (the actor's token-balanced plan). Three ways: every id int16 and padded to
 [B, T, L, K] (`Rollouts.to_padded`), compact_routes' ids (int8 for up to 128 experts) padded, and those
-packed by sample without padding (`pack_routes=True`, `actor.PackedRoutes`: what the trainer does). Then, for the shape's preset layout (TP with sequence parallelism x PP), what each
-rank of DP rank 0 keeps of its share for the step: `routing.replay_routes` on that rank's microbatch
-layouts, sequence-parallel slice and stage's MoE layers (Actor.distribute under R3), against the share's
-[B/D, T, L, K] routes it received.
+packed by sample without padding (`pack_routes=True`, `actor.PackedRoutes`: what the trainer does).
+
+Then, for the shape's preset layout (TP with sequence parallelism x PP), what each rank of DP rank 0
+keeps of its share for the step: `routing.replay_routes` on that rank's microbatch layouts,
+sequence-parallel slice and stage's MoE layers (Actor.distribute under R3), against the routes of the
+packed share it received.
 
 Writes bench/results/route_bytes.json. Run: python bench/route_bytes.py  (about a minute).
 """

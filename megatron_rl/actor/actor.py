@@ -222,7 +222,8 @@ class Actor:
         Rows go to DP ranks as the plan assigns them (balanced by tokens per mini-batch);
         only rank 0 ever holds the whole step (actor.distribute). The bytes this rank
         received are in `last_share_bytes`. Under R3 the share's engine routes (`PackedRoutes` from the
-        trainer, or [B/D, T, L, K]) become the `RankRoutes` this rank's routers replay (`_replay_routes`).
+        trainer, or [B/D, T, L, K]) become the `RankRoutes` this rank's routers replay (`routing.replay_routes`:
+        its sequence-parallel slice and CP chunks of its rows, its stage's MoE layers).
         """
 
         def assign(whole: TrainBatch) -> list[list[int]]:
@@ -230,23 +231,15 @@ class Actor:
             return [sorted(r for mini in plan for mb in mini[d] for r in mb.rows if r >= 0) for d in range(self.ctx.dp_size)]
 
         share, self.last_share_bytes = scatter_shares(batch, self.ctx, assign)
-        routes = share.routed_experts
-        if self.algorithm.routing_replay == "R3" and routes is not None and self.routing.num_moe_layers:
-            share = share.replace(routed_experts=self._replay_routes(share))
+        routes, ctx = share.routed_experts, self.ctx
+        if self.algorithm.routing_replay == "R3" and routes is not None:  # what this rank's routers replay, for the step
+            lengths = share.lengths()
+            layouts = (microbatch_layout(mb, lengths, multiple=self._width_multiple, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank)
+                       for mini in self._my_microbatches(share) for mb in mini)
+            share = share.replace(routed_experts=self.routing.rank_routes(routes, layouts, lengths, (share.batch_size, share.seq_len)))
         elif isinstance(routes, PackedRoutes):  # kept for the routing metrics: the share's [B/D, T, L, K]
             share = share.replace(routed_experts=routes.to_padded(share.seq_len))
         return share
-
-    def _replay_routes(self, share: TrainBatch) -> RankRoutes:
-        """R3: of the share's engine routes, the ones this rank replays: the tokens its routers see (its
-        sequence-parallel slice, its CP chunks) at its pipeline stage's MoE layers. The share's routes
-        have every layer of every token: held for the step they would be TP x CP x PP times more (with
-        sequence parallelism) than a rank uses."""
-        lengths = share.lengths()
-        ctx = self.ctx
-        layouts = (microbatch_layout(mb, lengths, multiple=self._width_multiple, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank)
-                   for mini in self._my_microbatches(share) for mb in mini)
-        return self.routing.rank_routes(share.routed_experts, layouts, lengths, (share.batch_size, share.seq_len))
 
     def _my_microbatches(self, batch: TrainBatch) -> list[list[Microbatch]]:
         """This rank's microbatches per mini-batch, rows indexed in `batch` (a share or the whole step).

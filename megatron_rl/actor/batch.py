@@ -29,27 +29,27 @@ class BatchError(ValueError):
 class PackedRoutes:
     """The engine's routes of a batch's rows back to back, without padding (R3, rollout.return_routed_experts).
 
-    Row b's positions 0 .. length_b - 1 are ``values[offsets[b]:offsets[b + 1]]`` ([N, L, K] int8 / int16
-    expert ids, -1 where the engine captured none); positions past a row's length hold nothing. The
-    trainer's step batch carries its routes so (`train_batch_from_rollouts(..., pack_routes=True)`): rank 0
-    and the shares `Actor.distribute` sends hold no padding routes, each a [T, L, K] block per padded
-    position otherwise (94 x 8 bytes a position for Qwen3-235B).
+    Row b's positions 0 .. length_b - 1 are ``values[offsets[b]:offsets[b + 1]]``; positions past a row's
+    length hold nothing. The trainer's step batch carries its routes so (`train_batch_from_rollouts(...,
+    pack_routes=True)`): rank 0 and the shares `Actor.distribute` sends hold no routes for padding, where
+    padded rows would hold L x K ids for every position up to T (94 x 8 bytes a position for Qwen3-235B).
     """
 
     values: torch.Tensor
+    """[N, L, K] int8 / int16 expert ids of every row's positions, rows in order; -1 where the engine captured none."""
     offsets: torch.Tensor
-    """[B + 1] int64, offsets[0] = 0."""
+    """[B + 1] int64: offsets[0] = 0, offsets[B] = N."""
 
     @classmethod
     def from_samples(cls, samples) -> "PackedRoutes":
         """The routes of rollout samples (`RolloutSample.routed_experts`, with or without prompt rows), in the widest
         of their types (rollout.routing.compact_routes: int8 or int16)."""
-        wide = any(s.routed_experts.dtype != torch.int8 for s in samples)
-        dtype = torch.int16 if wide else torch.int8
+        missing = [b for b, s in enumerate(samples) if s.routed_experts is None]
+        if missing:
+            raise ValueError(f"sample {missing[0]} has no routed experts while sample 0 has")
+        dtype = torch.int16 if any(s.routed_experts.dtype != torch.int8 for s in samples) else torch.int8
         parts, lengths = [], []
-        for b, s in enumerate(samples):
-            if s.routed_experts is None:
-                raise ValueError(f"sample {b} has no routed experts while sample 0 has")
+        for s in samples:
             routes = s.routed_experts.to(dtype)
             if not s.routed_experts_include_prompt:  # prompt positions: not captured
                 routes = torch.cat([routes.new_full((s.prompt_length, *routes.shape[1:]), -1), routes])
@@ -328,21 +328,26 @@ def check_routes(
     values = routes.values if packed else routes
     expected = (B, T, num_moe_layers, topk)
     if packed:  # [B, (each row's length), L, K]
-        got, aligned = (routes.batch_size, "...", *values.shape[1:]), values.dim() == 3 and routes.batch_size == B
+        offsets = routes.offsets
+        got = (routes.batch_size, "...", *values.shape[1:])
+        aligned = (values.dim() == 3 and routes.batch_size == B and int(offsets[0]) == 0
+                   and int(offsets[-1]) == values.shape[0] and bool((offsets.diff() >= 0).all()))
+        fix = "PackedRoutes.from_samples of the batch's samples, in the batch's order"
     else:
         got, aligned = tuple(values.shape), values.dim() == 4 and tuple(values.shape[:2]) == (B, T)
+        fix = "pad them to the batch's [B, T] as PaddedRollouts does"
     if not aligned or tuple(got[2:]) != expected[2:]:
         hint = ""
         if aligned:
             hint = (f": the routes describe {got[2]} MoE layer(s) x top-{got[3]}, the model has {num_moe_layers} x "
                     f"top-{topk}; the engine ran another model than the trainer (check rollout and model paths)")
         elif packed or values.dim() == 4:
-            hint = ": the routes are not aligned with `tokens` (pad them to the batch's [B, T] as PaddedRollouts does)"
+            hint = f": the routes are not aligned with `tokens` ({fix})"
         raise BatchError(f"batch.{name} has shape {got}, expected [B, T, L, K] = {list(expected)}{hint}")
     if packed and not torch.equal(routes.lengths(), lengths):
         b = int(torch.nonzero(routes.lengths() != lengths)[0])
         raise BatchError(f"batch.{name} holds {int(routes.lengths()[b])} positions of sample {b}, which has {int(lengths[b])} "
-                         "tokens: the routes are not aligned with `tokens` (PackedRoutes.from_samples of the batch's samples)")
+                         f"tokens: the routes are not aligned with `tokens` ({fix})")
     if values.dtype.is_floating_point or values.dtype == torch.bool:
         raise BatchError(f"batch.{name} must hold integer expert ids (int8 / int16), got {values.dtype}")
     # flat [N, L, K] over the positions, with each one's (row, position) and whether it is a real token
@@ -380,7 +385,7 @@ def train_batch_from_rollouts(rollouts, advantages: torch.Tensor, policy_version
     pack_routes (with `Rollouts`): the samples' engine routes as `PackedRoutes`, never padded: the trainer's
     step batch, for ``Actor.distribute`` (the actor's other calls take the shares it makes)."""
     packed = pack_routes and hasattr(rollouts, "to_padded") and bool(rollouts.samples) and rollouts.samples[0].routed_experts is not None
-    padded = rollouts.to_padded(routes=not packed) if hasattr(rollouts, "to_padded") else rollouts
+    padded = rollouts.to_padded(with_routes=not packed) if hasattr(rollouts, "to_padded") else rollouts
     return TrainBatch(
         tokens=padded.tokens,
         response_mask=padded.response_mask,

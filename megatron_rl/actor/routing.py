@@ -13,9 +13,10 @@ Where routes live: R2 routes stay on the rank whose routers computed them
 sequence-parallel / CP tokens), keyed by (row, position), so the training
 forward of the same rows replays them on that rank whatever its microbatch
 plan; no collective moves them. Per rank that is B/D x T/(TP x CP) x L/PP x K
-bytes (uint8 ids for fewer than 256 experts). R3 routes come from the engine as
-[B, T, L, K] per row and travel with their rows (actor.distribute); each rank then keeps
-only what its routers replay, as the same `RankRoutes` (`replay_routes`).
+bytes (uint8 ids for fewer than 256 experts). R3 routes come from the engine per
+sample and travel with their rows, packed without padding (batch.PackedRoutes,
+actor.distribute); each rank then keeps only what its routers replay, as the same
+`RankRoutes` (`replay_routes`).
 
 Global layout (what the engine returns and what the actor records):
 ``routes[b, t, l, k]`` = the k-th expert MoE layer l (MoE layers in model
@@ -106,8 +107,9 @@ def _default_where_missing(routes: torch.Tensor, topk: int) -> torch.Tensor:
 def gathered_routes(routes: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     """[N_in, W_in, L, K] int64 routes at a microbatch's input positions, -1 where none (padding, not captured).
 
-    The microbatch's positions are picked first and only they are widened to int64: the share's [B, T, L, K]
-    routes (R3: every layer of every token of the share) are never copied whole.
+    The microbatch's positions are picked first and only they are widened to int64: the batch's [B, T, L, K]
+    routes (every layer of every token: a whole batch's R3 routes, or engine routes kept for the metrics) are
+    never copied whole.
     """
     valid = (layout.rows >= 0) & (layout.positions >= 0) & (layout.positions < routes.shape[1])
     out = gather_positions(routes, layout, valid, fill=0).to(torch.int64)
@@ -128,7 +130,8 @@ def microbatch_positions(layout: TokenLayout | Microbatch, lengths: torch.Tensor
 
 @dataclass
 class RankRoutes:
-    """The R2 routes this rank's routers computed in one forward, keyed by (row, position).
+    """The routes this rank's routers replay, keyed by (row, position): R2's, computed by them in the old-policy
+    forward (`RouteRecorder`), or R3's, the engine's cut to this rank (`replay_routes`).
 
     keys [N] int64, sorted: row * seq_len + position (row in the batch the forward ran on);
     experts [N, L_local, K] (uint8 / int16 expert ids) for the MoE layers `layer_ids` (global
@@ -267,9 +270,10 @@ class RoutingControl:
         """Per local router [N_local, K] int64 from this rank's recorded routes (padding: experts 0..K-1), and found [N_local]."""
         if routes.layer_ids != tuple(self.layer_ids):
             raise ValueError(
-                f"recorded routes hold MoE layers {routes.layer_ids} of a [B, T] = {routes.batch_shape} batch, this rank's "
-                f"routers are layers {tuple(self.layer_ids)}: replay R2 routes on the rank and layout that recorded them "
-                "(actor.prepare_batch and actor.train_step on the same actor and batch)"
+                f"this rank's routes hold MoE layers {routes.layer_ids} of a [B, T] = {routes.batch_shape} batch, its "
+                f"routers are layers {tuple(self.layer_ids)}: replay routes on the rank and layout that made them (R2: "
+                "actor.prepare_batch and actor.train_step on the same actor and batch; R3: the share this actor's "
+                "actor.distribute made)"
             )
         rows, positions = self._local(layout.rows), self._local(layout.positions)
         experts, found = routes.lookup(rows, positions)
@@ -277,8 +281,9 @@ class RoutingControl:
         if bool((real & ~found).any()):
             missing = int((real & ~found).nonzero()[0, 0])
             raise ValueError(
-                f"no recorded route on this rank for row {int(rows[missing])} position {int(positions[missing])}: R2 routes "
-                "are replayed on the rank that recorded them; record them with actor.prepare_batch(batch) on this batch share"
+                f"no route on this rank for row {int(rows[missing])} position {int(positions[missing])}: routes are replayed "
+                "on the rank that holds them; R2: record them with actor.prepare_batch(batch) on this batch share; R3: "
+                "train the share this actor's actor.distribute made"
             )
         default = torch.arange(self.topk, dtype=torch.int64).expand_as(experts[:, 0])
         per_layer = [torch.where(found[:, None], experts[:, c], default).contiguous().to(self.ctx.device) for c in range(len(self.layer_ids))]

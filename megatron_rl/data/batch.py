@@ -144,9 +144,9 @@ class Rollouts:
         start = prompt_index * self.n_samples
         return self.samples[start : start + self.n_samples]
 
-    def to_padded(self, pad_token_id: int = 0, *, routes: bool = True) -> PaddedRollouts:
-        """Right-pad into [B, T] tensors (see PaddedRollouts); routes=False leaves routed_experts None (the actor's
-        `train_batch_from_rollouts(..., pack_routes=True)` takes them from the samples, unpadded)."""
+    def to_padded(self, pad_token_id: int = 0, *, with_routes: bool = True) -> PaddedRollouts:
+        """Right-pad into [B, T] tensors (see PaddedRollouts); with_routes=False leaves routed_experts None (the
+        actor's `train_batch_from_rollouts(..., pack_routes=True)` takes them from the samples, unpadded)."""
         if not self.samples:
             raise ValueError("Rollouts.to_padded: no samples")
         batch = len(self.samples)
@@ -156,9 +156,9 @@ class Rollouts:
         attention_mask = torch.zeros(batch, total, dtype=torch.bool)
         logprobs = torch.zeros(batch, total, dtype=torch.float32)
         versions = torch.full((batch, total), -1, dtype=torch.int64)
-        routes, wanted = None, routes
+        routes = None
         first = self.samples[0].routed_experts
-        if first is not None and wanted:  # the widest of the samples' types (rollout.routing.compact_routes: int8 or int16)
+        if first is not None and with_routes:  # the widest of the samples' types (rollout.routing.compact_routes: int8 or int16)
             wide = any(s.routed_experts is not None and s.routed_experts.dtype != torch.int8 for s in self.samples)
             routes = torch.full((batch, total, first.shape[1], first.shape[2]), -1, dtype=torch.int16 if wide else torch.int8)
         for b, s in enumerate(self.samples):

@@ -103,7 +103,8 @@ def compact_routes(rows: np.ndarray) -> torch.Tensor:
     """[T, L, K] routes as a tensor of the narrowest signed type holding them: int8 when every expert id is below
     128 (models of up to 128 experts: Qwen3-MoE, Mixtral, Moonlight), else int16. Lossless; R3's routes are
     most of a step's bytes (a Qwen3-235B token: 94 layers x top-8 ids, against about 21 bytes for the rest of
-    its row), so this halves the step's batch on rank 0, every share actor.distribute sends and each rank's copy.
+    its row), so this halves the samples' routes, and with them the step's batch on rank 0 and every share
+    actor.distribute sends (each rank then keeps uint8 ids of its own tokens and layers: actor.routing.replay_routes).
     """
     narrow = rows.size == 0 or int(rows.max()) < 128
     return torch.from_numpy(rows.astype(np.int8 if narrow else np.int16))  # a copy: a view would keep all of `rows`

@@ -195,3 +195,20 @@ def test_packed_routes_are_refused_as_padded_routes_are():
     short = packed_batch.replace(routed_experts=PackedRoutes(routes.values[:-1], routes.offsets - torch.tensor([0, 0, 0, 1])))
     with pytest.raises(BatchError, match="holds 3 positions of sample 2, which has 4 tokens: the routes are not aligned"):
         validate_batch(short, **limits)
+
+
+def test_packed_routes_that_do_not_fit_their_samples_are_named():
+    from megatron_rl.actor import PackedRoutes
+
+    samples = _route_samples()
+    samples[2].routed_experts = None
+    with pytest.raises(ValueError, match="sample 2 has no routed experts while sample 0 has"):
+        PackedRoutes.from_samples(samples)
+    batch = train_batch_from_rollouts(Rollouts(samples=_route_samples(), n_samples=1, weight_version=0), torch.zeros(4),
+                                      pack_routes=True)
+    routes = batch.routed_experts
+    limits = dict(vocab_size=100, max_positions=64, num_moe_layers=2, topk=2, num_experts=4)
+    for offsets in (routes.offsets + 1, routes.offsets[:-1].tolist() + [30]):  # not from 0; past the values' 24 rows
+        bad = batch.replace(routed_experts=PackedRoutes(routes.values, torch.as_tensor(offsets)))
+        with pytest.raises(BatchError, match=r"not aligned with `tokens` \(PackedRoutes.from_samples of the batch's samples"):
+            validate_batch(bad, **limits)

@@ -119,3 +119,41 @@ def test_set_differs_matches_comparing_whole_expert_maps():
         expected = (marked != torch.zeros(N, E, dtype=torch.bool).scatter_(1, reference, True)).any(dim=1)
         assert torch.equal(set_differs(marked, reference), expected)
     assert 0 < int(set_differs(routing_map, reference).sum()) < N
+
+
+def test_replay_routes_keep_a_ranks_tokens_and_layers_from_padded_and_packed_routes():
+    # R3's cut for one rank (actor.distribute): of a share's [B, T, L, K] engine routes, the real tokens its
+    # routers see (TP2 sequence-parallel slice x CP2 chunks of packed microbatches) at its stage's layers (1, 3).
+    # Independent of the code: each kept route equals the engine's at (key // T, key % T), and the ranks together
+    # keep every real token exactly once per TP x CP split.
+    from functools import partial
+
+    from megatron_rl.actor import PackedRoutes
+    from megatron_rl.actor.packing import microbatch_layout
+    from megatron_rl.actor.plan import plan_step
+    from megatron_rl.actor.routing import replay_routes
+
+    g = torch.Generator().manual_seed(0)
+    B, T, L, K, layers = 6, 12, 4, 2, (1, 3)
+    lengths = torch.tensor([12, 5, 9, 3, 7, 11])
+    routes = torch.randint(0, 8, (B, T, L, K), generator=g, dtype=torch.int16)
+    packed = PackedRoutes(torch.cat([routes[b, :n] for b, n in enumerate(lengths.tolist())]),
+                          torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
+    tp, cp = 2, 2
+    plan = plan_step(lengths.tolist(), mini_batches=1, dp_size=1, max_tokens_per_microbatch=24, width_multiple=tp * 2 * cp,
+                     pack_sequences=True)
+    seen = torch.zeros(B, T, dtype=torch.int64)
+    for cp_rank in range(cp):
+        for tp_rank in range(tp):
+            local = partial(local_tokens, tp_rank=tp_rank, tp_size=tp, sequence_parallel=True)
+            kept = [replay_routes(source, (microbatch_layout(mb, lengths, multiple=tp * 2 * cp, cp_size=cp, cp_rank=cp_rank)
+                                           for mb in plan[0][0]), lengths, batch_shape=(B, T), layer_ids=layers, local=local,
+                                  num_moe_layers=L, topk=K, num_experts=8) for source in (routes, packed)]
+            assert torch.equal(kept[0].keys, kept[1].keys) and torch.equal(kept[0].experts, kept[1].experts)
+            rows, positions = kept[0].keys // T, kept[0].keys % T
+            assert kept[0].experts.dtype == torch.uint8 and kept[0].layer_ids == layers
+            assert torch.equal(kept[0].experts.long(), routes[rows, positions][:, list(layers)].long())
+            assert bool((positions < lengths[rows]).all())  # real tokens only
+            seen[rows, positions] += 1
+    real = torch.arange(T)[None] < lengths[:, None]
+    assert bool((seen[real] == 1).all()) and bool((seen[~real] == 0).all())
