@@ -6,7 +6,7 @@ made by `rollout.routing.compact_routes`, as `assemble_routes` makes them), then
 `train_batch_from_rollouts` (rank 0's step batch) and `actor.distribute`'s `select_rows` + pickle for
 D = 4 data-parallel ranks (the actor's token-balanced plan). Three ways: every id int16 and padded to
 [B, T, L, K] (`Rollouts.to_padded`), compact_routes' ids (int8 for up to 128 experts) padded, and those
-packed by sample without padding (`pack_routes=True`, `actor.PackedRoutes`: what the trainer does).
+packed by sample without padding (`pack_routes=True`, `data.batch.PackedRoutes`: what the trainer does).
 
 Then, for the shape's preset layout (TP with sequence parallelism x PP), what each rank of DP rank 0
 keeps of its share for the step: `routing.replay_routes` on that rank's microbatch layouts,
@@ -49,7 +49,7 @@ SEQUENCES, MAX_LEN, PROMPT, DP = 32, 2048, 64, 4
 
 def step(layers: int, topk: int, experts: int, widen: bool, packed: bool):
     """(the samples' route bytes, the step's TrainBatch): routes padded to [B, T, L, K] (Rollouts.to_padded) or
-    packed by sample (train_batch_from_rollouts(pack_routes=True), the trainer's)."""
+    packed by sample (Rollouts.to_padded(pack_routes=True), the trainer's)."""
     from megatron_rl.actor import train_batch_from_rollouts
     from megatron_rl.data.batch import RolloutSample, Rollouts
     from megatron_rl.rollout.routing import compact_routes

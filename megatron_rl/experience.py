@@ -34,7 +34,8 @@ class Experience:
     """A step's training data. B = groups x n_samples, T = longest prompt + response."""
 
     rollouts: PaddedRollouts
-    """tokens [B, T], response_mask [B, T] (overlong-filtered), rollout_logprobs [B, T], routed experts."""
+    """tokens [B, T], response_mask [B, T] (overlong-filtered), rollout_logprobs [B, T], routed experts (packed by
+    sample: `PackedRoutes`)."""
     rewards: torch.Tensor
     """[B] float32: task reward plus length shaping (what the advantages are computed from)."""
     advantages: torch.Tensor
@@ -154,7 +155,9 @@ def collect_experience(
 def assemble_experience(samples: list, rewards, shaped, truncated, group_ids, weight_version: int, cfg, tokenizer: Tokenizer) -> Experience:
     """The step's Experience from its kept samples (prompt-major groups): padding, advantages, overlong filter, metrics."""
     algo = cfg.algorithm
-    padded = Rollouts(samples=samples, n_samples=cfg.rollout.n_samples, weight_version=weight_version).to_padded(tokenizer.pad_id)
+    # engine routes (R3, rollout.return_routed_experts) packed by sample: rank 0 holds no routes for padding
+    padded = Rollouts(samples=samples, n_samples=cfg.rollout.n_samples, weight_version=weight_version).to_padded(
+        tokenizer.pad_id, pack_routes=True)
     advantages = compute_advantages(shaped, group_ids, algo, group_size=cfg.rollout.n_samples)
     if algo.overlong_filter:
         padded.response_mask = overlong_filter_mask(padded.response_mask, truncated)

@@ -269,8 +269,7 @@ class Trainer:
         self._offload.to_device()  # the actor's memory back from the host (train.offload)
         whole = None
         if experience is not None:
-            whole = train_batch_from_rollouts(experience.rollouts, experience.advantages, policy_version=self.weight_version,
-                                              pack_routes=True)  # engine routes without padding, until each rank's share
+            whole = train_batch_from_rollouts(experience.rollouts, experience.advantages, policy_version=self.weight_version)
         with self._watch.phase(step, "train"):
             batch = self.actor.distribute(whole)  # this rank's rows only
             del whole

@@ -182,7 +182,7 @@ class Actor:
         """validate_batch against this model; returns the [B] sequence lengths. step: the step's batch that
         `distribute` shares out, the only one that may hold `PackedRoutes`."""
         if not step and isinstance(batch.routed_experts, PackedRoutes):
-            raise BatchError("batch.routed_experts are packed by sample (train_batch_from_rollouts(..., pack_routes=True)), "
+            raise BatchError("batch.routed_experts are packed by sample (Rollouts.to_padded(pack_routes=True): the trainer's step batch), "
                              "for actor.distribute: give the step's batch to actor.distribute and train the share it returns")
         validate_batch(
             batch,

@@ -17,89 +17,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_rl.data.batch import PackedRoutes
+
 if TYPE_CHECKING:
     from megatron_rl.actor.routing import RankRoutes
 
 
 class BatchError(ValueError):
     """A batch the actor cannot train on; the message names the sample and the fix."""
-
-
-@dataclass
-class PackedRoutes:
-    """The engine's routes of a batch's rows back to back, without padding (R3, rollout.return_routed_experts).
-
-    Row b's positions 0 .. length_b - 1 are ``values[offsets[b]:offsets[b + 1]]``; positions past a row's
-    length hold nothing. The trainer's step batch carries its routes so (`train_batch_from_rollouts(...,
-    pack_routes=True)`): rank 0 and the shares `Actor.distribute` sends hold no routes for padding, where
-    padded rows would hold L x K ids for every position up to T (94 x 8 bytes a position for Qwen3-235B).
-    """
-
-    values: torch.Tensor
-    """[N, L, K] int8 / int16 expert ids of every row's positions, rows in order; -1 where the engine captured none."""
-    offsets: torch.Tensor
-    """[B + 1] int64: offsets[0] = 0, offsets[B] = N."""
-
-    @classmethod
-    def from_samples(cls, samples) -> "PackedRoutes":
-        """The routes of rollout samples (`RolloutSample.routed_experts`, with or without prompt rows), in the widest
-        of their types (rollout.routing.compact_routes: int8 or int16)."""
-        missing = [b for b, s in enumerate(samples) if s.routed_experts is None]
-        if missing:
-            raise ValueError(f"sample {missing[0]} has no routed experts while sample 0 has")
-        dtype = torch.int16 if any(s.routed_experts.dtype != torch.int8 for s in samples) else torch.int8
-        parts, lengths = [], []
-        for s in samples:
-            routes = s.routed_experts.to(dtype)
-            if not s.routed_experts_include_prompt:  # prompt positions: not captured
-                routes = torch.cat([routes.new_full((s.prompt_length, *routes.shape[1:]), -1), routes])
-            parts.append(routes)
-            lengths.append(s.prompt_length + s.response_length)
-        values = torch.cat(parts)
-        offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor([p.shape[0] for p in parts]).cumsum(0)
-        if [p.shape[0] for p in parts] != lengths:
-            b = next(i for i, (p, n) in enumerate(zip(parts, lengths)) if p.shape[0] != n)
-            raise ValueError(f"sample {b}'s routed experts cover {parts[b].shape[0]} positions, its tokens {lengths[b]}")
-        return cls(values, offsets)
-
-    @property
-    def batch_size(self) -> int:
-        return self.offsets.numel() - 1
-
-    @property
-    def nbytes(self) -> int:
-        return self.values.nbytes + self.offsets.nbytes
-
-    def lengths(self) -> torch.Tensor:
-        return self.offsets.diff()
-
-    def token_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row [N], position [N]) of each entry of `values`."""
-        lengths = self.lengths()
-        rows = torch.repeat_interleave(torch.arange(self.batch_size), lengths)
-        return rows, torch.arange(self.values.shape[0]) - self.offsets[:-1].repeat_interleave(lengths)
-
-    def at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[N, L, K] routes at (rows [N], positions [N]), each position within its row's length."""
-        return self.values[self.offsets[rows] + positions]
-
-    def select(self, rows: torch.Tensor) -> "PackedRoutes":
-        """The rows `rows` (a [b] int64 index), in that order."""
-        lengths = self.lengths()[rows]
-        offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
-        offsets[1:] = lengths.cumsum(0)
-        starts = self.offsets[rows].repeat_interleave(lengths)
-        index = starts + torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(lengths)
-        return PackedRoutes(self.values[index], offsets)
-
-    def to_padded(self, width: int) -> torch.Tensor:
-        """[B, width, L, K], -1 past each row's length (the layout of `PaddedRollouts.routed_experts`)."""
-        out = self.values.new_full((self.batch_size, width, *self.values.shape[1:]), -1)
-        rows, positions = self.token_index()
-        keep = positions < width
-        out[rows[keep], positions[keep]] = self.values[keep]
-        return out
 
 
 @dataclass(kw_only=True)
@@ -379,13 +304,11 @@ def check_routes(
 
 def train_batch_from_rollouts(rollouts, advantages: torch.Tensor, policy_version: int | None = None, *,
                               pack_routes: bool = False) -> TrainBatch:
-    """A TrainBatch from `megatron_rl.data.batch.PaddedRollouts` (same layout; `Rollouts` are padded first)
-    and the advantages ([B] or [B, T]); policy_version: the weight version the step trains (see TrainBatch).
-
-    pack_routes (with `Rollouts`): the samples' engine routes as `PackedRoutes`, never padded: the trainer's
-    step batch, for ``Actor.distribute`` (the actor's other calls take the shares it makes)."""
-    packed = pack_routes and hasattr(rollouts, "to_padded") and bool(rollouts.samples) and rollouts.samples[0].routed_experts is not None
-    padded = rollouts.to_padded(with_routes=not packed) if hasattr(rollouts, "to_padded") else rollouts
+    """A TrainBatch from `megatron_rl.data.batch.PaddedRollouts` (same layout; `Rollouts` are padded first, their
+    engine routes packed by sample with pack_routes) and the advantages ([B] or [B, T]); policy_version: the weight
+    version the step trains (see TrainBatch). Routes packed by sample (`PackedRoutes`: the trainer's, from
+    experience.assemble_experience) are for ``Actor.distribute``, which makes each rank's share of them."""
+    padded = rollouts.to_padded(pack_routes=pack_routes) if hasattr(rollouts, "to_padded") else rollouts
     return TrainBatch(
         tokens=padded.tokens,
         response_mask=padded.response_mask,
@@ -393,7 +316,7 @@ def train_batch_from_rollouts(rollouts, advantages: torch.Tensor, policy_version
         prompt_lengths=padded.prompt_lengths,
         sequence_lengths=padded.prompt_lengths + padded.response_lengths,
         rollout_logprobs=padded.rollout_logprobs,
-        routed_experts=PackedRoutes.from_samples(rollouts.samples) if packed else padded.routed_experts,
+        routed_experts=padded.routed_experts,
         token_versions=padded.token_versions,
         policy_version=policy_version,
     )

@@ -92,7 +92,7 @@ def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
     changes = {}
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
-        if isinstance(value, PackedRoutes):  # the rows' routes without padding (train_batch_from_rollouts(pack_routes=True))
+        if isinstance(value, PackedRoutes):  # the rows' routes without padding (the trainer's: data.batch.PackedRoutes)
             changes[f.name] = value.select(index)
             continue
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != batch.batch_size:

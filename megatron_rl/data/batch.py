@@ -107,13 +107,91 @@ class PaddedRollouts:
     """[B] int64."""
     response_lengths: torch.Tensor
     """[B] int64."""
-    routed_experts: torch.Tensor | None
+    routed_experts: "torch.Tensor | PackedRoutes | None"
     """[B, T, L, K] int8 (every expert id below 128) or int16 aligned with `tokens`; -1 on padding (and on prompt
-    positions when they were not captured)."""
+    positions when they were not captured); `PackedRoutes` (the same without padding) from to_padded(pack_routes=True)."""
     weight_version: int
     """Weight version of the rollouts."""
     token_versions: torch.Tensor | None = None
     """[B, T] int64: the weight version each response token was sampled with, -1 elsewhere."""
+
+
+@dataclass
+class PackedRoutes:
+    """The engine's routes of a batch's rows back to back, without padding (R3, rollout.return_routed_experts).
+
+    Row b's positions 0 .. length_b - 1 are ``values[offsets[b]:offsets[b + 1]]``; positions past a row's
+    length hold nothing. The trainer's step batch carries its routes so (`Rollouts.to_padded(pack_routes=True)`
+    in experience.assemble_experience): rank 0 and the shares `Actor.distribute` sends hold no routes for
+    padding, where padded rows would hold L x K ids for every position up to T (94 x 8 bytes a position for
+    Qwen3-235B).
+    """
+
+    values: torch.Tensor
+    """[N, L, K] int8 / int16 expert ids of every row's positions, rows in order; -1 where the engine captured none."""
+    offsets: torch.Tensor
+    """[B + 1] int64: offsets[0] = 0, offsets[B] = N."""
+
+    @classmethod
+    def from_samples(cls, samples) -> "PackedRoutes":
+        """The routes of rollout samples (`RolloutSample.routed_experts`, with or without prompt rows), in the widest
+        of their types (rollout.routing.compact_routes: int8 or int16)."""
+        missing = [b for b, s in enumerate(samples) if s.routed_experts is None]
+        if missing:
+            raise ValueError(f"sample {missing[0]} has no routed experts while sample 0 has")
+        dtype = torch.int16 if any(s.routed_experts.dtype != torch.int8 for s in samples) else torch.int8
+        parts, lengths = [], []
+        for s in samples:
+            routes = s.routed_experts.to(dtype)
+            if not s.routed_experts_include_prompt:  # prompt positions: not captured
+                routes = torch.cat([routes.new_full((s.prompt_length, *routes.shape[1:]), -1), routes])
+            parts.append(routes)
+            lengths.append(s.prompt_length + s.response_length)
+        values = torch.cat(parts)
+        offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor([p.shape[0] for p in parts]).cumsum(0)
+        if [p.shape[0] for p in parts] != lengths:
+            b = next(i for i, (p, n) in enumerate(zip(parts, lengths)) if p.shape[0] != n)
+            raise ValueError(f"sample {b}'s routed experts cover {parts[b].shape[0]} positions, its tokens {lengths[b]}")
+        return cls(values, offsets)
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.offsets.nbytes
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets.diff()
+
+    def token_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row [N], position [N]) of each entry of `values`."""
+        lengths = self.lengths()
+        rows = torch.repeat_interleave(torch.arange(self.batch_size), lengths)
+        return rows, torch.arange(self.values.shape[0]) - self.offsets[:-1].repeat_interleave(lengths)
+
+    def at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N, L, K] routes at (rows [N], positions [N]), each position within its row's length."""
+        return self.values[self.offsets[rows] + positions]
+
+    def select(self, rows: torch.Tensor) -> "PackedRoutes":
+        """The rows `rows` (a [b] int64 index), in that order."""
+        lengths = self.lengths()[rows]
+        offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        starts = self.offsets[rows].repeat_interleave(lengths)
+        index = starts + torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(lengths)
+        return PackedRoutes(self.values[index], offsets)
+
+    def to_padded(self, width: int) -> torch.Tensor:
+        """[B, width, L, K], -1 past each row's length (the layout of `PaddedRollouts.routed_experts`)."""
+        out = self.values.new_full((self.batch_size, width, *self.values.shape[1:]), -1)
+        rows, positions = self.token_index()
+        keep = positions < width
+        out[rows[keep], positions[keep]] = self.values[keep]
+        return out
 
 
 @dataclass
@@ -144,9 +222,9 @@ class Rollouts:
         start = prompt_index * self.n_samples
         return self.samples[start : start + self.n_samples]
 
-    def to_padded(self, pad_token_id: int = 0, *, with_routes: bool = True) -> PaddedRollouts:
-        """Right-pad into [B, T] tensors (see PaddedRollouts); with_routes=False leaves routed_experts None (the
-        actor's `train_batch_from_rollouts(..., pack_routes=True)` takes them from the samples, unpadded)."""
+    def to_padded(self, pad_token_id: int = 0, *, pack_routes: bool = False) -> PaddedRollouts:
+        """Right-pad into [B, T] tensors (see PaddedRollouts); pack_routes: the engine routes as `PackedRoutes`
+        (each sample's positions back to back, no padding: the trainer's step batch) instead of [B, T, L, K]."""
         if not self.samples:
             raise ValueError("Rollouts.to_padded: no samples")
         batch = len(self.samples)
@@ -158,7 +236,9 @@ class Rollouts:
         versions = torch.full((batch, total), -1, dtype=torch.int64)
         routes = None
         first = self.samples[0].routed_experts
-        if first is not None and with_routes:  # the widest of the samples' types (rollout.routing.compact_routes: int8 or int16)
+        if first is not None and pack_routes:
+            routes = PackedRoutes.from_samples(self.samples)
+        elif first is not None:  # the widest of the samples' types (rollout.routing.compact_routes: int8 or int16)
             wide = any(s.routed_experts is not None and s.routed_experts.dtype != torch.int8 for s in self.samples)
             routes = torch.full((batch, total, first.shape[1], first.shape[2]), -1, dtype=torch.int16 if wide else torch.int8)
         for b, s in enumerate(self.samples):
@@ -168,7 +248,7 @@ class Rollouts:
             response_mask[b, p : p + r] = True if s.response_loss_mask is None else s.response_loss_mask
             logprobs[b, p : p + r] = s.rollout_logprobs
             versions[b, p : p + r] = s.weight_version if s.token_versions is None else s.token_versions
-            if routes is not None:
+            if isinstance(routes, torch.Tensor):
                 if s.routed_experts is None:
                     raise ValueError(f"sample {b} has no routed experts while sample 0 has")
                 start = 0 if s.routed_experts_include_prompt else p

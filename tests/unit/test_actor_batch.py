@@ -212,3 +212,24 @@ def test_packed_routes_that_do_not_fit_their_samples_are_named():
         bad = batch.replace(routed_experts=PackedRoutes(routes.values, torch.as_tensor(offsets)))
         with pytest.raises(BatchError, match=r"not aligned with `tokens` \(PackedRoutes.from_samples of the batch's samples"):
             validate_batch(bad, **limits)
+
+
+def test_the_trainers_step_batch_holds_its_engine_routes_packed():
+    # experience.assemble_experience (the sync and async trainers' step) pads the tokens and packs the routes; the
+    # step's TrainBatch carries them to actor.distribute as they are, equal to the padded routes position for position.
+    from types import SimpleNamespace
+
+    from megatron_rl.actor import PackedRoutes
+    from megatron_rl.config import RLConfig, load_config
+    from megatron_rl.experience import assemble_experience
+    from tests.e2e.train_runs import REPO
+
+    cfg = load_config(RLConfig, str(REPO / "configs" / "tiny-gspo.yaml"), ["rollout.n_samples=2"])
+    samples = _route_samples()
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    experience = assemble_experience(samples, rewards, rewards, torch.zeros(4, dtype=torch.bool), torch.tensor([0, 0, 1, 1]),
+                                     0, cfg, SimpleNamespace(pad_id=0))
+    batch = train_batch_from_rollouts(experience.rollouts, experience.advantages)
+    assert isinstance(batch.routed_experts, PackedRoutes) and batch.routed_experts.values.shape[0] == 24
+    padded = Rollouts(samples=samples, n_samples=2, weight_version=0).to_padded().routed_experts
+    assert torch.equal(batch.routed_experts.to_padded(batch.seq_len), padded)
