@@ -152,7 +152,8 @@ def render(p: Plan, console=None) -> None:
     memory.add_row("logits", _gib(s.logits), "last stage: vocab-parallel logits + grad + log-softmax")
     if s.reference:
         memory.add_row("reference model", _gib(s.reference), "algorithm.beta > 0")
-    memory.add_row("batch share", _gib(s.batch_share), "this DP rank's rows: logprobs + the routes its routers computed")
+    memory.add_row("batch share", _gib(s.batch_share), "this DP rank's rows: logprobs + the routes its routers replay or "
+                   "record (their tokens and layers)")
     memory.add_row("trainer total", _gib(s.total), "while training")
     console.print(memory)
     console.print(_phase_table(p))
