@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import BatchError, PackedRoutes, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
-from megatron_rl.actor.packing import layout_metrics, microbatch_layout, write_rows
+from megatron_rl.actor.packing import layout_metrics, write_rows
 from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, load_sharded_state, sharded_state
 from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
@@ -223,20 +223,24 @@ class Actor:
         only rank 0 ever holds the whole step (actor.distribute). The bytes this rank
         received are in `last_share_bytes`. Under R3 the share's engine routes (`PackedRoutes` from the
         trainer, or [B/D, T, L, K]) become the `RankRoutes` this rank's routers replay (`routing.replay_routes`:
-        its sequence-parallel slice and CP chunks of its rows, its stage's MoE layers).
+        its sequence-parallel slice and CP chunks of its rows, its stage's MoE layers); with TP x PP x CP peers
+        the leader cuts each peer's and sends it only that.
         """
 
         def assign(whole: TrainBatch) -> list[list[int]]:
             plan = self._step_plan(self.validate(whole, step=True))
             return [sorted(r for mini in plan for mb in mini[d] for r in mb.rows if r >= 0) for d in range(self.ctx.dp_size)]
 
-        share, self.last_share_bytes = scatter_shares(batch, self.ctx, assign)
-        routes, ctx = share.routed_experts, self.ctx
-        if self.algorithm.routing_replay == "R3" and routes is not None:  # what this rank's routers replay, for the step
-            lengths = share.lengths()
-            layouts = (microbatch_layout(mb, lengths, multiple=self._width_multiple, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank)
-                       for mini in self._my_microbatches(share) for mb in mini)
-            share = share.replace(routed_experts=self.routing.rank_routes(routes, layouts, lengths, (share.batch_size, share.seq_len)))
+        r3, ctx, routing = self.algorithm.routing_replay == "R3", self.ctx, self.routing
+        peers = routing.share_peers() if r3 and ctx.share_group is not None else None
+
+        def split(share: TrainBatch):  # R3, on the share group's leader: each peer's cut of the routes
+            return routing.split_share(share, self._my_microbatches(share), self._width_multiple, peers)
+
+        share, self.last_share_bytes = scatter_shares(batch, ctx, assign, split=split if peers else None)
+        routes = share.routed_experts
+        if r3 and isinstance(routes, (torch.Tensor, PackedRoutes)):  # no peers: this rank cuts its own
+            share = share.replace(routed_experts=routing.share_cut(share, self._my_microbatches(share), self._width_multiple))
         elif isinstance(routes, PackedRoutes):  # kept for the routing metrics: the share's [B/D, T, L, K]
             share = share.replace(routed_experts=routes.to_padded(share.seq_len))
         return share

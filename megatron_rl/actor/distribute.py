@@ -12,7 +12,11 @@ Rank 0 holds the step's experience (it drives the rollout engine). In
        sends them to that DP rank's leader (its rank with tp = pp = cp = 0)
        over the host (gloo) group; each leader broadcasts them in its TP x PP x
        CP peers' gloo group (ctx.share_group). Ranks waiting here during a long
-       generation sit in gloo: no NCCL watchdog runs out.
+       generation sit in gloo: no NCCL watchdog runs out;
+    3. with a `split` (R3's engine routes, of which each peer replays only its
+       sequence-parallel / CP tokens at its stage's layers), the leader
+       broadcasts the share without what it splits off and sends each peer only
+       its own part.
 
 Per rank that is B/D rows instead of B: 1024 samples x 9,216 tokens on D = 8
 is 128 rows, and the [B, T] float32/int64 fields (tokens, masks, rollout
@@ -105,11 +109,15 @@ def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
     return batch.replace(**changes, row_ids=index, step_lengths=lengths.clone())
 
 
-def scatter_shares(batch: TrainBatch | None, ctx, assign: Callable[[TrainBatch], list[list[int]]]) -> tuple[TrainBatch, int]:
+def scatter_shares(batch: TrainBatch | None, ctx, assign: Callable[[TrainBatch], list[list[int]]],
+                   split: Callable[[TrainBatch], tuple[TrainBatch, dict[int, dict]]] | None = None) -> tuple[TrainBatch, int]:
     """(this rank's share, bytes it received): rank 0 passes the step's batch, every other rank None.
 
     `assign(batch)` runs on rank 0 and returns the step rows of each DP rank; it
     may raise (bad input): the exception is then raised on every rank.
+    `split(share)` (optional) runs on each share group's leader: (the share every peer gets, {global rank: that
+    rank's own fields}); the leader broadcasts the first and sends each peer only its own fields (R3's routes:
+    each rank's cut), so a peer never receives what only the others use.
     """
     payloads: list[bytes] = []
     if ctx.rank == 0:
@@ -124,12 +132,58 @@ def scatter_shares(batch: TrainBatch | None, ctx, assign: Callable[[TrainBatch],
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             payloads = [pickle.dumps(_portable(exc))] * ctx.dp_size
     received = _to_leaders(payloads, ctx) if ctx.world_size > 1 else payloads[0]
+    if ctx.share_group is not None and split is not None:
+        return _split_to_peers(received, ctx, split)
     if ctx.share_group is not None:
         received = _to_peers(received, ctx)
     share = pickle.loads(received)
     if isinstance(share, Exception):
         raise share
     return share, len(received)
+
+
+def _split_to_peers(received, ctx, split) -> tuple[TrainBatch, int]:
+    """The leader splits its share (`split`), broadcasts the common part and sends each peer its own fields."""
+    leader = ctx.dp_leaders[ctx.dp_rank]
+    common, parts = received, None
+    if ctx.rank == leader:
+        share = pickle.loads(received)
+        if not isinstance(share, Exception):
+            try:
+                base, parts = split(share)
+                common = pickle.dumps(base)
+            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+                common, parts = pickle.dumps(_portable(exc)), None
+    common = _to_peers(common, ctx)
+    base = pickle.loads(common)
+    if isinstance(base, Exception):
+        raise base
+    own = _each_peer(parts, ctx, leader)
+    received_bytes = len(received) if ctx.rank == leader else len(common) + len(own)
+    return base.replace(**pickle.loads(own)), received_bytes
+
+
+def _each_peer(parts: dict[int, dict] | None, ctx, leader: int):
+    """The leader sends each rank of its share group that rank's pickled fields (size, then bytes); every rank
+    returns its own."""
+    if ctx.rank != leader:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src=leader, group=ctx.share_group, tag=_SIZE)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, src=leader, group=ctx.share_group, tag=_DATA)
+        return memoryview(data.numpy())
+    works, sent, mine = [], [], None  # `sent` keeps each payload alive until its send is done
+    for rank in dist.get_process_group_ranks(ctx.share_group):
+        payload = pickle.dumps(parts.get(rank, {}))
+        if rank == leader:
+            mine = payload
+            continue
+        sent.append(payload)
+        works.append(dist.isend(torch.tensor([len(payload)], dtype=torch.int64), dst=rank, group=ctx.share_group, tag=_SIZE))
+        works.append(dist.isend(_as_tensor(payload), dst=rank, group=ctx.share_group, tag=_DATA))
+    for work in works:
+        work.wait()
+    return mine
 
 
 def _as_tensor(payload: bytes) -> torch.Tensor:

@@ -62,11 +62,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor.packing import TokenLayout, gather_positions, padded_layout
+from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_layout, padded_layout
 from megatron_rl.actor.plan import Microbatch
 from megatron_rl.models.mapping import unwrap_model
 
@@ -256,6 +257,7 @@ class RoutingControl:
         # This forward's per-token drift flags of each local router ([N_local] bool: used, own), summed once per
         # microbatch in end_microbatch rather than once per layer.
         self._flags: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.routers)
+        self._peers: dict[int, tuple] | None = None  # R3: the share group's (TP rank, CP rank, MoE layers) by rank
 
     # -- conversion -------------------------------------------------------------------------------
 
@@ -289,10 +291,42 @@ class RoutingControl:
         per_layer = [torch.where(found[:, None], experts[:, c], default).contiguous().to(self.ctx.device) for c in range(len(self.layer_ids))]
         return per_layer, found
 
-    def rank_routes(self, routes, layouts, lengths: torch.Tensor, batch_shape: tuple[int, int]) -> RankRoutes:
-        """`replay_routes` for this rank's routers (none on a stage without MoE layers: no token kept)."""
-        return replay_routes(routes, layouts if self.routers else (), lengths, batch_shape=batch_shape, layer_ids=self.layer_ids,
-                             local=self._local, num_moe_layers=self.num_moe_layers, topk=self.topk, num_experts=self.num_experts)
+    # -- R3's engine routes under actor.distribute --------------------------------------------------
+
+    def share_cut(self, share, microbatches, multiple: int, *, tp_rank: int | None = None, cp_rank: int | None = None,
+                  layer_ids=None) -> RankRoutes:
+        """Of a share's engine routes, those a rank of this layout replays (this rank's by default): its TP rank's
+        sequence-parallel slice of its CP rank's chunks of the share's `microbatches` (packed with `multiple`), at
+        its stage's MoE layers `layer_ids` (none: no token kept)."""
+        ctx = self.ctx
+        tp_rank, cp_rank = ctx.tp_rank if tp_rank is None else tp_rank, ctx.cp_rank if cp_rank is None else cp_rank
+        layer_ids = tuple(self.layer_ids if layer_ids is None else layer_ids)
+        lengths = share.lengths()
+        layouts = (microbatch_layout(mb, lengths, multiple=multiple, cp_size=ctx.cp_size, cp_rank=cp_rank)
+                   for mini in microbatches for mb in mini)
+        local = partial(local_tokens, tp_rank=tp_rank, tp_size=ctx.tp_size, sequence_parallel=ctx.sequence_parallel)
+        return replay_routes(share.routed_experts, layouts if layer_ids else (), lengths, batch_shape=(share.batch_size, share.seq_len),
+                             layer_ids=layer_ids, local=local, num_moe_layers=self.num_moe_layers, topk=self.topk,
+                             num_experts=self.num_experts)
+
+    def share_peers(self) -> dict[int, tuple]:
+        """(TP rank, CP rank, MoE layers) of each rank of this rank's share group (ctx.share_group), by global rank:
+        one all-gather in that group, the first time."""
+        if self._peers is None:
+            everyone = [None] * dist.get_world_size(self.ctx.share_group)
+            mine = (self.ctx.rank, self.ctx.tp_rank, self.ctx.cp_rank, tuple(self.layer_ids))
+            dist.all_gather_object(everyone, mine, group=self.ctx.share_group)
+            self._peers = {rank: tuple(rest) for rank, *rest in everyone}
+        return self._peers
+
+    def split_share(self, share, microbatches, multiple: int, peers: dict[int, tuple]):
+        """On a share group's leader (actor.distribute's split): the share without its engine routes, and each
+        peer's cut of them ({rank: {"routed_experts": RankRoutes}})."""
+        if share.routed_experts is None:
+            return share, {}
+        return share.replace(routed_experts=None), {
+            rank: {"routed_experts": self.share_cut(share, microbatches, multiple, tp_rank=tp, cp_rank=cp, layer_ids=layers)}
+            for rank, (tp, cp, layers) in peers.items()}
 
     # -- one microbatch ---------------------------------------------------------------------------
 

@@ -89,8 +89,48 @@ def make_batch(engine_routes: bool, packed: bool = False):
 
 
 def _runs(rank: int, world_size: int, runs: list) -> list:
-    """Several (model_dir, cases) runs in one launch."""
-    return [_worker(rank, world_size, *run) for run in runs]
+    """Several (model_dir, cases) runs in one launch (+ the split transport's check on four ranks)."""
+    out = [_worker(rank, world_size, *run) for run in runs]
+    return out + [_split_transport(rank, runs[0][0])] if world_size == 4 else out
+
+
+PART_BYTES = 20_000
+"""What the split transport's check gives each rank of its own (R3: the routes it replays)."""
+
+
+def _split_transport(rank: int, model_dir: str) -> list | None:
+    """actor.distribute's split (R3: each rank's cut of the routes) on DP2 x TP2, through distribute.scatter_shares:
+    the leader of each share group (ranks 0 and 2) broadcasts the common share and sends each rank its own fields
+    (here its rank as policy_version and PART_BYTES of ref_logprobs filled with it). Per rank: what it got, and the
+    bytes it received."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from megatron_rl.actor.distribute import scatter_shares
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.models import load_hf_config, model_shape
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel(ParallelConfig(timeout_s=120, tensor_parallel=2), shape=model_shape(load_hf_config(model_dir)))
+    try:
+        def split(share):
+            rows = share.batch_size
+            parts = {r: {"policy_version": r, "ref_logprobs": torch.full((rows, PART_BYTES // 4 // rows), float(r))}
+                     for r in dist.get_process_group_ranks(ctx.share_group)}
+            return share.replace(advantages=share.advantages + 1.0), parts
+
+        whole = make_batch(False)
+        share, received = scatter_shares(whole if rank == 0 else None, ctx, lambda _: [[0, 1, 2, 3], [4, 5, 6, 7]], split=split)
+        common = len(pickle.dumps(share.replace(policy_version=None, ref_logprobs=None)))
+        mine = {"rank": rank, "leader": ctx.dp_leaders[ctx.dp_rank], "policy_version": share.policy_version,
+                "ref_logprobs": sorted(set(share.ref_logprobs.flatten().tolist())), "received": received, "common": common,
+                "rows": share.row_ids.tolist(), "advantages_plus_one": torch.equal(share.advantages, whole.advantages[share.row_ids] + 1)}
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        return everyone if rank == 0 else None
+    finally:
+        destroy_parallel(ctx, keep_world=True)
 
 
 def _worker(rank: int, world_size: int, model_dir: str, cases: dict) -> dict | None:
@@ -272,8 +312,16 @@ def test_replay_with_dense_leading_layers_single_rank(dense_first_single):
 
 @pytest.mark.parametrize("world_size,cases,dense_first_cases", [(2, WORLD2, DENSE_FIRST_WORLD2), (4, WORLD4, DENSE_FIRST_WORLD4)], ids=["world2", "world4"])
 def test_replay_on_layouts(model_dir, single, dense_first_dir, dense_first_single, world_size, cases, dense_first_cases):
-    results, dense_first = run_distributed(_runs, world_size, [(model_dir, cases), (dense_first_dir, dense_first_cases)], timeout=400)[0]
+    results, dense_first, *split = run_distributed(_runs, world_size, [(model_dir, cases), (dense_first_dir, dense_first_cases)],
+                                                   timeout=400)[0]
     for name, case in results.items():
         _check(name, case, single)
     for name, case in dense_first.items():
         _check(f"deepseek_v3 {name}", case, dense_first_single)
+    if split:  # four ranks: each rank got its own fields from its group's leader, and no other rank's
+        ranks = split[0]
+        assert [r["leader"] for r in ranks] == [0, 0, 2, 2] and [r["rows"] for r in ranks] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+        for r in ranks:
+            assert r["policy_version"] == r["rank"] and r["ref_logprobs"] == [float(r["rank"])] and r["advantages_plus_one"], r
+            if r["rank"] != r["leader"]:  # the common share and its own PART_BYTES, not its peer's too
+                assert r["common"] + PART_BYTES <= r["received"] < r["common"] + PART_BYTES + 1000, r
