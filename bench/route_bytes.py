@@ -9,9 +9,9 @@ D = 4 data-parallel ranks (the actor's token-balanced plan). Three ways: every i
 packed by sample without padding (`pack_routes=True`, `data.batch.PackedRoutes`: what the trainer does).
 
 Then, for the shape's preset layout (TP with sequence parallelism x PP), what each rank of DP rank 0
-keeps of its share for the step: `routing.replay_routes` on that rank's microbatch layouts,
-sequence-parallel slice and stage's MoE layers (Actor.distribute under R3), against the routes of the
-packed share it received.
+receives of the share's routes and keeps for the step: `routing.replay_routes` on that rank's microbatch
+layouts, sequence-parallel slice and stage's MoE layers (Actor.distribute under R3: the share group's
+leader cuts each peer's), against the routes of the packed share (what each peer received before).
 
 Writes bench/results/route_bytes.json. Run: python bench/route_bytes.py  (about a minute).
 """
@@ -141,8 +141,8 @@ def main() -> None:
     OUT.write_text(json.dumps({
         "what": "bytes of R3's engine routes: the samples', rank 0's in the step's batch and the pickled share of each of "
                 f"{DP} DP ranks; int16 ids padded to [B, T, L, K], compact_routes' ids padded, compact ids packed by sample "
-                "(the trainer's); held: what each TP x PP rank of DP rank 0 keeps for the step (routing.replay_routes) "
-                "against the routes of the share it received",
+                "(the trainer's); held: what each TP x PP rank of DP rank 0 receives and keeps for the step "
+                "(routing.replay_routes) against the routes of the packed share",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "step": {"sequences": SEQUENCES, "max_len": MAX_LEN, "prompt": PROMPT, "lengths": "log-normal, median a quarter of max"},
         "shapes": result,
