@@ -11,7 +11,8 @@ packed by sample without padding (`pack_routes=True`, `data.batch.PackedRoutes`:
 Then, for the shape's preset layout (TP with sequence parallelism x PP), what each rank of DP rank 0
 receives of the share's routes and keeps for the step: `routing.replay_routes` on that rank's microbatch
 layouts, sequence-parallel slice and stage's MoE layers (Actor.distribute under R3: the share group's
-leader cuts each peer's), against the routes of the packed share (what each peer received before).
+leader cuts each peer's), against the routes of the packed share (what each peer received before), and
+the time the leader's cuts for all its peers take against rank 0's selecting and pickling of that share.
 
 Writes bench/results/route_bytes.json. Run: python bench/route_bytes.py  (about a minute).
 """
@@ -24,6 +25,7 @@ import os
 import pickle
 import platform
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -88,24 +90,36 @@ def held_per_rank(batch, layers: int, topk: int, experts: int, tp: int, pp: int)
     from megatron_rl.actor.packing import microbatch_layout
     from megatron_rl.actor.plan import plan_step, rank_microbatches
     from megatron_rl.actor.routing import local_tokens, replay_routes
+    import megatron_rl.models.attention  # noqa: F401  (the packed layouts' import of megatron-core: outside the timing)
 
     plan = plan_step(batch.lengths().tolist(), mini_batches=1, dp_size=DP, max_tokens_per_microbatch=TOKENS_PER_MICROBATCH,
                      width_multiple=tp, pack_sequences=True)
     share = select_rows(batch, sorted(r for mb in plan[0][0] for r in mb.rows if r >= 0))
     lengths = share.lengths()
     microbatches = rank_microbatches(plan[0][0], share.row_ids.tolist())
-    held = []
+    held, cut_s = [], []
     for stage in range(pp):  # megatron's even split of the decoder layers (every layer is MoE in both shapes)
         layer_ids = range(stage * layers // pp, (stage + 1) * layers // pp)
         for tp_rank in range(tp):
             local = partial(local_tokens, tp_rank=tp_rank, tp_size=tp, sequence_parallel=tp > 1)
+            start = time.perf_counter()
             routes = replay_routes(share.routed_experts, (microbatch_layout(mb, lengths, multiple=tp) for mb in microbatches),
                                    lengths, batch_shape=(share.batch_size, share.seq_len), layer_ids=layer_ids, local=local,
                                    num_moe_layers=layers, topk=topk, num_experts=experts)
+            cut_s.append(time.perf_counter() - start)
             held.append(routes.nbytes)
+    # the leader's work for its peers against rank 0's for the same share (select its rows, pickle them): best of 3
+    pickle_s = min(_timed(lambda: pickle.dumps(select_rows(batch, share.row_ids.tolist()))) for _ in range(3))
     received = share.routed_experts.nbytes
     return {"tp": tp, "pp": pp, "share_routes_bytes": received, "held_bytes_per_rank": held,
-            "max_held_over_share": max(held) / received}
+            "max_held_over_share": max(held) / received,
+            "leader_cut_over_rank0_pickle": sum(cut_s) / pickle_s}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 VARIANTS = {  # label: (every id int16, routes packed by sample)
@@ -136,7 +150,8 @@ def main() -> None:
         mib = {label: (out[label]["rank0_routes_bytes"] / 2**20, out[label]["max_share_bytes"] / 2**20) for label in VARIANTS}
         print(f"{name}: rank 0's routes / largest share, MiB: " + "; ".join(f"{label} {a:.1f} / {b:.1f}" for label, (a, b) in mib.items())
               + f"; held per rank at TP{tp} x PP{pp}: {max(out['held']['held_bytes_per_rank']) / 2**20:.2f} MiB of the share's "
-              f"{out['held']['share_routes_bytes'] / 2**20:.1f} (x{out['held']['max_held_over_share']:.3f})", flush=True)
+              f"{out['held']['share_routes_bytes'] / 2**20:.1f} (x{out['held']['max_held_over_share']:.3f}); the leader's cuts for "
+              f"its {tp * pp} ranks take x{out['held']['leader_cut_over_rank0_pickle']:.2f} rank 0's pickling of the share", flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "what": "bytes of R3's engine routes: the samples', rank 0's in the step's batch and the pickled share of each of "
