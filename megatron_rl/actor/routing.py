@@ -14,9 +14,10 @@ sequence-parallel / CP tokens), keyed by (row, position), so the training
 forward of the same rows replays them on that rank whatever its microbatch
 plan; no collective moves them. Per rank that is B/D x T/(TP x CP) x L/PP x K
 bytes (uint8 ids for fewer than 256 experts). R3 routes come from the engine per
-sample and travel with their rows, packed without padding (batch.PackedRoutes,
-actor.distribute); each rank then keeps only what its routers replay, as the same
-`RankRoutes` (`replay_routes`).
+sample and travel with their rows, packed without padding (data.batch.PackedRoutes),
+to each DP rank's leader (actor.distribute); the leader sends each of its TP x PP x
+CP peers only what that rank's routers replay, as the same `RankRoutes`
+(`RoutingControl.split_share`, `replay_routes`).
 
 Global layout (what the engine returns and what the actor records):
 ``routes[b, t, l, k]`` = the k-th expert MoE layer l (MoE layers in model
