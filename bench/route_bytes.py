@@ -69,7 +69,7 @@ def step(layers: int, topk: int, experts: int, widen: bool, packed: bool):
             routed_experts=routes.to(torch.int16) if widen else routes, routed_experts_include_prompt=True))
     rollouts = Rollouts(samples, n_samples=1, weight_version=0)
     sample_bytes = sum(s.routed_experts.nbytes for s in samples)
-    return sample_bytes, train_batch_from_rollouts(rollouts, torch.zeros(SEQUENCES), pack_routes=packed)
+    return sample_bytes, train_batch_from_rollouts(rollouts.to_padded(pack_routes=packed), torch.zeros(SEQUENCES))
 
 
 def share_bytes(batch) -> list[int]:

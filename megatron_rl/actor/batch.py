@@ -302,13 +302,12 @@ def check_routes(
             )
 
 
-def train_batch_from_rollouts(rollouts, advantages: torch.Tensor, policy_version: int | None = None, *,
-                              pack_routes: bool = False) -> TrainBatch:
-    """A TrainBatch from `megatron_rl.data.batch.PaddedRollouts` (same layout; `Rollouts` are padded first, their
-    engine routes packed by sample with pack_routes) and the advantages ([B] or [B, T]); policy_version: the weight
-    version the step trains (see TrainBatch). Routes packed by sample (`PackedRoutes`: the trainer's, from
+def train_batch_from_rollouts(rollouts, advantages: torch.Tensor, policy_version: int | None = None) -> TrainBatch:
+    """A TrainBatch from `megatron_rl.data.batch.PaddedRollouts` (same layout; `Rollouts` are padded first) and
+    the advantages ([B] or [B, T]); policy_version: the weight version the step trains (see TrainBatch). Routes
+    packed by sample (`PackedRoutes`, `Rollouts.to_padded(pack_routes=True)`: the trainer's, from
     experience.assemble_experience) are for ``Actor.distribute``, which makes each rank's share of them."""
-    padded = rollouts.to_padded(pack_routes=pack_routes) if hasattr(rollouts, "to_padded") else rollouts
+    padded = rollouts.to_padded() if hasattr(rollouts, "to_padded") else rollouts
     return TrainBatch(
         tokens=padded.tokens,
         response_mask=padded.response_mask,

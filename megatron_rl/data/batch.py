@@ -235,12 +235,9 @@ class Rollouts:
         logprobs = torch.zeros(batch, total, dtype=torch.float32)
         versions = torch.full((batch, total), -1, dtype=torch.int64)
         routes = None
-        first = self.samples[0].routed_experts
-        if first is not None and pack_routes:
+        if self.samples[0].routed_experts is not None:  # the widest of the samples' types (compact_routes: int8 or int16)
             routes = PackedRoutes.from_samples(self.samples)
-        elif first is not None:  # the widest of the samples' types (rollout.routing.compact_routes: int8 or int16)
-            wide = any(s.routed_experts is not None and s.routed_experts.dtype != torch.int8 for s in self.samples)
-            routes = torch.full((batch, total, first.shape[1], first.shape[2]), -1, dtype=torch.int16 if wide else torch.int8)
+            routes = routes if pack_routes else routes.to_padded(total)
         for b, s in enumerate(self.samples):
             p, r = s.prompt_length, s.response_length
             tokens[b, : p + r] = s.token_ids
@@ -248,11 +245,6 @@ class Rollouts:
             response_mask[b, p : p + r] = True if s.response_loss_mask is None else s.response_loss_mask
             logprobs[b, p : p + r] = s.rollout_logprobs
             versions[b, p : p + r] = s.weight_version if s.token_versions is None else s.token_versions
-            if isinstance(routes, torch.Tensor):
-                if s.routed_experts is None:
-                    raise ValueError(f"sample {b} has no routed experts while sample 0 has")
-                start = 0 if s.routed_experts_include_prompt else p
-                routes[b, start : p + r] = s.routed_experts
         return PaddedRollouts(
             tokens=tokens,
             response_mask=response_mask,

@@ -144,14 +144,25 @@ def _route_samples() -> list:
     return samples
 
 
+def _padded_by_hand(samples, dtype=torch.int16) -> torch.Tensor:
+    """[B, T, L, K]: each sample's routes written at its positions (after its prompt when they exclude it), -1 elsewhere."""
+    total = max(s.prompt_length + s.response_length for s in samples)
+    out = torch.full((len(samples), total, *samples[0].routed_experts.shape[1:]), -1, dtype=dtype)
+    for b, s in enumerate(samples):
+        start = 0 if s.routed_experts_include_prompt else s.prompt_length
+        out[b, start : start + s.routed_experts.shape[0]] = s.routed_experts
+    return out
+
+
 def test_packed_routes_hold_what_padding_holds_and_no_padding():
-    # The reference is Rollouts.to_padded's [B, T, L, K] (each sample's routes written at its positions, -1 elsewhere).
+    # The reference: each sample's routes written at its positions of a [B, T, L, K], -1 elsewhere (by hand).
     from megatron_rl.actor import PackedRoutes
     from megatron_rl.actor.distribute import select_rows
 
     rollouts = Rollouts(samples=_route_samples(), n_samples=1, weight_version=0)
-    padded = rollouts.to_padded().routed_experts  # [4, 8, 2, 2] int16: one sample is int16
-    batch = train_batch_from_rollouts(rollouts, torch.zeros(4), pack_routes=True)
+    padded = _padded_by_hand(rollouts.samples)  # [4, 8, 2, 2] int16: one sample is int16
+    assert torch.equal(rollouts.to_padded().routed_experts, padded) and rollouts.to_padded().routed_experts.dtype == torch.int16
+    batch = train_batch_from_rollouts(rollouts.to_padded(pack_routes=True), torch.zeros(4))
     packed = batch.routed_experts
     assert isinstance(packed, PackedRoutes) and packed.values.dtype == torch.int16 == padded.dtype
     assert packed.lengths().tolist() == [7, 8, 5, 4] and packed.values.shape == (24, 2, 2)  # 24 positions, not 4 x 8
@@ -179,7 +190,7 @@ def test_packed_routes_are_refused_as_padded_routes_are():
 
     rollouts = Rollouts(samples=[s for s in _route_samples() if s.routed_experts_include_prompt], n_samples=1, weight_version=0)
     padded_batch = train_batch_from_rollouts(rollouts, torch.zeros(3))
-    packed_batch = train_batch_from_rollouts(rollouts, torch.zeros(3), pack_routes=True)
+    packed_batch = train_batch_from_rollouts(rollouts.to_padded(pack_routes=True), torch.zeros(3))
     limits = dict(vocab_size=100, max_positions=64, num_moe_layers=2, topk=2, num_experts=4)
     packed_batch.routed_experts.values[7 + 3, 1, 0] = 9  # sample 1, position 3
     padded_batch.routed_experts[1, 3, 1, 0] = 9
@@ -204,8 +215,8 @@ def test_packed_routes_that_do_not_fit_their_samples_are_named():
     samples[2].routed_experts = None
     with pytest.raises(ValueError, match="sample 2 has no routed experts while sample 0 has"):
         PackedRoutes.from_samples(samples)
-    batch = train_batch_from_rollouts(Rollouts(samples=_route_samples(), n_samples=1, weight_version=0), torch.zeros(4),
-                                      pack_routes=True)
+    batch = train_batch_from_rollouts(Rollouts(samples=_route_samples(), n_samples=1, weight_version=0).to_padded(pack_routes=True),
+                                      torch.zeros(4))
     routes = batch.routed_experts
     limits = dict(vocab_size=100, max_positions=64, num_moe_layers=2, topk=2, num_experts=4)
     for offsets in (routes.offsets + 1, routes.offsets[:-1].tolist() + [30]):  # not from 0; past the values' 24 rows
@@ -231,5 +242,5 @@ def test_the_trainers_step_batch_holds_its_engine_routes_packed():
                                      0, cfg, SimpleNamespace(pad_id=0))
     batch = train_batch_from_rollouts(experience.rollouts, experience.advantages)
     assert isinstance(batch.routed_experts, PackedRoutes) and batch.routed_experts.values.shape[0] == 24
-    padded = Rollouts(samples=samples, n_samples=2, weight_version=0).to_padded().routed_experts
+    padded = _padded_by_hand(samples)
     assert torch.equal(batch.routed_experts.to_padded(batch.seq_len), padded)
