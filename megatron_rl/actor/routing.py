@@ -13,7 +13,11 @@ Where routes live: R2 routes stay on the rank whose routers computed them
 sequence-parallel / CP tokens), keyed by (row, position), so the training
 forward of the same rows replays them on that rank whatever its microbatch
 plan; no collective moves them. Per rank that is B/D x T/(TP x CP) x L/PP x K
-bytes (uint8 ids for fewer than 256 experts). R3 routes come from the engine per
+bytes (uint8 ids for fewer than 256 experts). R2 keeps the padding positions of padded
+microbatches too: replayed as the routers chose them, a replayed forward is bit-identical
+to the model's own (old_logprobs=training_forward's first mini-batch equals the forward's);
+routed elsewhere (R3's padding gets experts 0..K-1) they change the experts' token batches,
+and real tokens' logprobs move by about 6e-6. R3 routes come from the engine per
 sample and travel with their rows, packed without padding (data.batch.PackedRoutes),
 to each DP rank's leader (actor.distribute); the leader sends each of its TP x PP x
 CP peers only what that rank's routers replay, as the same `RankRoutes`
