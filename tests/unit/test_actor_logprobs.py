@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.actor.logprobs import reference_logprobs, vocab_parallel_logprobs
+from megatron_rl.actor.logprobs import vocab_parallel_logprobs
+
+
+def reference_logprobs(logits, targets, *, vocab_size=None, temperature=1.0):
+    """The definition, written here: torch's categorical over the real vocabulary at `temperature`."""
+    logits = logits[..., :vocab_size] if vocab_size is not None else logits
+    dist = torch.distributions.Categorical(logits=logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature)
+    return dist.log_prob(targets), dist.entropy()
 
 
 def _case(dtype, vocab=50, rows=(3, 37), seed=0):
