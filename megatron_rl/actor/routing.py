@@ -75,6 +75,7 @@ import torch.distributed as dist
 from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_layout, padded_layout
 from megatron_rl.actor.plan import Microbatch
 from megatron_rl.models.mapping import unwrap_model
+from megatron_rl.parallel.context import group_device
 
 
 def local_tokens(x: torch.Tensor, *, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
@@ -177,7 +178,9 @@ class RankRoutes:
             dense[self.keys, layer] = self.experts[:, column].to(torch.int32) + 1
         for group in groups:  # several ranks may hold the same token (TP without SP): max is idempotent
             if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(dense, op=dist.ReduceOp.MAX, group=group)
+                on_device = dense.to(group_device(group))  # NCCL's groups take no host tensor
+                dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+                dense = on_device.cpu()
         return (dense.reshape(B, T, self.num_moe_layers, self.topk) - 1).to(torch.int16)
 
 

@@ -306,6 +306,16 @@ def init_parallel(
     return ctx
 
 
+def group_device(group: ProcessGroup | None = None) -> torch.device:
+    """The device a tensor collective over `group` (default: the world) takes: this process's CUDA device where the
+    group's backend is NCCL alone (NCCL refuses host tensors: "No backend type associated with device type cpu"),
+    else the host (gloo, or a "cpu:gloo,cuda:nccl" group). Small flags and counts on a model-parallel or world group
+    are made there, so that one code path serves gloo on CPU and NCCL on GPU."""
+    if str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _ranks(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 

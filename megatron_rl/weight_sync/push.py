@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
+from megatron_rl.parallel.context import group_device
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.manifest import WeightPushError
 from megatron_rl.weight_sync.stream import PushBrokenError
@@ -100,6 +101,6 @@ def any_rank(flag: bool, group: Any) -> bool:
     """Whether `flag` holds on any rank of `group` (this rank's own flag without a group)."""
     if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
         return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group_device(group))  # NCCL takes no host tensor
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
     return bool(value.item())
