@@ -36,8 +36,15 @@ class VarlenBinding:
     """The kernel takes ``enable_gqa``; without it key/value heads are expanded before the call."""
 
     def arguments(self, query, key, value, cu_seqlens: torch.Tensor, longest: int, scale: float) -> tuple[tuple, dict]:
-        """(args, kwargs) of one causal call over packed [t, heads, d] query and [t, groups, d] key/value."""
+        """(args, kwargs) of one causal call over packed [t, heads, d] query and key, [t, groups, d_v] value.
+
+        The kernel takes one head dim for query, key and value (flash: ``CHECK_SHAPE(v, total_k, heads_k, d)``);
+        a narrower value (MLA: d = qk_head_dim + rope dim, d_v = v_head_dim) is padded with zero columns, which
+        only add zero columns to the output (`call` drops them): exact.
+        """
         heads, groups = query.shape[1], key.shape[1]
+        if value.shape[-1] < query.shape[-1]:
+            value = torch.nn.functional.pad(value, (0, query.shape[-1] - value.shape[-1]))
         kwargs = {"scale": scale, "window_size": (-1, 0)}  # (-1, 0): every earlier key of the sequence, none later
         if heads != groups:
             if self.enable_gqa:
@@ -48,9 +55,10 @@ class VarlenBinding:
         return (query, key, value, cu_seqlens, cu_seqlens, longest, longest), kwargs
 
     def call(self, kernel: Callable, query, key, value, cu_seqlens: torch.Tensor, longest: int, scale: float) -> torch.Tensor:
-        """kernel(...) -> [t, heads, d]."""
+        """kernel(...) -> [t, heads, d_v]."""
         args, kwargs = self.arguments(query, key, value, cu_seqlens, longest, scale)
-        return kernel(*args, **kwargs)
+        out = kernel(*args, **kwargs)
+        return out[..., : value.shape[-1]] if value.shape[-1] < out.shape[-1] else out
 
 
 def installed_varlen_attn() -> Callable | None:

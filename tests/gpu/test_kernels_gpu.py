@@ -56,3 +56,28 @@ def test_varlen_packed_attention_equals_per_sequence_on_gpu():
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     finally:
         destroy_parallel(ctx)
+
+
+@pytest.mark.gpu
+def test_varlen_takes_mla_head_dims_on_gpu():
+    """MLA's shapes (query and key 192 wide, value 128, DeepSeek-V3) through the installed flash varlen kernel, as
+    LocalCoreAttention binds it (value zero-padded to 192, output cut back): equal to SDPA per sequence."""
+    from megatron_rl.models.varlen import installed_varlen_attn, varlen_binding
+
+    kernel = installed_varlen_attn()
+    if kernel is None:
+        pytest.skip(f"torch {torch.__version__} has no varlen attention")
+    binding, why = varlen_binding()
+    assert binding is not None, why
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [5, 300, 41]
+    cu = torch.tensor([0, *lengths], dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    q, k = (torch.randn(sum(lengths), 8, 192, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = binding.call(kernel, q, k, v, cu, max(lengths), 192**-0.5)
+    assert out.shape == (sum(lengths), 8, 128)
+    for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float(),
+            is_causal=True, scale=192**-0.5).transpose(0, 1)
+        torch.testing.assert_close(out[a:b].float(), want, rtol=2e-2, atol=2e-2)

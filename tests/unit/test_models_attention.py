@@ -213,6 +213,8 @@ def _varlen_math(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, win
     float64: torch has no CPU flash kernel, so this checks what LocalCoreAttention hands the GPU kernel (layout,
     offsets, scale, causality, heads), not the kernel itself (tests/gpu run that)."""
     assert window_size == (-1, 0) and torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
+    # one head dim D for query, key and value (the docstring's shapes; flash checks v against q's head size)
+    assert query.shape[-1] == key.shape[-1] == value.shape[-1], (query.shape, key.shape, value.shape)
     offsets = cu_seq_q.tolist()
     assert max_q == max_k == max(b - a for a, b in pairwise(offsets))
     outputs = [reference_attention(query[a:b], key[a:b], value[a:b], scale) for a, b in pairwise(offsets)]

@@ -100,3 +100,23 @@ def test_the_torch_floor_is_setup_pys_and_older_torches_are_refused_in_one_line(
         require_supported_torch("2.10.1")
     assert "\n" not in str(err.value)
 
+
+@pytest.mark.parametrize("kernel", [varlen_kernel_2_11, varlen_kernel_2_13], ids=["torch2.11", "torch2.13"])
+def test_a_narrower_value_head_is_padded_for_the_kernel_and_cut_from_its_output(kernel):
+    """MLA (DeepSeek-V3: query and key 128 + 64 rope wide, value 128): the kernel takes one head dim, so the value
+    goes in zero-padded and the output comes back at the value's width, equal to attention with the narrow value
+    (torch's SDPA, which takes a narrower value, per sequence)."""
+    binding, _ = varlen_binding(kernel)
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(9, 4, 24, generator=g, dtype=torch.float64), torch.randn(9, 2, 24, generator=g, dtype=torch.float64)
+    v = torch.randn(9, 2, 16, generator=g, dtype=torch.float64)
+    args, _ = binding.arguments(q, k, v, torch.tensor([0, 4, 9], dtype=torch.int32), 5, 0.2)
+    assert args[2].shape[-1] == 24 and torch.equal(args[2][..., 16:], torch.zeros_like(args[2][..., 16:]))
+    out = binding.call(kernel, q, k, v, torch.tensor([0, 4, 9], dtype=torch.int32), 5, 0.2)
+    assert out.shape == (9, 4, 16)
+    for a, b in ((0, 4), (4, 9)):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=0.2,
+            enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[a:b], want, atol=1e-12, rtol=0)
+
