@@ -70,6 +70,7 @@ from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import ModelConfig, OptimizerConfig, TrainConfig, old_logprobs_source
 from megatron_rl.heap import collect_after_close
 from megatron_rl.models import build_model, export_hf_weights, load_hf_config, parse_hf_config, resolve_dtype
+from megatron_rl.models.info import model_info
 from megatron_rl.models.build import announce
 
 
@@ -135,7 +136,7 @@ class Actor:
         if ctx.pp_size > 1 and not self._uniform_shapes:
             overrides["variable_seq_lengths"] = True  # microbatches of different widths through the pipeline
         policy_overrides = dict(overrides, moe_enable_routing_replay=True) if self.arch.num_experts else overrides
-        from megatron_rl.models.kernels import choose_overlap, detect_kernels
+        from megatron_rl.models.kernels import choose_overlap, detect_kernels, packed_params_device
 
         overlap, _ = choose_overlap(detect_kernels(), ctx.dp_size)
         self.model = build_model(
@@ -143,6 +144,7 @@ class Actor:
             config_overrides=policy_overrides, load_weights=None if load_weights else False,
         )
         self.routing = RoutingControl(self.model, self.arch, ctx)
+        self._params_device = packed_params_device(model_info(self.model).use_te, ctx.device)
         self.optimizer = build_optimizer(optimizer, self.model, dtype=self.dtype)
         steps = total_optimizer_steps or max(1, train.steps * train.mini_batches_per_step)
         self.scheduler = build_scheduler(optimizer, self.optimizer, total_optimizer_steps=steps)
@@ -214,7 +216,7 @@ class Actor:
         ctx = self.ctx
         return microbatch_inputs(batch, mb, lengths, ctx.device, with_loss_inputs=with_loss_inputs,
                                  multiple=self._width_multiple, cp_size=ctx.cp_size, cp_rank=ctx.cp_rank,
-                                 max_staleness=self.max_staleness)
+                                 max_staleness=self.max_staleness, params_device=self._params_device)
 
     def distribute(self, batch: TrainBatch | None) -> TrainBatch:
         """This rank's share of the step's batch: rank 0 passes the step's batch, every other rank None.

@@ -42,6 +42,7 @@ from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_
 from megatron_rl.actor.plan import Microbatch
 from megatron_rl.algorithms import all_reduce_metrics, finalize_metrics, merge_metrics
 from megatron_rl.algorithms.metrics import max_metric, mean_metric
+from megatron_rl.parallel.context import host_to_device
 
 
 def loss_scale(num_microbatches: int, data_parallel_size: int) -> int:
@@ -112,17 +113,30 @@ def take_rows(values: torch.Tensor | None, mb: Microbatch, *, per_token: bool, f
     return torch.where(mask, picked, torch.as_tensor(fill, dtype=values.dtype))
 
 
+def params_on(params, device: torch.device):
+    """A copy of PackedSeqParams with its cu_seqlens tensors on `device` (pinned, non-blocking copies)."""
+    import dataclasses
+
+    moved = {field.name: host_to_device(value, device) for field in dataclasses.fields(params)
+             if isinstance(value := getattr(params, field.name), torch.Tensor)}
+    return dataclasses.replace(params, **moved)
+
+
 def microbatch_inputs(
     batch, mb: Microbatch, lengths: torch.Tensor, device: torch.device, *, with_loss_inputs: bool,
     multiple: int = 1, cp_size: int = 1, cp_rank: int = 0, max_staleness: int | None = None,
+    params_device: torch.device | None = None,
 ) -> MicrobatchInputs:
     """The tensors of microbatch `mb` of `batch` (a TrainBatch); token ids past each row's length are 0.
 
     multiple, cp_size, cp_rank: the packed layout's padding multiple and this rank's CP chunks.
+    params_device: where a packed layout's cu_seqlens go (Transformer Engine on CUDA), None: the host.
     max_staleness: with loss inputs and a batch carrying token_versions and policy_version, response
     tokens whose staleness (policy_version - token version) exceeds it leave both masks (`stale_tokens`).
     """
     layout = microbatch_layout(mb, lengths, multiple=multiple, cp_size=cp_size, cp_rank=cp_rank)
+    if params_device is not None and layout.packed_seq_params is not None:  # models.kernels.packed_params_device
+        layout.packed_seq_params = params_on(layout.packed_seq_params, params_device)
     real = layout.real(lengths)
     tokens = gather_positions(batch.tokens, layout, real)
     row_len = lengths[layout.rows.clamp(min=0)]

@@ -53,6 +53,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
+from megatron_rl.parallel.context import host_to_device
 
 
 def cp_chunk_indices(seq_len_padded: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -125,6 +126,18 @@ def _layout_offsets(params: PackedSeqParams) -> list[int]:
     if cu_kv is not None and not torch.equal(cu_kv.cpu(), cu_q.cpu()):
         raise ValueError("PackedSeqParams: cu_seqlens_kv differs from cu_seqlens_q; self-attention needs the same layout")
     return [int(x) for x in cu_q.tolist()]  # host copy: a handful of integers per microbatch
+
+
+def device_offsets(params: PackedSeqParams | None, offsets: list[int], device: torch.device) -> torch.Tensor:
+    """The laid-out offsets as int32 on `device`, copied once per microbatch: kept on its PackedSeqParams for every
+    layer's call and the recomputation in backward (`parallel.context.host_to_device`: no stream synchronisation)."""
+    cached = getattr(params, "device_cu_seqlens", None)
+    if cached is not None and cached.device == device and cached.numel() == len(offsets):
+        return cached
+    out = host_to_device(torch.tensor(offsets, dtype=torch.int32), device)
+    if params is not None:
+        params.device_cu_seqlens = out
+    return out
 
 
 def _cp_global_order(offsets: list[int], cp_size: int) -> torch.Tensor:
@@ -242,7 +255,7 @@ class LocalCoreAttention(MegatronModule):
             key, value = self._gather_over_cp(key, value)
             key, value = key.index_select(0, order), value.index_select(0, order)  # now in sequence order
         if packed:
-            return self._packed(query, key, value, offsets, causal)
+            return self._packed(query, key, value, offsets, causal, packed_seq_params)
         return self._unpacked(query, key, value, attention_mask, causal)
 
     def _packed_offsets(self, query: torch.Tensor, params: PackedSeqParams) -> list[int]:
@@ -294,11 +307,11 @@ class LocalCoreAttention(MegatronModule):
         out = self._sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), mask=mask, causal=causal)
         return out.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
 
-    def _packed(self, query, key, value, offsets: list[int], causal: bool) -> torch.Tensor:
+    def _packed(self, query, key, value, offsets: list[int], causal: bool, params: PackedSeqParams | None = None) -> torch.Tensor:
         """THD: block-diagonal (causal) attention, one scaled_dot_product_attention per sequence (or one varlen call)."""
         cp_size = self.cp_size
         if self.packed_kernel == "varlen" and cp_size == 1 and causal and not (self.training and self.dropout_p > 0):
-            return self._packed_varlen(query, key, value, offsets)
+            return self._packed_varlen(query, key, value, offsets, params)
         query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # [n, t, hn]
         outputs = []
         for start, end in pairwise(offsets):
@@ -310,7 +323,7 @@ class LocalCoreAttention(MegatronModule):
         out = torch.cat(outputs, dim=1)  # [np, t, hn]
         return out.transpose(0, 1).reshape(out.shape[1], -1)
 
-    def _packed_varlen(self, query, key, value, offsets: list[int]) -> torch.Tensor:
+    def _packed_varlen(self, query, key, value, offsets: list[int], params: PackedSeqParams | None = None) -> torch.Tensor:
         """THD in one call of a varlen kernel: [t, np, hn] x [t, ng, hn] -> [t, np x hn].
 
         cu_seqlens are the laid-out (padded) offsets: each sequence's padding sits at its end and is
@@ -324,7 +337,7 @@ class LocalCoreAttention(MegatronModule):
             if binding is None:
                 raise RuntimeError(f"packed attention was built for the varlen kernel, which cannot serve here: {why}")
             self.varlen_binding = binding  # read once (a module built outside models.build)
-        cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=query.device)
+        cu_seqlens = device_offsets(params, offsets, query.device)
         longest = max(end - start for start, end in pairwise(offsets))
         out = binding.call(self.varlen_kernel, query, key, value, cu_seqlens, longest, self.softmax_scale)
         return out.reshape(out.shape[0], -1)

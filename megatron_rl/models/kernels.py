@@ -240,6 +240,16 @@ def choose_attention(kernels: Kernels, *, use_te: bool, dtype: torch.dtype, cont
     return "varlen", "torch's flash varlen kernel, one call per microbatch" + how
 
 
+def packed_params_device(use_te: bool, device: torch.device) -> torch.device | None:
+    """Where a packed microbatch's PackedSeqParams (its cu_seqlens) go, or None to keep them on the host.
+
+    Transformer Engine's THD attention and fused RoPE read cu_seqlens in their kernels: on the device. The local
+    spec reads them on the host: megatron's RoPE for THD (`_apply_rotary_pos_emb_thd`) and LocalCoreAttention
+    take their `.tolist()` in every layer, which on device tensors would synchronise the stream each time
+    (LocalCoreAttention's varlen call copies them to the device once per microbatch itself)."""
+    return device if use_te and device.type == "cuda" else None
+
+
 def choose_fusions(kernels: Kernels, *, use_te: bool, enabled: bool = True) -> tuple[dict[str, bool], dict[str, str]]:
     """(TransformerConfig fusion fields, why each off one is off); enabled = model.fusions."""
     reasons = {

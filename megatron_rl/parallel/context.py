@@ -316,6 +316,16 @@ def group_device(group: ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor (offsets, sizes) on `device` without a stream synchronisation: on CUDA, copied from
+    pinned memory with non_blocking (a plain copy from pageable memory waits for the stream: once per layer, that
+    keeps the host from running ahead of the GPU); elsewhere a plain `.to`."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _ranks(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 

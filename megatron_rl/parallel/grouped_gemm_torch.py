@@ -35,6 +35,8 @@ import types
 
 import torch
 
+from megatron_rl.parallel.context import host_to_device
+
 PROVIDERS = ("torch_grouped_mm", "per_expert_loop")
 
 
@@ -111,7 +113,7 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bo
         )
     weights = b.transpose(-1, -2) if trans_b else b  # [E, k, n]
     if provider_for(a, weights) == "torch_grouped_mm":
-        offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(dtype=torch.int32, device=a.device)
+        offsets = host_to_device(torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32), a.device)
         return _ContiguousGrad.apply(torch._grouped_mm(a.contiguous(), weights, offs=offsets))
     products = [rows @ weights[e] for e, rows in enumerate(torch.split(a, sizes))]
     return torch.cat(products, dim=0)

@@ -81,3 +81,18 @@ def test_varlen_takes_mla_head_dims_on_gpu():
             q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float(),
             is_causal=True, scale=192**-0.5).transpose(0, 1)
         torch.testing.assert_close(out[a:b].float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_packed_params_and_gmm_offsets_reach_the_device_without_a_host_copy_per_layer():
+    """params_on / host_to_device on CUDA: pinned, non-blocking copies that arrive intact."""
+    from megatron_rl.actor.step import params_on
+    from megatron_rl.models.attention import packed_seq_params
+    from megatron_rl.parallel.context import host_to_device
+
+    params = params_on(packed_seq_params([3, 5, 1000], multiple=8), torch.device("cuda"))
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        assert getattr(params, name).device.type == "cuda", name
+    assert params.cu_seqlens_q_padded.tolist() == [0, 8, 16, 1016]
+    sizes = torch.arange(1 << 16, dtype=torch.int32)
+    assert torch.equal(host_to_device(sizes, "cuda").cpu(), sizes)

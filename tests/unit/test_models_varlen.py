@@ -120,3 +120,40 @@ def test_a_narrower_value_head_is_padded_for_the_kernel_and_cut_from_its_output(
             enable_gqa=True).transpose(0, 1)
         torch.testing.assert_close(out[a:b], want, atol=1e-12, rtol=0)
 
+
+
+def test_packed_params_go_to_the_device_only_for_transformer_engine_on_cuda():
+    """TE's THD attention and fused RoPE read cu_seqlens in CUDA kernels; the local spec reads them on the host."""
+    from megatron_rl.models.kernels import packed_params_device
+
+    cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert packed_params_device(True, cuda) == cuda
+    assert packed_params_device(False, cuda) is None and packed_params_device(True, cpu) is None
+
+
+def test_params_on_moves_every_offset_tensor_and_keeps_the_rest():
+    from megatron_rl.actor.step import params_on
+    from megatron_rl.models.attention import packed_seq_params
+
+    params = packed_seq_params([3, 5], multiple=4)  # cu_seqlens [0, 3, 8], padded [0, 4, 12], max 8
+    moved = params_on(params, torch.device("cpu"))
+    assert moved is not params and moved.qkv_format == "thd" and moved.max_seqlen_q == moved.max_seqlen_kv == 8
+    assert moved.cu_seqlens_q.tolist() == [0, 3, 8] and moved.cu_seqlens_kv_padded.tolist() == [0, 4, 12]
+
+
+def test_the_varlen_offsets_are_copied_once_per_microbatch(monkeypatch):
+    """Every layer (and the recomputation in backward) reads the device offsets kept on the microbatch's
+    PackedSeqParams: one host-to-device copy per microbatch, not one per layer."""
+    from megatron_rl.models import attention
+    from megatron_rl.models.attention import device_offsets, packed_seq_params
+
+    copies = []
+    monkeypatch.setattr(attention, "host_to_device", lambda t, device: copies.append(t.tolist()) or t.to(device))
+    params, other = packed_seq_params([3, 5], multiple=4), packed_seq_params([2, 2], multiple=1)
+    offsets = [0, 4, 12]
+    first = device_offsets(params, offsets, torch.device("cpu"))
+    for _ in range(3):  # three more layers of the same microbatch
+        assert device_offsets(params, offsets, torch.device("cpu")) is first
+    assert first.dtype == torch.int32 and first.tolist() == offsets
+    device_offsets(other, [0, 2, 4], torch.device("cpu"))  # the next microbatch: its own copy
+    assert copies == [[0, 4, 12], [0, 2, 4]]
