@@ -186,4 +186,11 @@ class RolloutConfig:
                 f"{self.agent_tool_timeout_s}, agent_workers={self.agent_workers}: turns and workers must be >= 1, the budget >= 0 "
                 "(0 = the engine's context), the timeout > 0"
             )
+        if self.return_routed_experts and not self.enforce_eager:
+            raise ConfigError(
+                "rollout.return_routed_experts=true with rollout.enforce_eager=false: the routes are captured by a "
+                "function each MoE router calls, and CUDA graphs replay decode steps without calling it (their tokens "
+                "would have no routes); set rollout.enforce_eager=true, or rollout.return_routed_experts=false with "
+                "algorithm.routing_replay other than R3"
+            )
         check_rollout_transport(self.engine, self.weight_transport, self.multiprocessing)

@@ -98,6 +98,10 @@ def test_asynchronous_training_options_are_checked():
         from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollouts": True}, "rollout": {"stop": ["\n"]}})
     with pytest.raises(ConfigError, match="routes would not be those its tokens were sampled with"):
         from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollouts": True}, "rollout": {"return_routed_experts": True}})
+    # the routes' capture runs in eager forwards only: CUDA graphs would replay decode steps without it
+    with pytest.raises(ConfigError, match="return_routed_experts=true with rollout.enforce_eager=false.*set rollout.enforce_eager=true"):
+        from_dict(RLConfig, {"rollout": {"return_routed_experts": True, "enforce_eager": False}})
+    from_dict(RLConfig, {"rollout": {"return_routed_experts": False, "enforce_eager": False}})  # graphs without capture
     # servers are not interrupted: refused at load, naming both settings
     servers = {"engine": "vllm_server", "server_urls": ["http://127.0.0.1:8000"]}
     with pytest.raises(ConfigError, match="partial_rollouts=true with rollout.engine=vllm_server"):

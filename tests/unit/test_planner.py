@@ -284,7 +284,8 @@ def test_batch_share_is_this_dp_ranks_rows_with_their_routes():
     assert halved.batch_share == pytest.approx(mem.batch_share / 2)
     # R3: the engine's routes arrive with the rows and are cut to what this rank replays: the same tokens and
     # layers as recorded ones (not the rows' whole [S, T, 48, 8], 8x more at SP 2 x CP 4)
-    r3_overrides = ["algorithm.routing_replay=R3", "rollout.return_routed_experts=true", "rollout.routed_experts_include_prompt=true"]
+    r3_overrides = ["algorithm.routing_replay=R3", "rollout.return_routed_experts=true", "rollout.routed_experts_include_prompt=true",
+                    "rollout.enforce_eager=true"]  # the capture runs eagerly (config.rollout)
     r3 = load_config(RLConfig, CONFIGS / "qwen3-30b-a3b-gspo-32k-cp4-4x8h100.yaml", r3_overrides)
     assert stage_memory(spec, r3, world=32, microbatches=32, stage=0).batch_share == mem.batch_share
     # engine routes for the drift metrics only (no replay): kept whole (int8 for 128 experts), + the recorded ones
