@@ -2,7 +2,9 @@
 
 Small-learning-rate steps change a minority of a tensor's values once it is
 rounded to the wire dtype (bf16 on GPUs). Each sender keeps what the engines
-hold of its tensors from the last push (`DeltaEncoder.held`, wire dtype) and
+hold of its tensors from the last push (`DeltaEncoder.held`, wire dtype, in host
+memory: pinned beside a GPU, so that it takes no device memory between pushes and
+each tensor's comparison copies it back without staging) and
 sends, per tensor, the flat positions whose bits changed and their new values;
 where that is not smaller than the tensor (positions cost 4 or 8 bytes each),
 the tensor goes dense. Every tensor carries a checksum of its new bytes; the
@@ -41,6 +43,15 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values in host memory (a copy): pinned when it is on a GPU (a later copy back is asynchronous)."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor)
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's values as integers of its element size (a bitwise comparison: NaN == NaN, -0 != +0)."""
     return tensor.reshape(-1).view(_INT_OF_SIZE[tensor.element_size()])
@@ -67,10 +78,12 @@ class DeltaEncoder:
         wire: Bucket = []
         meta: dict[str, dict] = {}
         for name, tensor in bucket:
+            kept = host_copy(tensor)  # the next base, and what the checksum reads (one copy off the device)
             entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
-                     "checksum": tensor_checksum(tensor), "kind": "dense"}
+                     "checksum": tensor_checksum(kept), "kind": "dense"}
             old = self.held.get(name) if delta else None
             if old is not None and old.shape == tensor.shape and old.dtype == tensor.dtype:
+                old = old.to(tensor.device, non_blocking=True)  # compared where the tensor is
                 changed = torch.nonzero(_bits(old) != _bits(tensor)).reshape(-1)
                 index = changed.to(torch.int32 if tensor.numel() < 2**31 else torch.int64)
                 values = tensor.reshape(-1)[changed]
@@ -80,7 +93,7 @@ class DeltaEncoder:
             if entry["kind"] == "dense":
                 wire.append((name, tensor))
             meta[name] = entry
-            self._pending[name] = tensor.detach().clone()
+            self._pending[name] = kept
         return wire, meta
 
     def commit(self, version: int, delta: bool) -> None:
@@ -96,7 +109,7 @@ class DeltaEncoder:
 
 
 class DeltaHolder:
-    """A worker's side: its copy of the last push's tensors (wire dtype) and their version."""
+    """A worker's side: its copy of the last push's tensors (wire dtype, host memory) and their version."""
 
     def __init__(self) -> None:
         self.held: dict[str, torch.Tensor] = {}
@@ -119,13 +132,15 @@ class DeltaHolder:
                 old = self.held.get(name)
                 if old is None:
                     raise WeightPushError(f"weight delta for {name!r} refused: this worker holds no copy of it")
-                tensor = old.clone()
-                tensor.reshape(-1)[tensors[f"{name}#idx"].long()] = tensors[f"{name}#val"]
-            if tensor_checksum(tensor) != entry["checksum"]:
+                values = tensors[f"{name}#val"]
+                tensor = old.to(values.device, copy=True)  # where the pushed values are (the engine's device)
+                tensor.reshape(-1)[tensors[f"{name}#idx"].long()] = values
+            kept = host_copy(tensor)  # the next base (host memory), and what the checksum reads
+            if tensor_checksum(kept) != entry["checksum"]:
                 raise WeightPushError(f"weight push broken: {name!r} ({entry['kind']}) does not match the trainer's "
                                       "checksum after applying it")
-            self._pending[name] = tensor.clone() if entry["kind"] == "dense" else tensor
-            out.append((name, self._pending[name]))
+            self._pending[name] = kept
+            out.append((name, tensor))
         return out
 
     def commit(self, version: int) -> None:

@@ -101,7 +101,8 @@ class WeightPusher:
         return {}
 
     def close(self) -> None:
-        """Drop vLLM's trainer engines (the owner groups and relays end with their engines)."""
+        """Drop vLLM's trainer engines (the owner groups and relays end with their engines) and the delta's base."""
+        self._delta = None
         if self._vllm is not None:
             self._vllm.shutdown()
             self._vllm = None

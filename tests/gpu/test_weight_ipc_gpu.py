@@ -56,3 +56,23 @@ def test_colocated_servers_relay_each_bucket_to_every_gpu_and_each_worker_maps_i
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (the relay copies each bucket from one GPU to the other)")
     check_relay(tmp_path, "cuda")
+
+
+@pytest.mark.gpu
+def test_a_delta_sender_keeps_its_base_off_the_device():
+    """weight_sync.delta on CUDA tensors: the base is pinned host memory (no device memory between pushes), the wire
+    stays on the device, and the worker's copy rebuilds the bits."""
+    from megatron_rl.weight_sync.delta import DeltaEncoder, DeltaHolder
+
+    a = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
+    encoder, holder = DeltaEncoder(full_every=5), DeltaHolder()
+    wire, meta = encoder.encode([("a", a)], delta=False)
+    holder.decode(wire, meta, None)
+    encoder.commit(1, delta=False)
+    holder.commit(1)
+    assert encoder.held["a"].device.type == "cpu" and encoder.held["a"].is_pinned()
+    b = a.clone()
+    b[::4096] += 1
+    wire, meta = encoder.encode([("a", b)], delta=True)
+    assert meta["a"]["kind"] == "sparse" and all(t.device.type == "cuda" for _, t in wire)
+    assert torch.equal(dict(holder.decode(wire, meta, 1))["a"].cuda(), b)

@@ -64,3 +64,16 @@ def test_config_keys(tmp_path):
     assert cfg.rollout.weight_delta and cfg.rollout.weight_delta_full_every == 10
     with pytest.raises(ConfigError, match="weight_senders=owners with rollout.weight_transport=vllm_nccl_m2n"):
         load_config(RLConfig, path, ["rollout.weight_senders=owners", "rollout.weight_transport=vllm_nccl_m2n"])
+
+
+def test_the_base_is_a_host_copy_not_the_pushed_tensor():
+    """What the sender keeps between pushes is its own copy in host memory (pinned beside a GPU: tests/gpu), so a
+    later in-place change of the pushed tensor (the trainer's next step) does not change the base."""
+    a = torch.arange(8, dtype=torch.float32)
+    encoder = DeltaEncoder(full_every=5)
+    encoder.encode([("a", a)], delta=False)
+    encoder.commit(1, delta=False)
+    a[2] = 100.0  # the next step writes the same buffer
+    assert encoder.held["a"].device.type == "cpu" and encoder.held["a"][2] == 2.0
+    wire, meta = encoder.encode([("a", a)], delta=True)
+    assert meta["a"]["kind"] == "sparse" and dict(wire)["a#idx"].tolist() == [2]
