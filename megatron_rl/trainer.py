@@ -56,6 +56,26 @@ from megatron_rl.console import LibraryLogs, library_logs
 
 logger = logging.getLogger(__name__)
 
+class NoSignalWatch:
+    """Counts steps in a row whose advantages are all zero (every prompt's samples got the same reward: the reward
+    gives the loss no gradient); `update` returns the warning once the count reaches `steps`, then nothing until a
+    step has a signal again."""
+
+    def __init__(self, steps: int = 5):
+        self.steps, self.count = steps, 0
+
+    def update(self, step: int, metrics: dict[str, float], n_samples: int) -> str | None:
+        if "advantage/abs_mean" not in metrics:  # not rank 0: the experience's metrics are rank 0's
+            return None
+        self.count = self.count + 1 if metrics["advantage/abs_mean"] == 0 else 0
+        if self.count != self.steps:
+            return None
+        return (f"steps {step - self.steps + 1}-{step}: every prompt's {n_samples} samples got the same reward (mean "
+                f"{metrics.get('reward/mean', float('nan')):.3f}), so every advantage is 0 and the reward gives no gradient; "
+                "a policy that never earns a reward cannot learn one: start from a model that sometimes does (a random "
+                "tiny model needs the answer format first: `make demo` warms one up in outputs/demo/model), or use a "
+                "reward that grades partial answers")
+
 
 class StoppedBySignal(Exception):
     """SIGTERM / SIGUSR1 asked the run to stop: every rank saved at the step boundary (megatron_rl.errors: exit 3)."""
@@ -155,6 +175,7 @@ class Trainer:
         self.tokenizer, self.dataset, self.evaluator = read_prompt_sets(cfg, ctx)  # rank 0's (None elsewhere)
         self._evaluated_at = -1
         self._recent_rewards: deque[float] = deque(maxlen=10)  # train.stop_at_reward looks at the last 10 steps
+        self._no_signal = NoSignalWatch()
         self.reward_fn = get_reward_fn(cfg.data.reward)
         self.agent = None  # multi-turn episodes (rollout.agent), run on rank 0
         if cfg.rollout.agent and ctx.rank == 0:
@@ -221,6 +242,8 @@ class Trainer:
             self.step += 1
             metrics["time/step_s"] = time.perf_counter() - start
             self.logger.log(self.step - 1, metrics)
+            if warning := self._no_signal.update(self.step - 1, metrics, cfg.rollout.n_samples):
+                logger.warning("%s", warning)
             done = self.step == cfg.train.steps or self._reached_target(metrics)
             saved = None
             if (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0) or done:
