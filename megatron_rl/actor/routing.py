@@ -75,7 +75,7 @@ import torch.distributed as dist
 from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_layout, padded_layout
 from megatron_rl.actor.plan import Microbatch
 from megatron_rl.models.mapping import unwrap_model
-from megatron_rl.parallel.context import group_device
+from megatron_rl.parallel.devices import group_device
 
 
 def local_tokens(x: torch.Tensor, *, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:

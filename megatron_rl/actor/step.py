@@ -42,7 +42,7 @@ from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_
 from megatron_rl.actor.plan import Microbatch
 from megatron_rl.algorithms import all_reduce_metrics, finalize_metrics, merge_metrics
 from megatron_rl.algorithms.metrics import max_metric, mean_metric
-from megatron_rl.parallel.context import host_to_device
+from megatron_rl.parallel.devices import host_to_device
 
 
 def loss_scale(num_microbatches: int, data_parallel_size: int) -> int:

@@ -53,7 +53,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
-from megatron_rl.parallel.context import host_to_device
+from megatron_rl.parallel.devices import host_to_device
 
 
 def cp_chunk_indices(seq_len_padded: int, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ import types
 
 import torch
 
-from megatron_rl.parallel.context import host_to_device
+from megatron_rl.parallel.devices import host_to_device
 
 PROVIDERS = ("torch_grouped_mm", "per_expert_loop")
 

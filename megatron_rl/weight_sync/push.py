@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from megatron_rl.parallel.context import group_device
+from megatron_rl.parallel.devices import group_device
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.manifest import WeightPushError
 from megatron_rl.weight_sync.stream import PushBrokenError

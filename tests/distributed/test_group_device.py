@@ -1,4 +1,4 @@
-"""parallel.context.group_device: a collective's small flags and counts are made on the device its group's backend
+"""parallel.devices.group_device: a collective's small flags and counts are made on the device its group's backend
 takes (NCCL: this process's CUDA device; gloo: the host), through the calls the push and the route gather make.
 
 On a GPU the NCCL branch runs for real in tests/gpu/test_group_device_gpu.py (NCCL refuses a host tensor).
@@ -13,7 +13,7 @@ from tests.distributed.harness import run_distributed
 
 
 def _worker(rank: int, world_size: int):
-    from megatron_rl.parallel.context import group_device
+    from megatron_rl.parallel.devices import group_device
     from megatron_rl.weight_sync.push import any_rank
 
     dist.init_process_group("gloo")
@@ -36,7 +36,7 @@ def test_gloo_groups_take_host_tensors_and_any_rank_agrees():
 
 def test_an_nccl_group_takes_this_process_cuda_device(monkeypatch):
     """The choice for NCCL, with the backend's name as torch reports it (the call itself needs a GPU)."""
-    from megatron_rl.parallel import context
+    from megatron_rl.parallel import devices as context
 
     monkeypatch.setattr(context.dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(context.torch.cuda, "current_device", lambda: 3)

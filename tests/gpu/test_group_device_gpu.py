@@ -12,7 +12,7 @@ from megatron_rl.ports import free_port
 
 @pytest.mark.gpu
 def test_nccl_takes_the_group_device_and_refuses_the_host():
-    from megatron_rl.parallel.context import group_device
+    from megatron_rl.parallel.devices import group_device
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -88,7 +88,7 @@ def test_packed_params_and_gmm_offsets_reach_the_device_without_a_host_copy_per_
     """params_on / host_to_device on CUDA: pinned, non-blocking copies that arrive intact."""
     from megatron_rl.actor.step import params_on
     from megatron_rl.models.attention import packed_seq_params
-    from megatron_rl.parallel.context import host_to_device
+    from megatron_rl.parallel.devices import host_to_device
 
     params = params_on(packed_seq_params([3, 5, 1000], multiple=8), torch.device("cuda"))
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
