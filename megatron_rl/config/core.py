@@ -158,6 +158,9 @@ def load_yaml_preset(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> d
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError(f"preset {path} includes itself through {' -> '.join(map(str, _seen))}")
+    if path.is_dir():
+        named_by = f"preset {str(_seen[-1])!r} includes {str(path)!r} (defaults:), which" if _seen else f"config file {str(path)!r}"
+        raise ConfigError(f"{named_by} is a directory, not a YAML file: name a preset file, e.g. configs/tiny-gspo.yaml")
     if not path.is_file():
         if _seen:  # named by another preset's defaults
             raise ConfigError(f"preset {str(_seen[-1])!r} includes {str(path)!r} (defaults:), which does not exist: fix the "

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.config.core import ConfigError, from_dict
+from megatron_rl.config.synthetic import SYNTHETIC_PREFIX, parse_synthetic
 
 SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -55,6 +56,8 @@ class EvalSetConfig:
         """Raise naming `where` (e.g. data.eval_sets.aime24) when a value is out of range."""
         if not self.path:
             raise ConfigError(f"{where}.path is empty: give the set's .jsonl/.parquet file")
+        if self.path.startswith(SYNTHETIC_PREFIX):
+            parse_synthetic(self.path, f"{where}.path")
         if self.k < 1:
             raise ConfigError(f"{where}.k={self.k}: samples per prompt must be >= 1")
         if self.temperature <= 0 or not 0 < self.top_p <= 1:

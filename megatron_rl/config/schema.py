@@ -300,7 +300,8 @@ class DataConfig:
     """Prompt dataset and tokenizer."""
 
     path: str = ""
-    """jsonl or parquet file of prompts (or a built-in task name such as 'synthetic:sort')."""
+    """jsonl or parquet file of prompts, or a built-in task: synthetic:<task>[:<num_prompts>[:<seed>]] with task one of
+    add, first_letter, first_letter8, last_letter, lookup8 (megatron_rl.data.tasks)."""
     prompt_key: str = "prompt"
     """Field holding the prompt text (or chat messages)."""
     answer_key: str = "answer"
@@ -331,7 +332,10 @@ class DataConfig:
                 "evaluates whole sets; write data.eval_sets={eval: {path: <file>, k: <samples per prompt>}}"
             )
         from megatron_rl.config.evaluation import parse_eval_sets
+        from megatron_rl.config.synthetic import SYNTHETIC_PREFIX, parse_synthetic
 
+        if self.path.startswith(SYNTHETIC_PREFIX):
+            parse_synthetic(self.path, "data.path")
         self.eval_sets = parse_eval_sets(self.eval_sets)
 
 
@@ -346,7 +350,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Checkpoints kept; older ones are deleted after a successful save."""
     resume: str = "none"
-    """'auto' = continue from `latest` if present; 'none'; or a checkpoint path. The launch scripts pass 'auto', and a
+    """'auto' = continue from `latest` if present; 'none'; or a path: a step_XXXXXXXX checkpoint directory, or a run's
+    checkpoint.dir (what its `latest` names). Hugging Face weights go in model.path. The launch scripts pass 'auto', and a
     run torchrun restarts (cluster.max_restarts) continues from `latest` whatever this says."""
     optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     """How the distributed optimizer's state is saved. dp_reshardable: each rank writes and reads its own shard, with

@@ -12,7 +12,8 @@ from __future__ import annotations
 import random
 import string
 
-SYNTHETIC_PREFIX = "synthetic:"
+from megatron_rl.config.synthetic import SYNTHETIC_PREFIX, SYNTHETIC_TASKS, parse_synthetic  # noqa: F401  (named here for callers)
+
 
 
 def _first_letter(rng: random.Random, alphabet: str = string.ascii_lowercase, lengths: tuple[int, int] = (3, 6)) -> dict[str, str]:
@@ -42,6 +43,8 @@ def _lookup8(rng: random.Random) -> dict[str, str]:
 
 
 TASKS = {"first_letter": _first_letter, "first_letter8": _first_letter8, "last_letter": _last_letter, "add": _add_digits, "lookup8": _lookup8}
+if set(TASKS) != set(SYNTHETIC_TASKS):  # the config's list of names (checked when a config loads) is these tasks'
+    raise ImportError(f"config.synthetic.SYNTHETIC_TASKS {sorted(SYNTHETIC_TASKS)} differs from data.tasks.TASKS {sorted(TASKS)}")
 
 ANSWER_ALPHABETS = {
     "first_letter": string.ascii_lowercase,
@@ -51,20 +54,6 @@ ANSWER_ALPHABETS = {
     "lookup8": "abcdefgh",
 }
 """The answers each task can have: the demo's format warm-up draws random answers from these."""
-
-
-def parse_synthetic(spec: str) -> tuple[str, int, int]:
-    """'synthetic:first_letter:512:0' -> ('first_letter', 512, 0)."""
-    parts = spec[len(SYNTHETIC_PREFIX):].split(":")
-    name = parts[0]
-    if name not in TASKS:
-        raise ValueError(f"unknown synthetic task {name!r} in data.path={spec!r}; valid: {sorted(TASKS)}")
-    try:
-        num = int(parts[1]) if len(parts) > 1 else 1024
-        seed = int(parts[2]) if len(parts) > 2 else 0
-    except ValueError:
-        raise ValueError(f"data.path={spec!r}: expected synthetic:<task>[:<num_prompts>[:<seed>]] with whole numbers") from None
-    return name, num, seed
 
 
 def synthetic_rows(spec: str) -> list[dict[str, str]]:

@@ -51,6 +51,21 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(RLConfig, tmp_path / "loop.yaml")
 
 
+def test_a_directory_is_not_taken_for_a_missing_file(tmp_path):
+    """`--config configs` names a directory: say so, not 'does not exist'."""
+    root = tmp_path.resolve()  # the message names the resolved path
+    (root / "configs").mkdir()
+    with pytest.raises(ConfigError) as raised:
+        load_config(RLConfig, root / "configs")
+    assert str(raised.value) == (f"config file {str(root / 'configs')!r} is a directory, not a YAML file: "
+                                 "name a preset file, e.g. configs/tiny-gspo.yaml")
+    (root / "top.yaml").write_text("defaults: [configs]\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(RLConfig, root / "top.yaml")
+    assert str(raised.value) == (f"preset {str(root / 'top.yaml')!r} includes {str(root / 'configs')!r} (defaults:), "
+                                 "which is a directory, not a YAML file: name a preset file, e.g. configs/tiny-gspo.yaml")
+
+
 def test_round_trip_through_dict():
     cfg = load_config(RLConfig, None, ["parallel.expert_parallel=2", "algorithm.loss=dapo"])
     assert from_dict(RLConfig, to_dict(cfg)) == cfg

@@ -2,14 +2,21 @@
 
 import json
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from megatron_rl.config import ConfigError, RLConfig, load_config
 from megatron_rl.data.dataset import DatasetError, PromptDataset, read_rows
-from megatron_rl.data.tasks import synthetic_rows
+from megatron_rl.data.tasks import parse_synthetic, synthetic_rows
 from megatron_rl.data.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
 from megatron_rl.models.tiny import build_sentencepiece_model, write_hf_tokenizer_dir
 from megatron_rl.rollout.rewards import RewardError, compute_rewards, exact_match, get_reward_fn, math_answer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +117,49 @@ def test_synthetic_task_rows_are_correct():
     for row in synthetic_rows("synthetic:add:50:1"):
         a, b = row["prompt"].removesuffix(" =").split(" + ")
         assert int(row["answer"]) == int(a) + int(b)
-    with pytest.raises(ValueError, match="unknown synthetic task 'nope'"):
+    with pytest.raises(ConfigError, match="unknown synthetic task 'nope'"):
         synthetic_rows("synthetic:nope")
+
+
+def test_synthetic_spec_parts_and_defaults():
+    assert parse_synthetic("synthetic:first_letter8:512:7") == ("first_letter8", 512, 7)
+    assert parse_synthetic("synthetic:add") == ("add", 1024, 0)
+    assert parse_synthetic("synthetic:lookup8:3") == ("lookup8", 3, 0)
+
+
+KNOWN = "known tasks: add, first_letter, first_letter8, last_letter, lookup8"
+FORM = "synthetic:<task>[:<num_prompts>[:<seed>]]"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("synthetic:nosuchtask", f"data.path='synthetic:nosuchtask': unknown synthetic task 'nosuchtask'; {KNOWN} (write {FORM}"),
+    ("synthetic:", f"data.path='synthetic:': unknown synthetic task ''; {KNOWN}"),
+    ("synthetic:first_letter8:abc", f"data.path='synthetic:first_letter8:abc': expected {FORM} with num_prompts >= 1"),
+    ("synthetic:add:0", f"data.path='synthetic:add:0': expected {FORM} with num_prompts >= 1 and seed >= 0"),
+    ("synthetic:add:4:-1", "data.path='synthetic:add:4:-1': expected"),
+    ("synthetic:add:4:1:9", "data.path='synthetic:add:4:1:9': expected"),
+])
+def test_bad_synthetic_specs_are_refused_when_the_config_is_read(spec, message):
+    """The config check (what `plan` runs) refuses what reading the data would: a ConfigError, exit 2 in the CLI."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_synthetic(spec)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(RLConfig, REPO / "configs" / "tiny-gspo.yaml", [f"data.path='{spec}'"])
+    where = message.replace("data.path=", "data.eval_sets.held.path=", 1)
+    with pytest.raises(ConfigError, match=re.escape(where)):
+        load_config(RLConfig, REPO / "configs" / "tiny-gspo.yaml", [f"data.eval_sets={{held: '{spec}'}}"])
+
+
+def test_plan_refuses_an_unknown_synthetic_task_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "plan", "--config", "configs/tiny-gspo.yaml", "data.path=synthetic:nosuchtask"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"megatron-rl plan: data.path='synthetic:nosuchtask': unknown synthetic task 'nosuchtask'; {KNOWN} "
+        f"(write {FORM}, e.g. synthetic:first_letter8:512)"
+    ]
 
 
 @pytest.mark.extra("data", "math_verify")
