@@ -25,15 +25,26 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def parallel_size(text: str) -> int:
+    """A --target-* value: a whole number >= 1 (0 is no layout, not 'the default')."""
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parallel size: give a whole number >= 1")
+    return size
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("hf_dir", help="HF model directory: config.json + model.safetensors or shards (with or without an index)")
-    parser.add_argument("out_dir", help="output megatron checkpoint directory (written to a temporary sibling, renamed when complete)")
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="HF model directory: config.json + model.safetensors or shards (with or without an index)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="output megatron checkpoint directory (written to a temporary sibling, renamed when complete)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="stored dtype (auto: as in the HF files)")
-    parser.add_argument("--target-tp", type=int, default=None, help="tensor-parallel size to check the model against")
-    parser.add_argument("--target-pp", type=int, default=1, help="pipeline-parallel size to check")
-    parser.add_argument("--target-ep", type=int, default=1, help="expert-parallel size to check")
-    parser.add_argument("--target-etp", type=int, default=None, help="expert tensor-parallel size to check (default: megatron_rl's)")
+    parser.add_argument("--target-tp", type=parallel_size, default=None, help="tensor-parallel size to check the model against")
+    parser.add_argument("--target-pp", type=parallel_size, default=1, help="pipeline-parallel size to check")
+    parser.add_argument("--target-ep", type=parallel_size, default=1, help="expert-parallel size to check")
+    parser.add_argument("--target-etp", type=parallel_size, default=None, help="expert tensor-parallel size to check (default: megatron_rl's)")
     parser.add_argument("--max-file-size", default="512MiB", help="size of the checkpoint's data files (default 512MiB); bounds the writer's memory")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (only once the new one is complete)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -54,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.target_tp is not None or args.target_pp != 1 or args.target_ep != 1 or args.target_etp is not None:
         targets.append(
             ParallelConfig(
-                tensor_parallel=args.target_tp or 1,
+                tensor_parallel=1 if args.target_tp is None else args.target_tp,
                 pipeline_parallel=args.target_pp,
                 expert_parallel=args.target_ep,
                 expert_tensor_parallel=args.target_etp,

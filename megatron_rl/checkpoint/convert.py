@@ -318,6 +318,29 @@ def _nbytes(piece: Piece, dtype: torch.dtype) -> int:
 # ----------------------------------------------------------------------------- HF -> megatron
 
 
+def _check_hf_dir(hf_dir: Path) -> None:
+    """UnsupportedModelError naming HF_DIR (the tool's argument, not train's model.path) when it is no Hugging Face
+    model directory."""
+    if not hf_dir.exists():
+        raise UnsupportedModelError(
+            f"HF_DIR {str(hf_dir)!r} does not exist: pass a Hugging Face model directory (config.json, *.safetensors), "
+            "e.g. one downloaded with `huggingface-cli download <repo> --local-dir <dir>`"
+        )
+    if not hf_dir.is_dir():
+        raise UnsupportedModelError(f"HF_DIR {str(hf_dir)!r} is a file: pass the directory holding config.json and *.safetensors")
+    if not (hf_dir / "config.json").is_file():
+        raise UnsupportedModelError(f"HF_DIR {str(hf_dir)!r} has no config.json: it is not a Hugging Face model directory")
+
+
+def _check_hf_weights(hf_dir: Path) -> None:
+    """UnsupportedModelError naming HF_DIR when it holds no safetensors (checked after config.json is understood)."""
+    if not (hf_dir / "model.safetensors.index.json").is_file() and next(hf_dir.glob("*.safetensors"), None) is None:
+        raise UnsupportedModelError(
+            f"HF_DIR {str(hf_dir)!r} holds no *.safetensors weights: only safetensors are converted; write .bin "
+            "checkpoints again with transformers' save_pretrained(safe_serialization=True)"
+        )
+
+
 def convert_hf_to_mcore(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -336,6 +359,7 @@ def convert_hf_to_mcore(
     Returns `out_dir`, which holds the checkpoint, `hf/` and the manifest.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    _check_hf_dir(hf_dir)
     hf_config = load_hf_config(hf_dir)
     refuse_quantized(hf_config, str(hf_dir / "config.json"))
     arch = parse_hf_config(hf_config, source=str(hf_dir / "config.json"))
@@ -343,6 +367,7 @@ def convert_hf_to_mcore(
         check_target_layout(hf_config, layout)
     out_dtype, file_bytes = _dtype(dtype), parse_size(max_file_size)
     _check_output(out_dir, overwrite, hf_dir)
+    _check_hf_weights(hf_dir)
     reader = _StreamingReader(hf_dir)
     try:
         check_checkpoint_names(arch, reader.names(), str(hf_dir))

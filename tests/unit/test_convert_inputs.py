@@ -57,6 +57,33 @@ def test_missing_config_names_the_file(tmp_path):
         convert_hf_to_mcore(tmp_path / "nowhere", tmp_path / "out")
 
 
+def test_hf_dir_errors_name_the_tools_argument_not_train_keys(tmp_path):
+    """The conversion's input is HF_DIR: no model.path, model.make_tiny or model.load_weights in what it says."""
+    nowhere = tmp_path / "nowhere"
+    with pytest.raises(UnsupportedModelError) as raised:
+        convert_hf_to_mcore(nowhere, tmp_path / "out")
+    assert str(raised.value) == (
+        f"HF_DIR {str(nowhere)!r} does not exist: pass a Hugging Face model directory (config.json, *.safetensors), "
+        "e.g. one downloaded with `huggingface-cli download <repo> --local-dir <dir>`"
+    )
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps(tiny_hf_config("qwen2")))
+    (no_weights / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(UnsupportedModelError) as raised:
+        convert_hf_to_mcore(no_weights, tmp_path / "out")
+    assert str(raised.value) == (
+        f"HF_DIR {str(no_weights)!r} holds no *.safetensors weights: only safetensors are converted; write .bin "
+        "checkpoints again with transformers' save_pretrained(safe_serialization=True)"
+    )
+    with pytest.raises(UnsupportedModelError, match=r"HF_DIR '.*config.json' is a file: pass the directory holding config.json"):
+        convert_hf_to_mcore(no_weights / "config.json", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedModelError, match=r"HF_DIR '.*empty' has no config.json: it is not a Hugging Face model directory"):
+        convert_hf_to_mcore(tmp_path / "empty", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     model = tmp_path / "gpt2"
     model.mkdir()
@@ -195,3 +222,30 @@ def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert tool.main([str(hf), str(tmp_path / "out"), "--target-ep", "3", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: num_experts=8 is not divisible by parallel.expert_parallel=3") and "Traceback" not in err
+
+
+def _convert_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_hf_to_mcore", ROOT / "tools" / "convert_hf_to_mcore.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_cli_names_hf_dir_for_a_missing_model(tmp_path, capsys):
+    assert _convert_tool().main([str(tmp_path / "nowhere"), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: HF_DIR {str(tmp_path / 'nowhere')!r} does not exist: pass a Hugging Face model directory")
+    assert "model.path" not in err and "model.make_tiny" not in err
+
+
+@pytest.mark.parametrize("flag", ["--target-tp", "--target-pp", "--target-ep", "--target-etp"])
+def test_cli_refuses_a_parallel_size_of_zero(flag, tmp_path, capsys):
+    """--target-tp 0 was read as 'no TP given' (TP 1); every --target-* size of 0 is refused before any work."""
+    hf = fake_hf_dir(tmp_path / "hf", family="qwen3_moe")
+    with pytest.raises(SystemExit) as raised:
+        _convert_tool().main([str(hf), str(tmp_path / "out"), flag, "0", "--no-progress"])
+    assert raised.value.code == 2
+    assert f"error: argument {flag}: '0' is not a parallel size: give a whole number >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
