@@ -391,6 +391,25 @@ def merge(per_rank: list[list[Check]]) -> list[Check]:
     return merged
 
 
+@contextlib.contextmanager
+def _quiet_libraries(cfg):
+    """megatron-core's import-time warnings and transformers' progress bars (the forward check's tiny model) to
+    `logging.dir`/logs/warnings.log (the preset's run directory, else a temporary one), as `train` does."""
+    from transformers.utils import logging as transformers_logging
+
+    from megatron_rl.console import library_logs
+
+    run_dir = cfg.logging.dir if cfg is not None else tempfile.mkdtemp(prefix="mrl-doctor-")
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        with library_logs(run_dir):
+            yield
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
+
+
 def run(config: str | None, overrides: list[str] | None = None, out=None) -> int:
     """Every check on this rank, gathered and printed by rank 0; 1 when any rank has a FAIL, 2 for a bad config."""
     from megatron_rl.config.core import ConfigError, load_config
@@ -407,11 +426,12 @@ def run(config: str | None, overrides: list[str] | None = None, out=None) -> int
             return 2
     avail = detect()
     ctx, start_error = None, None
-    try:
-        ctx = _start(cfg)
-    except Exception as err:  # noqa: BLE001 - reported as the collectives check
-        start_error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-    checks = _local_checks(cfg, avail, ctx)
+    with _quiet_libraries(cfg):  # one line per check: the libraries' warnings and progress bars go to a file
+        try:
+            ctx = _start(cfg)
+        except Exception as err:  # noqa: BLE001 - reported as the collectives check
+            start_error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        checks = _local_checks(cfg, avail, ctx)
     if ctx is None:
         checks.append(Check(name="collectives", status="FAIL", detail=f"torch.distributed did not start: {start_error}",
                             fix="check MASTER_ADDR/MASTER_PORT and that every rank was started"))

@@ -27,7 +27,7 @@ VLLM = available("vllm")  # absent on a GPU node without the gpu extra: then ver
 
 
 def _overrides(tmp: Path, model_path: str | None = None) -> list[str]:
-    return [f"model.path={model_path or tmp / 'tiny'}", f"checkpoint.dir={tmp / 'ckpt'}"]
+    return [f"model.path={model_path or tmp / 'tiny'}", f"checkpoint.dir={tmp / 'ckpt'}", f"logging.dir={tmp}"]
 
 
 def _line(text: str, name: str) -> str:
@@ -55,6 +55,9 @@ def test_single_process_cli(tmp_path):
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("doctor: ") and f" {0 if VLLM else 1} FAIL" in summary
     assert ("skipped: gpus (no CUDA device here)" in summary) == (not cuda)
+    # the libraries' import warnings and progress bars went to the run's warnings.log, not between the check lines
+    assert "UserWarning" not in result.stderr and "Writing model shards" not in result.stderr, result.stderr[-2000:]
+    assert "Transformer Engine" in (tmp_path / "logs" / "warnings.log").read_text() or cuda
 
 
 def _doctor_rank(rank: int, world_size: int, tmp: str, model_path: str) -> tuple[int, str]:
