@@ -36,6 +36,7 @@ from megatron_rl.checkpoint.no_code import (
 )
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+PARTIAL_DIR = re.compile(r"^\.step_(\d{8})\.partial$")
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
 
@@ -235,7 +236,8 @@ def resolve_checkpoint(spec: str, root: str | os.PathLike) -> Path | None:
     """checkpoint.resume -> the directory to load, or None to start fresh.
 
     'none': None. 'auto': what `root/latest` names, or None when there is no
-    `latest` yet. Anything else: a checkpoint directory path.
+    `latest` yet. Anything else: a step_XXXXXXXX directory, or a run's
+    checkpoint.dir (a directory with `latest`), meaning what its `latest` names.
     """
     if spec == "none":
         return None
@@ -250,6 +252,8 @@ def resolve_checkpoint(spec: str, root: str | os.PathLike) -> Path | None:
             raise CheckpointError(f"{latest} names {name!r}, not a step_XXXXXXXX directory: fix or delete {latest}")
     else:
         path = Path(spec)
+        if not STEP_DIR.match(path.name) and (path / LATEST).is_file():  # a run's checkpoint.dir: its newest
+            return resolve_checkpoint("auto", path)
     check_complete(path)
     return path
 
@@ -260,6 +264,14 @@ def check_complete(path: Path) -> None:
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist: set checkpoint.resume to an existing step_XXXXXXXX directory or 'none'")
     state_file = path / TRAINER_STATE
     if not state_file.is_file():
+        hf_files = [pattern for pattern in ("config.json", "*.safetensors") if next(path.glob(pattern), None)]
+        if hf_files or not (STEP_DIR.match(path.name) or PARTIAL_DIR.match(path.name)):
+            holds = f", and it holds {' and '.join(hf_files)}: a Hugging Face model" if hf_files else ""
+            raise CheckpointError(
+                f"{str(path)!r} is not a training checkpoint (no {TRAINER_STATE}{holds}): set checkpoint.resume to a "
+                f"run's checkpoint.dir (its newest checkpoint) or one of its step_XXXXXXXX directories, or to auto or "
+                f"none; Hugging Face weights go in model.path (model.path={str(path)!r} checkpoint.resume=none)"
+            )
         raise CheckpointError(
             f"checkpoint {str(path)!r} is incomplete (no {TRAINER_STATE}): it was interrupted while saving; "
             f"resume from an older one (checkpoint.resume=<dir>) or delete it"

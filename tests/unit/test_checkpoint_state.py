@@ -47,38 +47,110 @@ def test_damaged_checkpoints_are_named(tmp_path):
         resolve_checkpoint("auto", tmp_path)
 
 
+def test_a_model_directory_is_not_taken_for_a_half_written_checkpoint(tmp_path):
+    """checkpoint.resume=<HF model dir> (or any directory that is no step_XXXXXXXX) says what to pass, not 'delete it'."""
+    model = tmp_path / "tiny-moe"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError) as raised:
+        resolve_checkpoint(str(model), tmp_path / "checkpoints")
+    assert str(raised.value) == (
+        f"{str(model)!r} is not a training checkpoint (no trainer_state.json, and it holds config.json and *.safetensors: "
+        "a Hugging Face model): set checkpoint.resume to a run's checkpoint.dir (its newest checkpoint) or one of its "
+        f"step_XXXXXXXX directories, or to auto or none; Hugging Face weights go in model.path (model.path={str(model)!r} "
+        "checkpoint.resume=none)"
+    )
+    assert "delete" not in str(raised.value)
+    other = tmp_path / "somewhere"
+    other.mkdir()
+    with pytest.raises(CheckpointError, match=r"'.*somewhere' is not a training checkpoint \(no trainer_state.json\): set "):
+        resolve_checkpoint(str(other), tmp_path)
+    weights_in_a_step_dir = tmp_path / "step_00000007"
+    weights_in_a_step_dir.mkdir()
+    (weights_in_a_step_dir / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"step_00000007' is not a training checkpoint \(no trainer_state.json, "
+                                              r"and it holds config.json: a Hugging Face model\)"):
+        resolve_checkpoint(str(weights_in_a_step_dir), tmp_path)
+    interrupted = tmp_path / ".step_00000008.partial"
+    interrupted.mkdir()
+    with pytest.raises(CheckpointError, match=r"step_00000008.partial' is incomplete \(no trainer_state.json\)"):
+        resolve_checkpoint(str(interrupted), tmp_path)
+
+
+def test_a_runs_checkpoint_dir_resumes_what_its_latest_names(tmp_path):
+    run = tmp_path / "run"
+    _complete(run, 2)
+    newest = _complete(run, 4)
+    (run / "latest").write_text("step_00000004\n")
+    assert resolve_checkpoint(str(run), tmp_path / "this-run") == newest
+
+
 def test_a_full_disk_during_a_save_names_the_directory_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """megatron's real save, its file writer failing as a full disk fails it: torch's _write_item, as megatron's
+    torch_dist writer calls it for each item of a data file, raises OSError(ENOSPC) after writing some bytes.
+    However megatron and torch wrap that error, the save ends in StorageFullError naming checkpoint.dir, with the
+    unfinished save removed and the last checkpoint kept; another OSError (EIO) is not reported as a full disk."""
     import errno
+    import os
+    import traceback
 
-    from megatron.core import dist_checkpointing
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from megatron_rl.checkpoint.dist_format import single_process_megatron
     from megatron_rl.checkpoint.state import StorageFullError, save_checkpoint
     from megatron_rl.errors import EXIT_RUNTIME_FAILURE, exit_code_for
+    from megatron_rl.models import load_hf_config
+    from megatron_rl.models.tiny import make_tiny_model_dir
 
-    kept = tmp_path / "step_00000001"
-    kept.mkdir()
+    hf_config = load_hf_config(make_tiny_model_dir(tmp_path / "model", "qwen3_moe", with_tokenizer=False))
+    root = tmp_path / "ckpt"
+    kept = root / "step_00000001"
+    kept.mkdir(parents=True)
     (kept / "trainer_state.json").write_text('{"step": 1}')
-    (tmp_path / "latest").write_text("step_00000001\n")
+    (root / "latest").write_text("step_00000001\n")
 
-    def full_disk(state, path, **_):  # megatron wraps its writers' OSError in an error of its own
-        (Path(path) / "__0_0.distcp").write_bytes(b"half")
-        try:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        except OSError as err:
-            raise RuntimeError("Worker failure") from err
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)  # save_checkpoint's in-process queue, for this test
+    written, calls = filesystem_async._write_item, tmp_path / "write_calls"  # megatron writes in a forked process
 
-    monkeypatch.setattr(dist_checkpointing, "save", full_disk)
-    with pytest.raises(StorageFullError) as raised:
-        save_checkpoint(tmp_path, 2, {}, {"weight_version": 2})
-    message = str(raised.value)
-    assert f"checkpoint.dir={str(tmp_path)!r}" in message and "no space left" in message and "step 2" in message
-    assert "still names step_00000001" in message
-    assert exit_code_for(raised.value) == EXIT_RUNTIME_FAILURE
-    assert not (tmp_path / ".step_00000002.partial").exists()  # the space it took is given back
-    assert (tmp_path / "latest").read_text() == "step_00000001\n" and (kept / "trainer_state.json").is_file()
-    monkeypatch.setattr(dist_checkpointing, "save", lambda state, path, **_: (_ for _ in ()).throw(ValueError("a bug")))
-    with pytest.raises(ValueError, match="a bug"):  # anything else is not reported as a full disk
-        save_checkpoint(tmp_path, 2, {}, {"weight_version": 2})
+    def failing_write(errno_code):
+        def write_item(*args, **kwargs):  # (transforms, stream, data, write_item, storage_key, ...): megatron's call
+            with open(calls, "a") as record:
+                record.write(f"{errno_code}\n")
+            stream = next(a for a in args if hasattr(a, "write"))
+            stream.write(b"half an item")  # what got onto the disk before it filled
+            raise OSError(errno_code, os.strerror(errno_code))
+
+        return write_item
+
+    def state():
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(12, dtype=torch.float32).reshape(3, 4))}
+
+    with single_process_megatron(hf_config):
+        monkeypatch.setattr(filesystem_async, "_write_item", failing_write(errno.ENOSPC))
+        with pytest.raises(StorageFullError) as raised:
+            save_checkpoint(root, 2, state(), {"weight_version": 2})
+        assert calls.read_text().split() == [str(errno.ENOSPC)]  # the real save reached the file writer, once
+        message = str(raised.value)
+        assert f"checkpoint.dir={str(root)!r}" in message and "no space left" in message and "step 2" in message
+        assert "still names step_00000001" in message
+        assert exit_code_for(raised.value) == EXIT_RUNTIME_FAILURE
+        assert not (root / ".step_00000002.partial").exists()  # the space it took is given back
+        assert (root / "latest").read_text() == "step_00000001\n" and (kept / "trainer_state.json").is_file()
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+
+        monkeypatch.setattr(filesystem_async, "_write_item", failing_write(errno.EIO))
+        with pytest.raises(BaseException) as other:  # anything else is not reported as a full disk
+            save_checkpoint(root, 2, state(), {"weight_version": 2})
+        assert calls.read_text().split() == [str(errno.ENOSPC), str(errno.EIO)]
+        assert not isinstance(other.value, StorageFullError), other.value
+        assert "Input/output error" in "".join(traceback.format_exception(other.value)), other.value
+
+        monkeypatch.setattr(filesystem_async, "_write_item", written)  # the same save, with a disk that has room
+        path = save_checkpoint(root, 2, state(), {"weight_version": 2})
+    assert path == root / "step_00000002" and (root / "latest").read_text() == "step_00000002\n"
 
 
 class RunsCode:
