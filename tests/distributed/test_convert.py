@@ -27,8 +27,10 @@ checks.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -490,14 +492,42 @@ def _bad_inputs(rank: int, world_size: int, hf_dirs: dict, converted: dict, root
     except ConversionError as err:
         out["hf_shape"] = str(err)
     out["listing"] = sorted(p.name for p in Path(root).iterdir() if p.name.endswith("-out") or ".partial-" in p.name)
+    out["layer_2_keys"] = _layer_keys(str(Path(root) / "missing"), 2)
     return out
+
+
+def _layer_keys(hf_dir: str, layer: int) -> list[str]:
+    """The tensor keys megatron-core's own sharded_state_dict gives decoder layer `layer` of the model of `hf_dir`
+    (local spec, as the converter's checkpoints are): what a checkpoint of that model holds for the layer."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megatron_rl.config import ModelConfig, ParallelConfig
+    from megatron_rl.models import build_model, load_hf_config, model_shape
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel(ParallelConfig(), shape=model_shape(load_hf_config(hf_dir)))
+    try:
+        (model,) = build_model(ModelConfig(path=hf_dir, dtype="float32", transformer_impl="local"), ctx, load_weights=False)
+        state = model.sharded_state_dict()
+        apply_factories(state)  # GroupedMLP / SequentialMLP / fused-linear factories -> the ShardedTensors saved
+        keys = {t.key for t in nested_values(state) if isinstance(t, ShardedTensor)}
+    finally:
+        destroy_parallel(ctx, keep_world=True)
+    return sorted(k for k in keys if k.startswith(f"decoder.layers.{layer}."))
 
 
 def test_mismatched_checkpoints_are_refused(converted, hf_dirs, tmp_path):
     mcore_dirs = {family: r["mcore"] for family, r in converted.items()}
     out = run_distributed(_bad_inputs, 1, hf_dirs, mcore_dirs, str(tmp_path), timeout=300)[0]
-    assert "3 missing" in out["missing"] or "missing" in out["missing"], out["missing"]
-    assert "decoder.layers.2." in out["missing"], out["missing"]
+    # a 2-layer checkpoint read with a 3-layer config lacks exactly layer 2's tensors: per Qwen3-MoE layer
+    # input norm, fused q/k/v, output projection, q and k norms, pre-MLP norm, router, experts' fc1 and fc2 = 9
+    layer_2 = out["layer_2_keys"]
+    assert len(layer_2) == 9, layer_2
+    missing = re.search(r"(\d+) missing \(e\.g\. (\[[^\]]*\])\)", out["missing"])
+    assert missing and int(missing.group(1)) == len(layer_2), out["missing"]
+    examples = ast.literal_eval(missing.group(2))
+    assert examples == sorted(layer_2)[:4], out["missing"]  # every example a layer-2 key, the first four in order
     assert "unexpected" in out["extra"] and "decoder.layers.1." in out["extra"], out["extra"]
     assert "decoder.layers.mlp.linear_fc1.weight" in out["shape"] and "global shape" in out["shape"], out["shape"]
     assert "model.layers.1.self_attn.q_proj.weight" in out["hf_shape"] and "decoder.layers.1.self_attention.linear_qkv.weight" in out["hf_shape"], out["hf_shape"]

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.extras import VLLM_EXTRA
+from tests.unit.test_rollout_engine_logic import parse_vllm_server_args
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -67,6 +70,25 @@ def test_dry_run_prints_the_server_command_of_the_preset(tmp_path):
     assert value("--seed") == "42"  # train.seed's default
     assert value("--middleware") == "megatron_rl.rollout.server_auth.BearerTokenMiddleware"
     assert "--api-key" not in command  # a command line is every user's to read (ps)
+
+
+@pytest.mark.extra(VLLM_EXTRA, "vllm")
+def test_the_dry_run_command_parses_with_vllms_parser(tmp_path):
+    """megatron_rl.rollout.served hands its arguments to vLLM's API server as they are: vLLM's own parser reads them
+    into the preset's and the command line's values."""
+    model = _model(tmp_path)
+    result = serve("--dry-run", "--config", "configs/tiny-gspo.yaml", f"model.path={model}", "--port", "8123",
+                   "rollout.max_model_len=96", "rollout.tensor_parallel=2", f"rollout.server_token_file={_token_file(tmp_path)}")
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout.splitlines()[-1])
+    assert command[1:3] == ["-m", "megatron_rl.rollout.served"]
+    args = parse_vllm_server_args(command[3:])
+    assert args.model == str(model) and args.host == "0.0.0.0" and args.port == 8123
+    assert args.worker_extension_cls == "megatron_rl.rollout.worker_ext.RolloutWorkerExtension"
+    assert args.logprobs_mode == "processed_logprobs"
+    assert args.max_model_len == 96 and args.tensor_parallel_size == 2 and args.seed == 42
+    assert args.middleware == ["megatron_rl.rollout.server_auth.BearerTokenMiddleware"]
+    assert args.api_key is None
 
 
 def test_serving_other_hosts_without_a_token_is_refused_in_one_line(tmp_path):

@@ -1,26 +1,32 @@
-"""Dist checkpoints in megatron-core's GroupedMLP layout: the converter's read as GroupedMLP reads them, and
-one written as GroupedMLP writes it converted back to HF bit-exact.
+"""Dist checkpoints in megatron-core's GroupedMLP layout (routed experts as fused weight1 / weight2).
 
-GroupedMLP needs the grouped_gemm kernels (a GPU), so the module itself is not
-built here: its sharded state dict is built by hand as transformer/moe/experts.py
-documents it (GroupedMLP.sharded_state_dict, non-singleton shards): per EP rank
-and TP rank, weight1.view(E_local, H, 2F/TP).transpose(-1, -2) split in its
-gate (w) and up (v) halves at TP offsets r and TP + r of 2 TP, and
-weight2.view(E_local, F/TP, H).transpose(-1, -2) at TP offset r; then merged
-back as GroupedMLP's sh_ten_merge_fn does. The tensors megatron's own loader
-reads from the converter's checkpoint must equal what the mapping's
-GroupedExperts builds from the HF tensors, on every EP x TP rank; and pieces
-saved in that layout by megatron's saver must convert back to the HF tensors.
+Through the real module (megatron-core's GroupedMLP runs on the CPU, its grouped GEMM by torch): a converted
+checkpoint loaded into a GroupedMLP model gives transformers' logits on the same HF directory, and a GroupedMLP
+model's own sharded_state_dict saved by megatron's dist_checkpointing converts back to the source safetensors bit
+for bit; at EP1 x TP1 the ShardedTensors the module builds are those of the layout below.
+
+Other EP x TP ranks need a world of that size, so there the pieces are built by hand as transformer/moe/experts.py
+documents them (GroupedMLP.sharded_state_dict, non-singleton shards): per EP rank and TP rank,
+weight1.view(E_local, H, 2F/TP).transpose(-1, -2) split in its gate (w) and up (v) halves at TP offsets r and TP + r
+of 2 TP, and weight2.view(E_local, F/TP, H).transpose(-1, -2) at TP offset r; then merged back as GroupedMLP's
+sh_ten_merge_fn does. The tensors megatron's own loader reads from the converter's checkpoint must equal what the
+mapping's GroupedExperts builds from the HF tensors, on every EP x TP rank; and pieces saved in that layout by
+megatron's saver must convert back to the HF tensors.
 """
 
 from __future__ import annotations
 
+import queue
+import warnings
+from contextlib import contextmanager
+
 import pytest
 import torch
 
-from megatron_rl.models import parse_hf_config
+from megatron_rl.models import load_hf_config, parse_hf_config
 from megatron_rl.models.mapping import Shard, grouped_expert_mapping
 from megatron_rl.models.tiny import make_tiny_model_dir
+from tests.unit.test_models_logits import grouped_experts_refused_here
 from tests.unit.test_models_mapping import DictReader
 
 
@@ -39,7 +45,6 @@ def test_converted_checkpoint_reads_as_grouped_mlp_weights(tmp_path, ep, tp):
 
     from megatron_rl.checkpoint.convert import convert_hf_to_mcore, resolve_mcore_dir
     from megatron_rl.checkpoint.dist_format import single_process_megatron
-    from megatron_rl.models.hf_config import load_hf_config
 
     model_dir = make_tiny_model_dir(tmp_path / "hf", "qwen3_moe", with_tokenizer=False)
     hf_config = load_hf_config(model_dir)
@@ -90,7 +95,6 @@ def test_checkpoint_written_in_grouped_mlp_layout_converts_back_bit_exact(tmp_pa
 
     from megatron_rl.checkpoint.convert import convert_hf_to_mcore, convert_mcore_to_hf, resolve_mcore_dir
     from megatron_rl.checkpoint.dist_format import single_process_megatron
-    from megatron_rl.models.hf_config import load_hf_config
 
     ep, tp = 2, 2
     model_dir = make_tiny_model_dir(tmp_path / "hf", "qwen3_moe", with_tokenizer=False)
@@ -119,3 +123,116 @@ def test_checkpoint_written_in_grouped_mlp_layout_converts_back_bit_exact(tmp_pa
     out = load_file(str(back / "model.safetensors"))
     assert out.keys() == hf.keys()
     assert all(torch.equal(out[name], hf[name]) for name in hf)
+
+
+# ----------------------------------------------------------------------------- through megatron-core's GroupedMLP
+
+
+@pytest.fixture
+def in_process_results(monkeypatch):
+    """megatron's torch_dist writer hands its results through a queue made at its first save, a multiprocessing
+    Manager's (a spawned process); a synchronous save reads them back in this process: a plain queue does."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", queue.Queue())
+
+
+@contextmanager
+def grouped_mlp_model(model_dir, *, load_weights):
+    """megatron's single-rank GPTModel of `model_dir` in fp32 with its routed experts as GroupedMLP."""
+    from megatron_rl.config import ModelConfig, ParallelConfig
+    from megatron_rl.models import build_model, model_shape
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    if grouped_experts_refused_here():
+        pytest.skip("fp32 GroupedMLP on a GPU without Transformer Engine: models.build refuses it (test_models_logits)")
+    ctx = init_parallel(ParallelConfig(), shape=model_shape(load_hf_config(model_dir)))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (model,) = build_model(ModelConfig(path=str(model_dir), dtype="float32", moe_grouped_gemm=True), ctx,
+                                   load_weights=load_weights)
+        experts = [layer.mlp.experts for layer in model.decoder.layers]
+        assert experts and all(type(e).__name__ == "GroupedMLP" for e in experts), [type(e).__name__ for e in experts]
+        yield model, ctx
+    finally:
+        destroy_parallel(ctx)
+
+
+def _logits(model, ctx, vocab: int) -> torch.Tensor:
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens.to(ctx.device), positions.to(ctx.device), attention_mask=None).cpu()[..., :vocab]
+
+
+def _transformers_logits(model_dir, vocab: int) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return reference(tokens).logits
+
+
+def _tiny_moe(tmp_path):
+    # init std 0.1: routing far from uniform, so experts swapped or halves exchanged move the logits
+    return make_tiny_model_dir(tmp_path / "hf", "qwen3_moe", seed=5, init_std=0.1, with_tokenizer=False)
+
+
+def test_a_converted_checkpoint_loaded_into_grouped_mlp_gives_transformers_logits(tmp_path):
+    from megatron_rl.checkpoint.convert import convert_hf_to_mcore, load_mcore_checkpoint
+
+    model_dir = _tiny_moe(tmp_path)
+    vocab = parse_hf_config(load_hf_config(model_dir)).vocab_size
+    ckpt = convert_hf_to_mcore(model_dir, tmp_path / "mcore")
+    with grouped_mlp_model(model_dir, load_weights=False) as (model, ctx):
+        for layer in model.decoder.layers:  # what the checkpoint must overwrite
+            layer.mlp.experts.weight1.data.zero_()
+            layer.mlp.experts.weight2.data.zero_()
+        load_mcore_checkpoint([model], ckpt)
+        got = _logits(model, ctx, vocab)
+    expected = _transformers_logits(model_dir, vocab)
+    err = (got - expected).abs().max().item()
+    assert err < 1e-5, f"max |GroupedMLP from the converted checkpoint - transformers| = {err:.3g}"
+    assert expected.abs().max() > 0.1  # logits that a wrong expert would move
+
+
+def test_a_grouped_mlp_models_own_save_converts_back_bit_exact(tmp_path, in_process_results):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from safetensors.torch import load_file
+
+    from megatron_rl.checkpoint.convert import convert_mcore_to_hf
+
+    model_dir = _tiny_moe(tmp_path)
+    hf_config = load_hf_config(model_dir)
+    arch = parse_hf_config(hf_config)
+    saved = tmp_path / "grouped"
+    saved.mkdir()
+    with grouped_mlp_model(model_dir, load_weights=True) as (model, ctx):
+        # the model holds the HF weights (transformers' logits), so the source safetensors are what must come back
+        err = (_logits(model, ctx, arch.vocab_size) - _transformers_logits(model_dir, arch.vocab_size)).abs().max().item()
+        assert err < 1e-5, err
+        state = model.sharded_state_dict()
+        hidden, local = arch.hidden_size, arch.num_experts
+        for i, layer in enumerate(model.decoder.layers):
+            # at EP1 x TP1 the module's own ShardedTensors are the hand-built layout of the tests above
+            prefix = f"decoder.layers.{i}.mlp.experts."
+            experts = layer.mlp.experts
+            fc1, fc2 = state[f"{prefix}weight1"], state[f"{prefix}weight2"]
+            assert isinstance(fc1, ShardedTensorFactory) and isinstance(fc2, ShardedTensorFactory)
+            built = [*fc1.build(), fc2.build()]
+            by_hand = _grouped_pieces(prefix, experts.weight1.detach(), experts.weight2.detach(), hidden, local, 0, 1, 0, 1)
+            for real, hand in zip(built, (by_hand["fc1_w"], by_hand["fc1_v"], by_hand["fc2"]), strict=True):
+                assert (real.key, real.global_shape, real.global_offset) == (hand.key, hand.global_shape, hand.global_offset)
+                assert torch.equal(real.data, hand.data), real.key
+        dist_checkpointing.save(model.sharded_state_dict(), str(saved))
+    back = convert_mcore_to_hf(saved, tmp_path / "back", hf_dir=model_dir)
+    out, source = load_file(str(back / "model.safetensors")), load_file(str(model_dir / "model.safetensors"))
+    assert out.keys() == source.keys()
+    for name, tensor in source.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name

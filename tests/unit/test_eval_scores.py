@@ -4,6 +4,7 @@ the eval-set config and the checks that run before any generation."""
 import itertools
 import json
 
+import numpy
 import pytest
 
 from megatron_rl.config import RLConfig, load_config
@@ -85,7 +86,6 @@ def test_aggregate_by_hand():
     assert m["length_p95"] == pytest.approx(7 + 0.65)  # position 0.95 x 7 = 6.65 between 7 and 8
     assert m["length_max"] == 8 and m["truncated_fraction"] == pytest.approx(1 / 8) and m["reward_errors"] == 1
     assert m["num_prompts"] == 2 and m["samples_per_prompt"] == 4
-    numpy = pytest.importorskip("numpy")
     assert percentile([3, 1, 9, 4, 4], 95) == pytest.approx(float(numpy.percentile([3, 1, 9, 4, 4], 95)))
 
 

@@ -10,6 +10,7 @@ from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.common import check_prompts, make_sample
 from megatron_rl.rollout.engine import PromptError, RolloutError, RolloutFailedError, run_with_restarts
 from megatron_rl.rollout.sampling import SamplingSpec, prompt_seed, to_completion_request
+from tests.extras import VLLM_EXTRA
 
 
 class EngineDied(RuntimeError):
@@ -144,6 +145,41 @@ def test_server_command_line(tmp_path):
     assert f"--kv-cache-memory-bytes {1 << 29}" in joined and "--max-model-len 512" in joined
     assert "--no-enable-prefix-caching" in cmd  # prompt routes need every prompt token computed
     assert "--no-enable-prefix-caching" not in VLLMServer(tmp_path, RolloutConfig(), port=1).command()
+
+
+def parse_vllm_server_args(argv: list[str]):
+    """`argv` as `python -m vllm.entrypoints.openai.api_server` reads it: the parser and checks of vLLM's own main()."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    return args
+
+
+@pytest.mark.extra(VLLM_EXTRA, "vllm")
+def test_server_command_line_parses_with_vllms_parser(tmp_path):
+    """What vLLM's API server makes of the command: each field as meant, and an unknown flag or a value outside
+    its choices fails here (argparse exits) rather than at a server's start."""
+    from megatron_rl.rollout.server_process import VLLMServer
+
+    config = RolloutConfig(kv_cache_gib=0.5, max_model_len=512, return_routed_experts=True, dtype="float32")
+    cmd = VLLMServer(tmp_path, config, port=8123).command()
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    args = parse_vllm_server_args(cmd[3:])
+    assert args.model == str(tmp_path) and args.host == "127.0.0.1" and args.port == 8123
+    assert args.dtype == "float32" and args.seed == 0
+    assert args.logprobs_mode == "processed_logprobs"
+    assert args.worker_extension_cls == "megatron_rl.rollout.worker_ext.RolloutWorkerExtension"
+    assert args.kv_cache_memory_bytes == 512 * 1024 * 1024  # 0.5 GiB
+    assert args.max_model_len == 512 and args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1
+    assert args.enable_prefix_caching is False  # prompt routes need every prompt token computed
+    assert args.middleware == ["megatron_rl.rollout.server_auth.BearerTokenMiddleware"]  # a token: a random one here
+    assert args.disable_log_stats is True and args.api_key is None  # the token is never on the command line
+
+    # defaults: prefix caching left to vLLM (its default, unset), and no middleware for an open control plane
+    args = parse_vllm_server_args(VLLMServer(tmp_path, RolloutConfig(), port=1, open_control_plane=True).command()[3:])
+    assert args.enable_prefix_caching is None and args.middleware == [] and args.port == 1
 
 
 def test_a_server_engine_without_urls_names_both_ways_to_get_them():
