@@ -181,7 +181,7 @@ class RopeRows:
         rest = tuple(full.shape[1:])
         blocks = full.reshape((-1, self.block) + rest)
         half = self.rope // 2
-        order = torch.stack([torch.arange(half), torch.arange(half, self.rope)], dim=1).reshape(-1)  # 0, r/2, 1, r/2 + 1, ...
+        order = torch.stack([torch.arange(half), torch.arange(half, self.rope)], dim=1).reshape(-1).to(full.device)  # 0, r/2, 1, ...
         if inverse:
             order = torch.argsort(order)
         head = self.block - self.rope
