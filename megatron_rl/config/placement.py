@@ -94,31 +94,42 @@ def resolve_placement(rollout: RolloutConfig, *, world_size: int = 1, cluster: C
         return Placement("remote_servers", len(rollout.server_urls), choice.transport,
                          rollout.weight_broadcast_backend, None, choice.reason)
     engines = _colocated_count(rollout, cluster, world_size)
+    every_rank_hosts = engines * rollout.tensor_parallel * rollout.pipeline_parallel >= world_size
     if engines > 1:
         # every worker is on a trainer rank's GPU: memory handles from that rank with CUDA; a broadcast must go
         # through host memory (engine 0's first worker shares rank 0's GPU, which NCCL refuses)
-        choice = choose_transport(rollout, "colocated_servers", facts)
+        choice = choose_transport(rollout, "colocated_servers", facts, every_rank_hosts=every_rank_hosts)
         backend = "gloo" if rollout.weight_broadcast_backend == "auto" else rollout.weight_broadcast_backend
         return Placement("colocated_servers", engines, choice.transport, backend, None, choice.reason)
     multiprocessing = world_size > 1 if rollout.multiprocessing is None else bool(rollout.multiprocessing)
     kind: PlacementKind = "engine_process" if multiprocessing else "in_process"
-    choice = choose_transport(rollout, kind, facts)
+    choice = choose_transport(rollout, kind, facts, every_rank_hosts=every_rank_hosts)
     check_transport_reaches_engine(choice.transport, multiprocessing)
     backend = "gloo" if rollout.weight_broadcast_backend == "auto" else rollout.weight_broadcast_backend
     return Placement(kind, 1, choice.transport, backend, multiprocessing, choice.reason)
 
 
-def choose_transport(rollout: RolloutConfig, kind: PlacementKind, facts: TransportFacts) -> TransportChoice:
+def choose_transport(rollout: RolloutConfig, kind: PlacementKind, facts: TransportFacts, *,
+                     every_rank_hosts: bool = True) -> TransportChoice:
     """rollout.weight_transport for engines placed as `kind` on a platform with `facts` (a pure function).
 
     auto: remote servers -> vllm_nccl_m2n when CUDA, NCCL, vLLM's nccl_m2n engine and its runtime are all there,
     else broadcast; engines on the trainer's GPUs (an engine process, colocated servers) -> vllm_ipc with CUDA and
-    vLLM's ipc engine, else ipc with CUDA, else broadcast; an engine in the trainer's process -> rpc. An explicit
-    vllm_* value that cannot work here is a ConfigError naming what is missing and the value to set instead.
+    vLLM's ipc engine where every trainer rank's GPU hosts an engine worker (`every_rank_hosts`: vLLM's ipc engine
+    hands every tensor whole to every rank of the world), else ipc with CUDA (its relay runs in the hosting ranks'
+    group), else broadcast; an engine in the trainer's process -> rpc. An explicit vllm_* value that cannot work
+    here is a ConfigError naming what is missing and the value to set instead.
     """
     asked = rollout.weight_transport
     if asked in VLLM_ENGINE_OF:
         _check_vllm_transport(asked, kind, facts)
+        if asked == "vllm_ipc" and not every_rank_hosts:
+            raise ConfigError(
+                "rollout.weight_transport=vllm_ipc with engines on only some trainer GPUs (rollout.engines x TP "
+                f"{rollout.tensor_parallel} x PP {rollout.pipeline_parallel} < the world): vLLM's ipc engine hands every tensor "
+                "whole to every trainer rank, the whole model into each GPU that hosts no worker; set "
+                "rollout.weight_transport=ipc (or auto), whose relay runs among the hosting ranks"
+            )
         return TransportChoice(asked, f"rollout.weight_transport={asked} (vLLM's {VLLM_ENGINE_OF[asked]} engine)")
     if kind == "remote_servers":
         transport = server_transport(rollout.weight_transport)
@@ -134,6 +145,9 @@ def choose_transport(rollout: RolloutConfig, kind: PlacementKind, facts: Transpo
     if kind == "in_process":
         return TransportChoice("rpc", "auto: the engine is in the trainer's process (tensors by reference)")
     missing = facts.missing_for("vllm_ipc")
+    if not missing and not every_rank_hosts:
+        return TransportChoice("ipc", "auto: megatron_rl's ipc, not vllm_ipc (the engines' workers are on only some "
+                                      "trainer GPUs: vLLM's ipc engine would hand every tensor to every rank)")
     if not missing:
         return TransportChoice("vllm_ipc", "auto: CUDA and vLLM's ipc engine are available (engines on the trainer's GPUs)")
     if facts.cuda:

@@ -48,6 +48,15 @@ def test_auto_picks_vllm_engines_where_they_run_and_says_why():
         transport, reason = _pick(rollout, replace(GPU, vllm_engines=frozenset()), world)
         assert transport == "ipc" and "no 'ipc' trainer engine" in reason
         assert _pick(rollout, CPU, world)[0] == "broadcast"
+    # workers on only some trainer GPUs (one TP 8 x PP 2 engine of a 256-GPU run; 2 one-GPU engines on 4 GPUs): vLLM's
+    # ipc engine would hand each of the world's ranks every tensor whole; our relay runs among the hosting ranks
+    for rollout, world in [(RolloutConfig(multiprocessing=True, tensor_parallel=8, pipeline_parallel=2), 256),
+                           (colocated, 4)]:
+        transport, reason = _pick(rollout, GPU, world)
+        assert transport == "ipc" and "only some trainer GPUs" in reason, (rollout, reason)
+        with pytest.raises(ConfigError, match="vllm_ipc with engines on only some trainer GPUs.*weight_transport=ipc"):
+            resolve_placement(replace(rollout, weight_transport="vllm_ipc"), world_size=world, facts=GPU)
+    assert _pick(RolloutConfig(multiprocessing=True, tensor_parallel=8, pipeline_parallel=2), GPU, 16)[0] == "vllm_ipc"
     assert _pick(RolloutConfig(multiprocessing=False), GPU) == ("rpc", "auto: the engine is in the trainer's process "
                                                                 "(tensors by reference)")
     # our own transports asked for by name stay as they are
