@@ -29,6 +29,7 @@ share one shape.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass
 
 
@@ -66,11 +67,11 @@ def split_contiguous(num_rows: int, parts: int) -> list[list[int]]:
 def split_balanced(rows: list[int], lengths: list[int], parts: int) -> list[list[int]]:
     """Rows dealt to `parts` bins, longest first, each to the bin with the fewest tokens (ties: lowest bin)."""
     bins: list[list[int]] = [[] for _ in range(parts)]
-    load = [0] * parts
+    heap = [(0, 0, i) for i in range(parts)]  # (tokens, rows, bin): the least loaded bin on top, O(log parts) a row
     for row in sorted(rows, key=lambda r: (-lengths[r], r)):
-        target = min(range(parts), key=lambda i: (load[i], len(bins[i]), i))
+        load, count, target = heapq.heappop(heap)
         bins[target].append(row)
-        load[target] += lengths[row]
+        heapq.heappush(heap, (load + lengths[row], count + 1, target))
     return [sorted(b) for b in bins]
 
 

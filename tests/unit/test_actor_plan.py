@@ -119,3 +119,20 @@ def test_a_microbatch_that_differs_from_the_plan_is_named():
         from megatron_rl.actor.plan import rank_microbatches
 
         rank_microbatches(planned, [3, 8])
+
+
+def test_balanced_split_deals_each_row_to_the_least_loaded_bin():
+    """Against the rule written out as a scan of every bin per row (fewest tokens, then fewest rows, then lowest
+    bin), on long-tailed lengths with many ties."""
+    import random
+
+    rng = random.Random(3)
+    for parts in (1, 2, 5, 32):
+        lengths = [rng.choice([7, 7, 16, 300, 2048]) + rng.randrange(3) for _ in range(200)]
+        rows = list(range(0, 200, 2)) + [1, 3]
+        bins, load = [[] for _ in range(parts)], [0] * parts
+        for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+            target = min(range(parts), key=lambda i: (load[i], len(bins[i]), i))
+            bins[target].append(row)
+            load[target] += lengths[row]
+        assert split_balanced(rows, lengths, parts) == [sorted(b) for b in bins], parts
