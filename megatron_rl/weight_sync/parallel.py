@@ -286,11 +286,13 @@ def _each(target, method: str, *args) -> list:
     return target.call_each(method, *args) if target.call_each is not None else [target.call(method, *args)]
 
 
-def _wire_parts(bucket: list | None, meta: dict | None, trainer_group: Any) -> list:
-    """Every rank's (layout, meta) of its encoded bucket this round (a delta's layout depends on the data)."""
+def _wire_parts(bucket: list | None, meta: dict | None, trainer_group: Any) -> list | None:
+    """Every rank's (layout, meta) of its encoded bucket this round (a delta's layout depends on the data), on the
+    group's first rank, which tells the engines (None elsewhere: no rank but it holds the world's layouts)."""
     mine = None if meta is None else (describe_bucket(bucket), meta)
-    gathered: list = [None] * dist.get_world_size(trainer_group)
-    dist.all_gather_object(gathered, mine, group=trainer_group)
+    first = dist.get_global_rank(trainer_group, 0)
+    gathered = [None] * dist.get_world_size(trainer_group) if dist.get_rank() == first else None
+    dist.gather_object(mine, gathered, dst=first, group=trainer_group)
     return gathered
 
 

@@ -38,7 +38,7 @@ from megatron_rl.config.core import ConfigError
 from megatron_rl.config.placement import Placement, resolve_placement
 from megatron_rl.config.schema import ClusterConfig, RolloutConfig
 from megatron_rl.models.export import export_hf_weights
-from megatron_rl.models.export_owners import export_owned_weights
+from megatron_rl.models.export_owners import export_owned_weights, owner_plan
 from megatron_rl.weight_sync.broadcast import default_host
 from megatron_rl.weight_sync.delta import DeltaEncoder
 from megatron_rl.weight_sync.engine_side import WeightSyncedEngine
@@ -82,6 +82,7 @@ class WeightPusher:
         self.bucket_bytes = int(rollout.weight_bucket_mb * (1 << 20))  # 512 MB -> 512 x 2^20 = 536,870,912 bytes
         self._senders: OwnerSenders | None = None  # rollout.weight_senders=owners: the groups, made at the first push
         self._delta: DeltaEncoder | None = None  # rollout.weight_delta: what the engines hold, kept across pushes
+        self._owner_plan = None  # rollout.weight_senders=owners: models.export_owners.owner_plan, made at the first push
         self._vllm: VllmTransfer | None = None  # vLLM's trainer engines (rollout.weight_transport=vllm_*)
 
     def push(self, version: int) -> dict[str, float]:
@@ -101,8 +102,9 @@ class WeightPusher:
         return {}
 
     def close(self) -> None:
-        """Drop vLLM's trainer engines (the owner groups and relays end with their engines) and the delta's base."""
-        self._delta = None
+        """Drop vLLM's trainer engines (the owner groups and relays end with their engines), the delta's base and
+        the owner plan (it holds the model's parameters)."""
+        self._delta = self._owner_plan = None
         if self._vllm is not None:
             self._vllm.shutdown()
             self._vllm = None
@@ -144,7 +146,9 @@ class WeightPusher:
             self._delta = DeltaEncoder(self.rollout.weight_delta_full_every) if self.rollout.weight_delta else None
         ctx, relay, attempts = self.ctx, self.owner_relay, self.rollout.max_restarts + 1
         for attempt in range(1, attempts + 1):
-            export = export_owned_weights(self.model_chunks, ctx, bucket_bytes=self.bucket_bytes)
+            if self._owner_plan is None:  # the owners and rounds of this model and layout: once per run
+                self._owner_plan = owner_plan(self.model_chunks, ctx, bucket_bytes=self.bucket_bytes)
+            export = export_owned_weights(self.model_chunks, ctx, bucket_bytes=self.bucket_bytes, plan=self._owner_plan)
             try:
                 if self.engine is not None:
                     sent = self.engine.owner_push(export, version, senders=self._senders, relay=relay, delta=self._delta,

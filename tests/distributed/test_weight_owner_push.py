@@ -92,7 +92,7 @@ def _delta_pushes(chunks, ctx, targets, engines, states, manifest, rank: int) ->
     import logging
 
     from megatron_rl.models.export import export_hf_state_dict
-    from megatron_rl.models.export_owners import export_owned_weights
+    from megatron_rl.models.export_owners import export_owned_weights, owner_plan
     from megatron_rl.weight_sync.delta import DeltaEncoder
     from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
 
@@ -101,13 +101,14 @@ def _delta_pushes(chunks, ctx, targets, engines, states, manifest, rank: int) ->
     handler.emit = lambda record: logs.append(record.getMessage())
     logging.getLogger("megatron_rl.weight_sync.parallel").addHandler(handler)
     encoder, senders, out = DeltaEncoder(DELTA_FULL_EVERY), OwnerSenders("gloo", "127.0.0.1", timeout_s=60.0), {"pushes": []}
+    plan = owner_plan(chunks, ctx, bucket_bytes=BUCKET_BYTES)  # as the pusher keeps it: made once, read at every push
     try:
         for version in range(10, 17):
             if version == 15 and rank == 0:
                 engines[1].call_each("restart")
             _small_step(chunks, version)
             reference = export_hf_state_dict(chunks, ctx)
-            export = export_owned_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES)
+            export = export_owned_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES, plan=plan)
             result = owner_parallel_push(targets, export, version, senders=senders, rank=rank, manifest=manifest,
                                          trainer_group=ctx.world_group, workers_per_engine=WORKERS, repack_moe=False,
                                          delta=encoder, max_parts=MAX_PARTS)
