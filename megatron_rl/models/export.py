@@ -154,7 +154,28 @@ class HFExport:
         return self._buckets
 
 
-def export_hf_weights(model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: int = 0, fresh: bool = True) -> HFExport:
+@dataclass
+class FunnelPlan:
+    """What every funnel export of one model on one layout shares: this rank's shards (the parameters themselves,
+    read at each export), every parameter's holders, and dst_rank's announced entries. Made once by
+    `funnel_plan` (one all-gather of every rank's table, a collective), not at every push."""
+
+    held: dict
+    units: list
+    entries: list
+    dst_rank: int
+
+
+def funnel_plan(model_chunks: list, ctx, *, dst_rank: int = 0) -> FunnelPlan:
+    info = model_info(model_chunks)
+    held = _holder_shards(model_chunks, ctx, info.arch, info.padded_vocab_size)
+    units = _plan(held, ctx)
+    entries = _announced_entries(units, info.arch, info.padded_vocab_size) if ctx.rank == dst_rank else []
+    return FunnelPlan(held, units, entries, dst_rank)
+
+
+def export_hf_weights(model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: int = 0, fresh: bool = True,
+                      plan: FunnelPlan | None = None) -> HFExport:
     """Buckets of (HF name, tensor) on dst_rank, empty lists elsewhere; every rank must iterate to the end.
 
     Tensors are on dst_rank's device, in the parameters' dtype, in model order. With `fresh` they are copies
@@ -163,16 +184,18 @@ def export_hf_weights(model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: i
     bytes are copied once on their way out, not twice); shards gathered from other ranks are new tensors either
     way. The stream's `entries`
     (HF names, shapes, dtypes of the whole push; empty off dst_rank) are known
-    at once: the table of step 1 is gathered when this is called, on every rank.
+    at once: the table of step 1 is gathered when this is called, on every rank (or was, into `plan`: a
+    `funnel_plan` of these chunks kept from an earlier export).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    if plan is None:
+        plan = funnel_plan(model_chunks, ctx, dst_rank=dst_rank)
+    elif plan.dst_rank != dst_rank:
+        raise ValueError(f"a funnel plan made for dst_rank={plan.dst_rank} used for dst_rank={dst_rank}")
     info = model_info(model_chunks)
     arch, padded = info.arch, info.padded_vocab_size
-    held = _holder_shards(model_chunks, ctx, arch, padded)
-    units = _plan(held, ctx)
-    entries = _announced_entries(units, arch, padded) if ctx.rank == dst_rank else []
-    return HFExport(entries, _export_buckets(units, held, ctx, arch, padded, bucket_bytes, dst_rank, fresh))
+    return HFExport(plan.entries, _export_buckets(plan.units, plan.held, ctx, arch, padded, bucket_bytes, dst_rank, fresh))
 
 
 def _announced_entries(units: list[_Unit], arch, padded: int) -> list[tuple[str, tuple[int, ...], str]]:

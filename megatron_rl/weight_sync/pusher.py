@@ -37,7 +37,7 @@ from megatron_rl.actor.distribute import broadcast_object
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.placement import Placement, resolve_placement
 from megatron_rl.config.schema import ClusterConfig, RolloutConfig
-from megatron_rl.models.export import export_hf_weights
+from megatron_rl.models.export import export_hf_weights, funnel_plan
 from megatron_rl.models.export_owners import export_owned_weights, owner_plan
 from megatron_rl.weight_sync.broadcast import default_host
 from megatron_rl.weight_sync.delta import DeltaEncoder
@@ -83,6 +83,7 @@ class WeightPusher:
         self._senders: OwnerSenders | None = None  # rollout.weight_senders=owners: the groups, made at the first push
         self._delta: DeltaEncoder | None = None  # rollout.weight_delta: what the engines hold, kept across pushes
         self._owner_plan = None  # rollout.weight_senders=owners: models.export_owners.owner_plan, made at the first push
+        self._funnel_plan = None  # the funnel's models.export.funnel_plan, made at the first push
         self._vllm: VllmTransfer | None = None  # vLLM's trainer engines (rollout.weight_transport=vllm_*)
 
     def push(self, version: int) -> dict[str, float]:
@@ -103,8 +104,8 @@ class WeightPusher:
 
     def close(self) -> None:
         """Drop vLLM's trainer engines (the owner groups and relays end with their engines), the delta's base and
-        the owner plan (it holds the model's parameters)."""
-        self._delta = self._owner_plan = None
+        the export plans (they hold the model's parameters)."""
+        self._delta = self._owner_plan = self._funnel_plan = None
         if self._vllm is not None:
             self._vllm.shutdown()
             self._vllm = None
@@ -117,7 +118,10 @@ class WeightPusher:
         relay = self.relay
 
         def export():  # colocated servers by memory handles: every rank shares each bucket with its GPU's worker
-            buckets = export_hf_weights(self.model_chunks, self.ctx, bucket_bytes=self.bucket_bytes, fresh=fresh)
+            if self._funnel_plan is None:  # the holders and entries of this model and layout: once per run
+                self._funnel_plan = funnel_plan(self.model_chunks, self.ctx)
+            buckets = export_hf_weights(self.model_chunks, self.ctx, bucket_bytes=self.bucket_bytes, fresh=fresh,
+                                        plan=self._funnel_plan)
             return relay.wrap(buckets) if relay is not None else buckets
 
         try:

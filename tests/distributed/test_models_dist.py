@@ -103,6 +103,7 @@ def forward_logits(chunks, ctx, tokens: torch.Tensor, vocab_size: int) -> torch.
 def _load_forward_export(rank: int, world_size: int, cases: list, dirs: dict) -> list:
     from megatron_rl.config import ModelConfig, ParallelConfig
     from megatron_rl.models import build_model, export_hf_weights, load_hf_config, model_shape
+    from megatron_rl.models.export import funnel_plan
     from megatron_rl.parallel import destroy_parallel, init_parallel
     from megatron_rl.weight_sync.broadcast import describe_bucket, pack_bucket, unpack_bucket
 
@@ -125,12 +126,25 @@ def _load_forward_export(rank: int, world_size: int, cases: list, dirs: dict) ->
             if ctx.rank == 0 and announced != yielded:
                 raise AssertionError(f"{family} {layout}: the export announced {announced} but yielded {yielded}")
             # fresh=False (the pushing rank's own tensors as views of its parameters), each bucket written into a
-            # packed buffer at once as a push does: the same bytes as the fresh copies
-            for bucket in export_hf_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES, fresh=False):
+            # packed buffer at once as a push does, through a plan kept for later pushes (as the pusher keeps it):
+            # the same bytes as the fresh copies
+            plan = funnel_plan(chunks, ctx)
+            for bucket in export_hf_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES, fresh=False, plan=plan):
                 layout_of = describe_bucket(bucket)
                 for name, tensor in unpack_bucket(layout_of, pack_bucket(bucket, layout_of, ctx.device)):
                     if not torch.equal(tensor, exported[name]):
                         raise AssertionError(f"{family} {layout}: {name} exported without a copy differs")
+            # a step later (every parameter moved in place), the kept plan exports the new values: those of a new plan
+            with torch.no_grad():
+                for chunk in chunks:
+                    for param in chunk.parameters():
+                        param.add_(1.0)
+            kept = {n: t for b in export_hf_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES, plan=plan) for n, t in b}
+            new = {n: t for b in export_hf_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES) for n, t in b}
+            if kept.keys() != new.keys() or any(not torch.equal(kept[n], new[n]) for n in new):
+                raise AssertionError(f"{family} {layout}: an export through a kept plan differs from a new plan's")
+            if ctx.rank == 0 and all(torch.equal(kept[n], exported[n]) for n in kept):
+                raise AssertionError(f"{family} {layout}: the kept plan exported the weights of before the step")
             results.append({"logits": logits, "exported": exported if ctx.rank == 0 else None, "buckets": bucket_sizes})
         finally:
             destroy_parallel(ctx, keep_world=True)
