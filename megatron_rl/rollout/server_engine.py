@@ -72,7 +72,7 @@ from megatron_rl.rollout.server_process import VLLMServer
 from megatron_rl.rollout.serving import ServingEngine
 from megatron_rl.weight_sync.protocol import PushTarget
 from megatron_rl.weight_sync.stream import PushBrokenError
-from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, default_host
+from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, call_in_threads, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
 from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
 from megatron_rl.weight_sync.manifest import WeightManifest
@@ -294,13 +294,18 @@ class VLLMServerEngine(ServingEngine):
         return [url for url, on, has in zip(self.urls, self.sleep_mode, self.platform_sleep_mode) if on or not has]
 
     def _sleep_engines(self, level: int) -> None:
-        for url in self._sleep_urls():
-            self._post(url, f"/sleep?level={level}")
+        self._post_each(self._sleep_urls(), f"/sleep?level={level}")
 
     def _wake_engines(self, tags: list[str]) -> None:
-        query = "&".join(f"tags={tag}" for tag in tags)
-        for url in self._sleep_urls():
-            self._post(url, f"/wake_up?{query}")
+        self._post_each(self._sleep_urls(), "/wake_up?" + "&".join(f"tags={tag}" for tag in tags))
+
+    def _post_each(self, urls: list[str], path: str) -> None:
+        """POST `path` to every server at once (sleep and wake come every step: one round trip, not one per engine);
+        the first server's error, in order, once every call has ended."""
+        futures = call_in_threads([partial(self._post, url) for url in urls], [path] * len(urls), "engine-sleep")
+        error = next((e for e in (f.exception() for f in futures) if e is not None), None)
+        if error is not None:
+            raise error
 
     def _sleep_frees_memory(self) -> bool:
         return all(self.sleep_mode)

@@ -48,7 +48,7 @@ from megatron_rl.weight_sync.broadcast import (
 )
 from megatron_rl.weight_sync.delta import DeltaEncoder
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.protocol import restore_complete_versions
+from megatron_rl.weight_sync.protocol import commit_engines, restore_complete_versions
 from megatron_rl.weight_sync.push import any_rank
 from megatron_rl.weight_sync.stream import AnnouncedPush, PushBrokenError, check_announced
 
@@ -231,9 +231,7 @@ def commit_push(targets: list, announced: AnnouncedPush, repack_moe: bool) -> tu
     failed, for every rank to agree on)."""
     try:
         announced.check_complete()
-        commits = [target.call("mrl_commit_push", "1" if repack_moe else "0") for target in targets]
-        for target in targets:
-            target.reset_prefix_cache()
+        commits = commit_engines(targets, repack_moe)
         return {"commits": commits, "tensors": len(announced.seen), "bytes": announced.num_bytes}, None
     except BaseException as error:  # noqa: BLE001 - rank 0 alone talks to the engines; agreed by the caller
         return None, error

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-from megatron_rl.weight_sync.broadcast import BroadcastSender
+from megatron_rl.weight_sync.broadcast import BroadcastSender, call_in_threads
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
 from megatron_rl.weight_sync.stream import AnnouncedPush, LiveBytes, PushBrokenError, WeightStream, check_announced
@@ -67,6 +67,23 @@ class PushResult:
     alive at once (weight_sync.ipc); 0 for RPC pushes."""
     versions: list[int | None] = field(default_factory=list)
 
+
+def commit_engines(targets: list, repack_moe: bool) -> list:
+    """Every engine commits the push and resets its prefix cache, all at once (one round trip per push, not one per
+    engine); their commit results in target order, or the first engine's error, in order, once every call ended."""
+
+    def commit(target) -> Any:
+        result = target.call("mrl_commit_push", "1" if repack_moe else "0")
+        target.reset_prefix_cache()
+        return result
+
+    if len(targets) == 1:  # an engine in this process is called from the thread that drives it
+        return [commit(targets[0])]
+    futures = call_in_threads([commit] * len(targets), list(targets), "engine-commit")
+    error = next((e for e in (f.exception() for f in futures) if e is not None), None)
+    if error is not None:
+        raise error
+    return [f.result() for f in futures]
 
 def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *, manifest: WeightManifest,
                 sender: Callable[[], BroadcastSender] | None, repack_moe: bool = True) -> PushResult:
@@ -103,9 +120,7 @@ def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *
         if getattr(broadcast, "flush", None) is not None:  # memory handles batched: the last ones
             broadcast.flush(receives, names)
         announced.check_complete()
-        commits = [target.call("mrl_commit_push", "1" if repack_moe else "0") for target in targets]
-        for target in targets:
-            target.reset_prefix_cache()
+        commits = commit_engines(targets, repack_moe)
     except BaseException as error:
         if broadcast is not None:
             broadcast.abandon()  # memory handles: the rest of the export passes unshared
