@@ -224,7 +224,8 @@ def test_rollout_node_runs_the_printed_servers(tmp_path):
         (SLURM, ["--dry-run", "configs/tiny-gspo.yaml", "train.stepz=3"], "train.stepz"),
         (TORCHRUN_SH, [], "torchrun.sh [--dry-run] CONFIG"),
         (SLURM, ["--dry-run", "--nodes", "3", *DISAGGREGATED], "3 trainer node(s) and 1 rollout node(s) but the allocation has 3"),
-        (SLURM, ["--dry-run", "configs/qwen3-235b-a22b-gspo-32x8h100.yaml", "cluster.rollout_gpus=16", "rollout.engine=vllm_server"],
+        (SLURM, ["--dry-run", "configs/qwen3-235b-a22b-gspo-32x8h100.yaml", "cluster.rollout_gpus=16", "rollout.engine=vllm_server",
+                 "rollout.pipeline_parallel=2"],
          "16 GPUs do not divide the 8 GPUs of a node"),
         # refused before torchrun starts: the actor's states would stay beside the colocated engines
         (TORCHRUN_SH, ["--dry-run", "configs/qwen3-30b-a3b-gspo-1x8h100.yaml", "train.offload=none"], "(train.offload=none)"),

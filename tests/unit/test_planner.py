@@ -310,8 +310,11 @@ def test_colocated_engines_are_counted_as_the_trainer_starts_them():
     assert plan_preset(str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"), ["rollout.engines=2"]).engines == 2
     with pytest.raises(ConfigError, match="sets GPUs aside for rollout"):  # an in-process engine cannot reach them
         plan_preset(str(CONFIGS / "qwen3-30b-a3b-gspo-4x8h100.yaml"), ["cluster.rollout_gpus=8", "parallel.expert_parallel=8"])
-    # TP 8 x PP 2 spans two nodes: rank 0's single engine, and the plan says the rest wait
-    big = plan_preset(str(CONFIGS / "qwen3-235b-a22b-gspo-32x8h100.yaml"))
+    # one TP 8 engine per node (the preset), and TP 8 x PP 2 spanning two nodes: rank 0's single engine, and the plan
+    # says the rest wait
+    assert plan_preset(str(CONFIGS / "qwen3-235b-a22b-gspo-32x8h100.yaml")).engines == 32
+    big = plan_preset(str(CONFIGS / "qwen3-235b-a22b-gspo-32x8h100.yaml"),
+                      ["rollout.pipeline_parallel=2", "rollout.gpu_memory_utilization=0.45"])
     assert big.engines == 1
     assert any("spans 16 GPUs over nodes" in w and "the other 240 GPUs wait" in w for w in big.warnings), big.warnings
 
