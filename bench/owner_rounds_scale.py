@@ -8,8 +8,9 @@ ways: `owner_rounds` (the push's rounds) and every owner's r-th bucket of the wh
 before). A worker receives each round in slices of 4 buckets (OwnerIpcRelay / the broadcast's max_parts) and
 keeps each bucket until every vLLM module it holds a tensor of is complete (vLLM's layerwise reload: the
 attention's fused qkv and a layer's experts are one module each, every other tensor its own). Reported per
-plan: the most bytes a worker keeps at once, and the rounds. No process group, no model: pure bookkeeping on
-names and shapes, which is all the plan itself reads.
+plan: the most bytes a worker keeps at once, the rounds, and `plan_seconds`, the host time of the owners' assignment
+and rounds (every rank's part of `owner_plan`, made once per run by the pusher; it was made at every push). No
+process group, no model: pure bookkeeping on names and shapes, which is all the plan itself reads.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ def parameters(ep: int) -> list[_Param]:
                     param.rows[d] = {0: e // (EXPERTS // ep) + ep * d + ep * edp * stage}
                 params.append(param)
     params.sort(key=lambda p: _order_key(p.name))
-    assign_owners(params, WORLD)
     return params
 
 
@@ -108,15 +108,19 @@ def main() -> None:
     for ep in (32, 64):
         start = time.perf_counter()
         params = parameters(ep)
+        planning = time.perf_counter()  # what every rank computes in models.export_owners.owner_plan, once per run
+        assign_owners(params, WORLD)
+        layered = owner_rounds(params, BUCKET)
+        plan_seconds = time.perf_counter() - planning
         per_owner = {o: _buckets([p for p in params if p.owner == o], BUCKET) for o in sorted({p.owner for p in params})}
         whole = [[(o, b[r]) for o, b in per_owner.items() if r < len(b)] for r in range(max(len(b) for b in per_owner.values()))]
-        layered = owner_rounds(params, BUCKET)
         row = {
             "layout": f"TP{TP} x PP{PP} x EP{ep}, {WORLD} ranks", "model_bytes": sum(p.nbytes for p in params),
             "senders": len(per_owner), "bucket_bytes": BUCKET,
             "owner_rounds": {"rounds": len(layered), "worker_most_held_bytes": most_held(layered)},
             "rth_bucket_of_the_model": {"rounds": len(whole), "worker_most_held_bytes": most_held(whole)},
             "funnel_model_order": {"worker_most_held_bytes": most_held([[(0, b)] for b in _buckets(params, BUCKET)])},
+            "plan_seconds": plan_seconds,
             "seconds": time.perf_counter() - start,
         }
         print(json.dumps(row))
