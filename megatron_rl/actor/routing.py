@@ -75,7 +75,7 @@ import torch.distributed as dist
 from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_layout, padded_layout
 from megatron_rl.actor.plan import Microbatch
 from megatron_rl.models.mapping import unwrap_model
-from megatron_rl.parallel.devices import group_device
+from megatron_rl.parallel.devices import group_device, host_to_device
 
 
 def local_tokens(x: torch.Tensor, *, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
@@ -274,7 +274,13 @@ class RoutingControl:
 
     def _per_layer(self, routes_mb: torch.Tensor) -> list[torch.Tensor]:
         local = self._local(routes_mb)  # [N_local, L, K]
-        return [local[:, g].contiguous().to(self.ctx.device) for g in self.layer_ids]
+        return self._to_routers(local[:, list(self.layer_ids)])
+
+    def _to_routers(self, routes: torch.Tensor) -> list[torch.Tensor]:
+        """[N_local, L_local, K] host routes -> one [N_local, K] tensor per local router on the device: one copy for
+        every layer (pinned, non-blocking: no stream synchronisation per layer)."""
+        on_device = host_to_device(routes.contiguous(), self.ctx.device)
+        return [on_device[:, c].contiguous() for c in range(on_device.shape[1])]
 
     def _rank_lookup(self, routes: RankRoutes, layout: TokenLayout, lengths: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per local router [N_local, K] int64 from this rank's recorded routes (padding: experts 0..K-1), and found [N_local]."""
@@ -296,8 +302,7 @@ class RoutingControl:
                 "train the share this actor's actor.distribute made"
             )
         default = torch.arange(self.topk, dtype=torch.int64).expand_as(experts[:, 0])
-        per_layer = [torch.where(found[:, None], experts[:, c], default).contiguous().to(self.ctx.device) for c in range(len(self.layer_ids))]
-        return per_layer, found
+        return self._to_routers(torch.where(found[:, None, None], experts, default[:, None])), found
 
     # -- R3's engine routes under actor.distribute --------------------------------------------------
 
@@ -352,12 +357,14 @@ class RoutingControl:
             return
         layout = _layout(layout)
         if any(self._counts_tokens):
-            padding = self._local(~layout.real(lengths)).to(self.ctx.device)
+            padding = host_to_device(self._local(~layout.real(lengths)), self.ctx.device)
             for queue in self._padding:
                 queue.append(padding)
+        replayed = None
         if replay is not None:
             if isinstance(replay, RankRoutes):
-                indices_per_layer = self._rank_lookup(replay, layout, lengths)[0]
+                replayed = self._rank_lookup(replay, layout, lengths)
+                indices_per_layer = replayed[0]
             else:
                 indices_per_layer = self._per_layer(microbatch_routes(replay, layout, self.topk))
             for router, indices in zip(self.routers, indices_per_layer):
@@ -372,10 +379,11 @@ class RoutingControl:
         self._reference = None
         if isinstance(reference, RankRoutes):
             _, _, counted = microbatch_positions(layout, lengths)
-            self._reference, found = self._rank_lookup(reference, layout, lengths)
+            # the replayed routes themselves (R2's training forward, R3's): looked up and copied once
+            self._reference, found = replayed if reference is replay else self._rank_lookup(reference, layout, lengths)
             counted_local = torch.zeros(found.shape[0], max(self.num_moe_layers, 1), dtype=torch.bool)
             counted_local[:, list(self.layer_ids)] = (self._local(counted) & found)[:, None]
-            self._counted = counted_local.to(self.ctx.device)
+            self._counted = host_to_device(counted_local, self.ctx.device)
         elif reference is not None:
             _, _, counted = microbatch_positions(layout, lengths)
             raw = gathered_routes(reference, layout)
@@ -383,7 +391,7 @@ class RoutingControl:
             captured = (raw >= 0).all(dim=-1)  # [N_in, W_in, L]
             self._reference = self._per_layer(_default_where_missing(raw, self.topk))
             counted_local = self._local(counted.unsqueeze(-1) & captured)  # [N_local, L]
-            self._counted = counted_local.to(self.ctx.device)
+            self._counted = host_to_device(counted_local, self.ctx.device)
         self._active = True
 
     def end_microbatch(self, layout: TokenLayout | Microbatch | None = None, record_into: RouteRecorder | None = None) -> None:

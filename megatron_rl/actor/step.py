@@ -156,25 +156,27 @@ def microbatch_inputs(
     response_mask = sequence_mask if row_valid is None else sequence_mask & row_valid
     if stale is not None and row_valid is not None:
         stale = stale & row_valid  # counted on the CP rank that computes the token
+    def to_device(t: torch.Tensor | None) -> torch.Tensor | None:  # pinned, non-blocking: no stream sync each
+        return None if t is None else host_to_device(t, device)
+
     inputs = MicrobatchInputs(
         mb=mb,
         layout=layout,
-        tokens=tokens.to(device),
-        position_ids=layout.position_ids.to(device),
-        targets=targets.to(device),
-        response_mask=response_mask.to(device),
-        sequence_mask=sequence_mask.to(device),
-        row_index=None if row_index is None else row_index.to(device),
-        row_valid=None if row_valid is None else row_valid.to(device),
-        token_staleness=None if token_staleness is None else token_staleness.to(device),
-        stale_tokens=None if stale is None else stale.to(device),
+        tokens=to_device(tokens),
+        position_ids=to_device(layout.position_ids),
+        targets=to_device(targets),
+        response_mask=to_device(response_mask),
+        sequence_mask=to_device(sequence_mask),
+        row_index=to_device(row_index),
+        row_valid=to_device(row_valid),
+        token_staleness=to_device(token_staleness),
+        stale_tokens=to_device(stale),
     )
     if with_loss_inputs:
         per_token_adv = batch.advantages.dim() == 2
-        inputs.advantages = take_rows(batch.advantages, row_mb, per_token=per_token_adv).to(device)
+        inputs.advantages = to_device(take_rows(batch.advantages, row_mb, per_token=per_token_adv))
         for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
-            value = take_rows(getattr(batch, name), row_mb, per_token=True)
-            setattr(inputs, name, None if value is None else value.to(device))
+            setattr(inputs, name, to_device(take_rows(getattr(batch, name), row_mb, per_token=True)))
     return inputs
 
 
