@@ -315,6 +315,7 @@ def actor_speed(ctx, hf: dict, rows: int, length: int, budget: int, repeats: int
         (step_s, _), peak = _peak(ctx.device, lambda: _timed(lambda: actor.train_step(step_batch), ctx.device, repeats))
         if phases:
             breakdown = profile_train_step(actor, step_batch)
+        syncs = host_syncs(lambda: actor.train_step(step_batch)) if cuda and phases else None
     finally:
         actor.close()  # the device memory comes back (Actor.close): transformers' model and the ablations come next
     tokens = rows * length
@@ -325,7 +326,31 @@ def actor_speed(ctx, hf: dict, rows: int, length: int, budget: int, repeats: int
         out["allocated_after_close_bytes"] = torch.cuda.memory_allocated(ctx.device)
     if breakdown is not None:
         out["phases"] = breakdown
+    if syncs is not None:
+        out["host_syncs"] = syncs
     return out
+
+
+def host_syncs(fn) -> dict:
+    """How often `fn` made the host wait for the GPU (torch.cuda.set_sync_debug_mode's warnings: .item(), a blocking
+    copy, a data-dependent shape), in all and by where torch reported them, the most frequent first."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where: dict[str, int] = {}
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            key = f"{Path(warning.filename).name}:{warning.lineno}"
+            where[key] = where.get(key, 0) + 1
+    return {"total": sum(where.values()), "by_site": dict(sorted(where.items(), key=lambda kv: -kv[1])[:20])}
 
 
 # Each kernel choice of models.kernels turned back off, one at a time (same model, batch and run), and padded rows.
