@@ -193,14 +193,20 @@ class RouteRecorder:
         self._keys: list[torch.Tensor] = []
         self._experts: list[torch.Tensor] = []
 
-    def add(self, keys: torch.Tensor, experts: torch.Tensor) -> None:
+    def add(self, keys: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """keys [N_keep] (host); experts [N, L_local, K] on any device, `keep` [N] (host) the rows of it to keep (all
+        by default). Experts on a GPU stay there, narrowed to the id type, until `finish` copies them all at once:
+        no wait for the device inside the forward."""
         self._keys.append(keys)
-        self._experts.append(experts.to(self.dtype))
+        self._experts.append((experts.to(self.dtype), keep))
 
     def finish(self, layer_ids: list[int]) -> RankRoutes:
         """Sorted by key; a token seen twice (the same row in two forwards) keeps its last record."""
         keys = torch.cat(self._keys) if self._keys else torch.zeros(0, dtype=torch.int64)
-        experts = torch.cat(self._experts) if self._experts else torch.zeros(0, len(layer_ids), self.topk, dtype=self.dtype)
+        parts = [experts for experts, _ in self._experts]
+        on_host = torch.cat(parts).cpu().split([len(p) for p in parts]) if parts else []  # one copy off the device
+        kept = [part if keep is None else part[keep] for part, (_, keep) in zip(on_host, self._experts)]
+        experts = torch.cat(kept) if kept else torch.zeros(0, len(layer_ids), self.topk, dtype=self.dtype)
         order = torch.arange(keys.numel() - 1, -1, -1)  # newest first, so unique's first occurrence is the newest
         keys, experts = keys[order], experts[order]
         unique, inverse = torch.unique(keys, sorted=True, return_inverse=True)
@@ -407,8 +413,8 @@ class RoutingControl:
             recorded = [router.router_replay.get_recorded_indices() for router in self.routers]
             if any(r is None for r in recorded):
                 raise RuntimeError("a router recorded no indices: is moe_router_fusion on (it bypasses RouterReplay)?")
-            experts = torch.stack(recorded, dim=1).cpu()[keep]  # [N_keep, L_local, K]: one copy to the host per microbatch
-            record_into.add(rows[keep] * record_into.batch_shape[1] + positions[keep], experts)
+            # [N, L_local, K] where the routers ran; the rows to keep are picked on the host once the forward is done
+            record_into.add(rows[keep] * record_into.batch_shape[1] + positions[keep], torch.stack(recorded, dim=1), keep)
         for router in self.routers:
             if router.router_replay.router_replay_action == self._actions.REPLAY_FORWARD:
                 # Recomputation in backward (model.recompute) pops this step's indices in order.
