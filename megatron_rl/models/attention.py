@@ -41,6 +41,7 @@ T / CP; with GQA that is a small part of a layer's activations.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from itertools import pairwise
@@ -138,6 +139,19 @@ def device_offsets(params: PackedSeqParams | None, offsets: list[int], device: t
     if params is not None:
         params.device_cu_seqlens = out
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _device_cp_order(offsets: tuple[int, ...], cp_size: int, device: str) -> torch.Tensor:
+    """`_cp_global_order` on `device`, made once per microbatch layout (every layer and the recomputation in backward
+    read it: no host-to-device copy per layer)."""
+    return host_to_device(_cp_global_order(list(offsets), cp_size), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_chunk_positions(seq_len_padded: int, cp_size: int, cp_rank: int, device: str) -> torch.Tensor:
+    """`cp_chunk_indices` on `device`, made once per sequence length (a few KB each)."""
+    return host_to_device(cp_chunk_indices(seq_len_padded, cp_size, cp_rank), device)
 
 
 def _cp_global_order(offsets: list[int], cp_size: int) -> torch.Tensor:
@@ -251,7 +265,7 @@ class LocalCoreAttention(MegatronModule):
             raise ValueError("an explicit attention_mask with context parallelism: pass attention_mask=None (causal)")
         offsets = self._packed_offsets(query, packed_seq_params) if packed else [0, query.shape[0] * self.cp_size]
         if self.cp_size > 1:
-            order = _cp_global_order(offsets, self.cp_size).to(key.device)  # checks the layout before communicating
+            order = _device_cp_order(tuple(offsets), self.cp_size, str(key.device))  # checks the layout before communicating
             key, value = self._gather_over_cp(key, value)
             key, value = key.index_select(0, order), value.index_select(0, order)  # now in sequence order
         if packed:
@@ -344,7 +358,7 @@ class LocalCoreAttention(MegatronModule):
 
     def _cp_causal_mask(self, seq_len_padded: int, device: torch.device) -> torch.Tensor:
         """[L / CP, L] bool, True = attend: key position j <= the global position of each local query."""
-        positions = cp_chunk_indices(seq_len_padded, self.cp_size, self.cp_group.rank()).to(device)
+        positions = _device_chunk_positions(seq_len_padded, self.cp_size, self.cp_group.rank(), str(device))
         return torch.arange(seq_len_padded, device=device)[None, :] <= positions[:, None]
 
 
