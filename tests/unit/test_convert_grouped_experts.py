@@ -197,7 +197,7 @@ def test_a_converted_checkpoint_loaded_into_grouped_mlp_gives_transformers_logit
         got = _logits(model, ctx, vocab)
     expected = _transformers_logits(model_dir, vocab)
     err = (got - expected).abs().max().item()
-    assert err < 1e-5, f"max |GroupedMLP from the converted checkpoint - transformers| = {err:.3g}"
+    assert err < 1e-4, f"max |GroupedMLP from the converted checkpoint - transformers| = {err:.3g}"
     assert expected.abs().max() > 0.1  # logits that a wrong expert would move
 
 
@@ -216,7 +216,7 @@ def test_a_grouped_mlp_models_own_save_converts_back_bit_exact(tmp_path, in_proc
     with grouped_mlp_model(model_dir, load_weights=True) as (model, ctx):
         # the model holds the HF weights (transformers' logits), so the source safetensors are what must come back
         err = (_logits(model, ctx, arch.vocab_size) - _transformers_logits(model_dir, arch.vocab_size)).abs().max().item()
-        assert err < 1e-5, err
+        assert err < 1e-4, err  # as every logits-vs-transformers check (fp32 on any CPU: 1.4e-6 here)
         state = model.sharded_state_dict()
         hidden, local = arch.hidden_size, arch.num_experts
         for i, layer in enumerate(model.decoder.layers):
