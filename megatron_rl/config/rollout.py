@@ -102,6 +102,11 @@ class RolloutConfig:
     sends only its share and drives the engines (weight_sync.parallel; the bytes through a rank are about model /
     senders); with ipc each owner sends its buckets to the ranks whose GPUs hold workers, which share them by
     memory handle (weight_sync.owner_ipc)."""
+    weight_senders_max: int = 0
+    """With weight_senders=owners: at most this many ranks send (every world_size / N-th rank: one per node when N is
+    the number of nodes); the other holders hand them their shards over the trainer's own links. Each engine worker
+    joins one group per sender (over NCCL a communicator of tens of MB of device memory each), so at hundreds of
+    ranks cap it. 0: every rank that owns parameters sends."""
     weight_delta: bool = False
     """With weight_senders=owners: send only the values that changed since the last push (positions + values per
     tensor, dense when not smaller), checked by a checksum per tensor on the engine (weight_sync.delta). Each engine
@@ -175,6 +180,8 @@ class RolloutConfig:
         if self.weight_senders == "owners" and self.weight_transport.startswith("vllm_"):
             raise ConfigError(f"rollout.weight_senders=owners with rollout.weight_transport={self.weight_transport}: vLLM's "
                               "engine already sends from every rank; set weight_senders=rank0, or weight_transport=broadcast")
+        if self.weight_senders_max < 0:
+            raise ConfigError(f"rollout.weight_senders_max={self.weight_senders_max}: must be >= 0 (0 = every owner sends)")
         if self.weight_delta and self.weight_senders != "owners":
             raise ConfigError("rollout.weight_delta=true needs rollout.weight_senders=owners (each owner keeps what the "
                               "engines hold of its tensors): set both, or weight_delta=false")

@@ -112,15 +112,32 @@ def _gather_params(held: dict, ctx) -> list[_Param]:
     return sorted(params.values(), key=lambda p: _order_key(p.name))
 
 
-def assign_owners(params: list[_Param], world_size: int) -> list[int]:
-    """Give each parameter an owner (see the module docstring, step 2); returns the bytes through each rank."""
+def sender_ranks(world_size: int, most: int) -> list[int] | None:
+    """The ranks that may own parameters when at most `most` send (rollout.weight_senders_max): every
+    world_size / most-th rank, spread over the nodes; None (every rank) when `most` is 0 or covers the world."""
+    if most <= 0 or most >= world_size:
+        return None
+    stride = -(-world_size // most)
+    return list(range(0, world_size, stride))
+
+
+def assign_owners(params: list[_Param], world_size: int, senders: list[int] | None = None) -> list[int]:
+    """Give each parameter an owner (see the module docstring, step 2); returns the bytes through each rank.
+
+    senders: the ranks that may own (None: any holder). An owner that holds no shard of a parameter receives them
+    all from one complete replica's holders."""
     load = [0] * world_size
+    allowed = None if senders is None else set(senders)
     for param in sorted(params, key=lambda p: (-p.nbytes, _order_key(p.name))):
         size, share = param.nbytes, param.nbytes // param.count
         best = None
+        least = None if senders is None else min(senders, key=lambda r: (load[r], r))
         for replica in sorted(param.rows):
             row = param.rows[replica]
-            for owner in sorted(set(row.values())):
+            holders = set(row.values())
+            # any holder; with senders, the allowed holders and the least loaded sender (which receives every shard)
+            owners = sorted(holders) if allowed is None else sorted(holders & allowed) + [least]
+            for owner in owners:
                 received = sum(share for rank in row.values() if rank != owner)
                 key = (load[owner] + size + received, owner)
                 if best is None or key < best[0]:
@@ -209,15 +226,16 @@ class OwnerPlan:
     bucket_bytes: int
 
 
-def owner_plan(model_chunks: list, ctx, *, bucket_bytes: int) -> OwnerPlan:
-    """The owners, rounds and entries of `model_chunks`' pushes (a collective over the world: every rank calls it)."""
+def owner_plan(model_chunks: list, ctx, *, bucket_bytes: int, max_senders: int = 0) -> OwnerPlan:
+    """The owners, rounds and entries of `model_chunks`' pushes (a collective over the world: every rank calls it);
+    max_senders: at most this many owners (`sender_ranks`; 0: any holder)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
     info = model_info(model_chunks)
     arch, padded = info.arch, info.padded_vocab_size
     held = _replica_shards(model_chunks, ctx, arch, padded)
     params = _gather_params(held, ctx)
-    assign_owners(params, ctx.world_size)
+    assign_owners(params, ctx.world_size, sender_ranks(ctx.world_size, max_senders))
     plan = owner_rounds(params, bucket_bytes)
     rounds = [[(owner, _entries(bucket, arch, padded)) for owner, bucket in parts] for parts in plan]
     return OwnerPlan(held, plan, rounds, arch, padded, bucket_bytes)

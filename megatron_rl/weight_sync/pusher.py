@@ -151,7 +151,8 @@ class WeightPusher:
         ctx, relay, attempts = self.ctx, self.owner_relay, self.rollout.max_restarts + 1
         for attempt in range(1, attempts + 1):
             if self._owner_plan is None:  # the owners and rounds of this model and layout: once per run
-                self._owner_plan = owner_plan(self.model_chunks, ctx, bucket_bytes=self.bucket_bytes)
+                self._owner_plan = owner_plan(self.model_chunks, ctx, bucket_bytes=self.bucket_bytes,
+                                              max_senders=self.rollout.weight_senders_max)
             export = export_owned_weights(self.model_chunks, ctx, bucket_bytes=self.bucket_bytes, plan=self._owner_plan)
             try:
                 if self.engine is not None:

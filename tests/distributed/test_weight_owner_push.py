@@ -57,13 +57,13 @@ def _fault(rank: int, round_index: int) -> None:
         raise RuntimeError(f"export failed on trainer rank {rank} in round {round_index}")
 
 
-def _push(chunks, ctx, targets, senders, manifest, rank: int, record: dict, version: int, fault=None) -> None:
+def _push(chunks, ctx, targets, senders, manifest, rank: int, record: dict, version: int, fault=None, plan=None) -> None:
     """One owner-parallel push on this rank; what it moved (or the error that broke it) appended to record."""
     from megatron_rl.models.export_owners import export_owned_weights
     from megatron_rl.weight_sync.parallel import owner_parallel_push
     from megatron_rl.weight_sync.stream import PushBrokenError
 
-    export = export_owned_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES, fault=fault)
+    export = export_owned_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES, fault=fault, plan=plan)
     begin, error = time.perf_counter(), None
     try:
         owner_parallel_push(targets, export, version, senders=senders, rank=rank, trainer_group=ctx.world_group,
@@ -195,6 +195,18 @@ def _ranks(rank: int, world_size: int, model_dir: str, addresses: list) -> dict:
             push(3)
             if rank == 0:
                 record["reference_3"], record["after_3"] = reference, states()
+            if case == "tp2_ep2":  # rollout.weight_senders_max=2: ranks 0 and 2 send everything, the others hand them shards
+                from megatron_rl.models.export_owners import owner_plan
+
+                capped = owner_plan(chunks, ctx, bucket_bytes=BUCKET_BYTES, max_senders=2)
+                with torch.no_grad():
+                    for chunk in chunks:
+                        for param in chunk.parameters():
+                            param.add_(0.125)
+                reference = export_hf_state_dict(chunks, ctx)
+                push(4, plan=capped)
+                if rank == 0:
+                    record["reference_4"], record["after_4"] = reference, states()
             record["source"] = _vllm_source(chunks, ctx)
             record["spread"] = _vllm_spread(chunks, ctx)
             if case == "pp2_ep2":
@@ -253,6 +265,14 @@ def test_every_owner_sends_its_share_engines_load_bit_exact_and_a_broken_push_re
             for version, state in engine:
                 assert version == 0 and all(torch.equal(state[n], t) for n, t in original.items()), case
         assert all(r["pushes"][2]["error"] is None for r in records)
+        if case == "tp2_ep2":  # two senders at most: exact, the model sent once, only by ranks 0 and 2
+            for engine in rank0["after_4"]:
+                for got_version, state in engine:
+                    assert got_version == 4 and all(torch.equal(state[n], t) for n, t in rank0["reference_4"].items()), case
+            capped = [r["pushes"][3] for r in records]
+            assert capped[0]["senders"] == [0, 2] and capped[0]["error"] is None, capped[0]
+            assert sum(p["owned"] for p in capped) == model_bytes
+            assert capped[1]["owned"] == capped[3]["owned"] == 0 and capped[1]["peer_out"] > 0 and capped[3]["peer_out"] > 0
 
 
 def test_delta_pushes_equal_full_ones_bit_for_bit_and_a_restarted_engine_gets_a_full_push(setup):
@@ -281,7 +301,7 @@ def test_vllm_weight_source_serves_our_shards_by_its_own_contract(setup):
     layerwise_groups restricted to held names, and the tensors yielded equal the funnel export bit for bit."""
     for case in LAYOUTS:
         records = [r[case] for r in _launch(setup)]
-        reference = records[0]["reference_3"]
+        reference = records[0].get("reference_4", records[0]["reference_3"])  # the weights of the last push
         metas = [r["source"]["meta"] for r in records]
         assert all(m == metas[0] for m in metas)
         assert {n for n, _, _ in metas[0]} == set(reference)
@@ -304,7 +324,7 @@ def test_vllm_engines_sources_give_every_rank_its_row_block_or_the_whole_tensor(
     ranks put together are the funnel export bit for bit. vLLM's ipc source: every tensor whole on every rank."""
     for case in LAYOUTS:
         records = [r[case] for r in _launch(setup)]
-        reference = records[0]["reference_3"]
+        reference = records[0].get("reference_4", records[0]["reference_3"])  # the weights of the last push
         for rank, record in enumerate(records):
             spread = record["spread"]
             assert spread["mesh"] == (1, 4) and spread["order"] == spread["meta_order"], (case, rank)

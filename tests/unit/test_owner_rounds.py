@@ -96,3 +96,22 @@ def test_a_worker_holds_at_most_two_layers_whatever_the_senders():
         assert held <= 2 * largest, (senders, held, largest)
         if senders == 32:
             assert mixed > 4 * largest  # what the layer-wise rounds avoid: it grows with the senders
+
+
+def test_at_most_n_senders_own_everything_and_receive_what_they_do_not_hold():
+    """rollout.weight_senders_max: only every world / N-th rank owns; a parameter none of them holds goes to the
+    least loaded sender, which receives every shard. By hand: 4 ranks, senders [0, 2]."""
+    from megatron_rl.models.export_owners import sender_ranks
+
+    assert sender_ranks(8, 0) is None and sender_ranks(8, 8) is None and sender_ranks(8, 16) is None
+    assert sender_ranks(8, 2) == [0, 4] and sender_ranks(8, 3) == [0, 3, 6] and sender_ranks(256, 32) == list(range(0, 256, 8))
+    a = _Param("decoder.layers.0.self_attention.linear_qkv.weight", 2, (4, 4), "float32")  # 2 TP shards, 64 B each
+    a.rows = {0: {0: 1, 1: 3}}  # held by ranks 1 and 3 only
+    b = _Param("decoder.layers.0.pre_mlp_layernorm.weight", 1, (4,), "float32")  # 16 B
+    b.rows = {1: {0: 1}, 2: {0: 2}}  # held whole by ranks 1 and 2
+    load = assign_owners([a, b], 4, sender_ranks(4, 2))
+    # a first (larger): no sender holds it; senders 0 and 2 equally idle -> 0, receiving both shards (128 B)
+    assert a.owner == 0 and a.sources == {0: 1, 1: 3}
+    # b: sender 2 holds it whole (16 B, nothing to receive) against sender 0's 256 B so far
+    assert b.owner == 2 and b.sources == {0: 2}
+    assert load == [128 + 128, 64, 16, 64]  # owner: its bytes out + in; each holder: the shard it sends
