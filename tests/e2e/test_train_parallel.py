@@ -56,7 +56,7 @@ def test_two_processes_expert_parallel_grouped_experts_on_a_tiny_model_the_prese
     # The other colocated runs keep SequentialMLP experts.
     run = two / BUILDS_ITS_MODEL
     assert "moe_grouped_gemm=true" in " ".join(CASES[2][BUILDS_ITS_MODEL])
-    check_rows(read_metrics(run / "metrics.jsonl"), 2)
+    check_rows(read_metrics(run / "metrics.jsonl"), 2, mini_batches=2)
     assert sorted(p.name for p in (two / "models").iterdir()) == [".tiny-moe.lock", "tiny-moe"]  # no half-built copy
 
 
@@ -86,7 +86,7 @@ def test_two_colocated_engines_hosted_by_the_trainer_ranks(two, transport):
     # (weight_sync.owner_ipc), and each rank logs the bytes it sourced
     run = two / f"colocated_{transport}"
     rows = read_metrics(run / "metrics.jsonl")
-    check_rows(rows, 2)
+    check_rows(rows, 2, mini_batches=2)
     if transport == "ipc_owners":
         # rank 0 sourced its own share and received rank 1's for its server's worker, by the owner-IPC path
         assert all(row["weight_sync/sent_bytes"] > 0 and row["weight_sync/received_bytes"] > 0 for row in rows), rows
@@ -99,7 +99,7 @@ def test_tp2_ep2_trainer_pushes_exact_weights(four):
     # 4 trainer processes (TP2 x EP2, expert TP 1): after each step's gather + push the
     # engine's logprobs of its own samples equal the sharded actor's (checked in check_rows).
     out, _ = four
-    check_rows(read_metrics(out / "tp2_ep2" / "metrics.jsonl"), 2)
+    check_rows(read_metrics(out / "tp2_ep2" / "metrics.jsonl"), 2, mini_batches=2)
 
 
 def test_tp2_ep2_owners_push_their_own_shards_as_sparse_deltas(four):
@@ -107,7 +107,7 @@ def test_tp2_ep2_owners_push_their_own_shards_as_sparse_deltas(four):
     # process's worker) and sparse deltas after the first push: the engine's logprobs still equal the actor's
     out, launch = four
     rows = read_metrics(out / "tp2_ep2_owners_delta" / "metrics.jsonl")
-    check_rows(rows, 3)
+    check_rows(rows, 3, mini_batches=2)
     # the push before step 0 goes in full (no base); those after steps 0, 1, 2 as deltas (each tensor's checksum
     # checked on the engine's worker: a wrong bit breaks the push)
     # (a step whose rewards are all equal leaves the weights as they were: its delta carries nothing)

@@ -5,6 +5,7 @@ resident run (one, made once for the module): every per-step number equal (timin
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -52,7 +53,12 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, reference, tmp
     proc.wait()
     assert 0 < len(read_metrics(metrics)) < steps
 
-    run_ok(train_command("tiny-gspo.yaml", model_dir, killed, *args, "checkpoint.resume=auto"))
+    killed_rows = len(read_metrics(metrics))
+    resumed = run_ok(train_command("tiny-gspo.yaml", model_dir, killed, *args, "checkpoint.resume=auto"))
+    # it went on from a checkpoint of the killed run, not from step 0 (whose rows would overwrite the killed ones)
+    found = re.search(r"resumed from \S*step_(\d{8}) at step (\d+)", resumed.stdout + resumed.stderr)
+    assert found and int(found.group(1)) == int(found.group(2)) >= 1, (resumed.stdout + resumed.stderr)[-3000:]
+    assert int(found.group(2)) <= killed_rows, (found.group(0), killed_rows)
     got, want = read_metrics(metrics), read_metrics(reference / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(steps))
     for mine, theirs in zip(got, want):

@@ -51,9 +51,10 @@ def run_ok(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.Compl
     return result
 
 
-def check_rows(rows: list[dict], steps: int) -> None:
+def check_rows(rows: list[dict], steps: int, *, mini_batches: int) -> None:
+    """mini_batches: the run's train.mini_batches_per_step, as its preset sets it (an optimizer step each)."""
     assert [r["step"] for r in rows] == list(range(steps))
-    per_step = rows[0]["optimizer_steps"]  # train.mini_batches_per_step optimizer steps per RL step
+    per_step = mini_batches
     for r in rows:
         # the engine sampled with the weights the trainer just pushed: version = step
         assert r["rollout/weight_version"] == r["step"]
