@@ -107,6 +107,8 @@ def test_a_bf16_engine_is_held_to_bf16_on_the_same_weights(tmp_path):
     model_dir = make_tiny_model_dir(tmp_path / "moe", "qwen3_moe", seed=0, init_std=0.05)
     engine = VLLMEngine(model_dir, RolloutConfig(kv_cache_gib=0.25, max_model_len=256, max_restarts=0, dtype="bfloat16"))
     try:
+        # the engine runs in bf16 (an fp32 engine would sit about one bf16 effect from the bf16 forward: within the bound)
+        assert engine._llm.llm_engine.model_config.dtype == torch.bfloat16
         rollouts = engine.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=12, seed=7, temperature=1.0))
     finally:
         engine.shutdown()
