@@ -319,6 +319,10 @@ def build_model(
 
         chunks = [Float16Module(config, model)]
         chunks[0].hf_info = info
+        for module in model.modules():  # megatron turns a router's expert bias back to fp32 at its first forward:
+            keep_fp32 = getattr(module, "_maintain_float32_expert_bias", None)  # from the start here, so that every
+            if keep_fp32 is not None:  # export of the model (a weight push) sees the same dtype
+                keep_fp32()
     if wrap_ddp:
         if ddp_config is None:
             from megatron.core.distributed import DistributedDataParallelConfig

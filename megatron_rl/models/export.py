@@ -154,6 +154,18 @@ class HFExport:
         return self._buckets
 
 
+def held_signature(held: dict) -> dict:
+    """(shape, dtype) of every shard a rank holds: what an export plan was made for."""
+    return {key: (tuple(value[0].shape), value[0].dtype) for key, value in held.items()}
+
+
+def plan_is_current(plan) -> bool:
+    """Whether this rank's shards still have the shapes and dtypes `plan` (a FunnelPlan or an OwnerPlan) was made
+    for. A module may change a tensor's dtype in place (megatron's router keeps its expert bias in fp32 once a
+    forward ran: `.data` replaced); every rank must agree before re-planning (weight_sync.push.any_rank)."""
+    return held_signature(plan.held) == plan.signature
+
+
 @dataclass
 class FunnelPlan:
     """What every funnel export of one model on one layout shares: this rank's shards (the parameters themselves,
@@ -164,6 +176,7 @@ class FunnelPlan:
     units: list
     entries: list
     dst_rank: int
+    signature: dict = field(default_factory=dict)
 
 
 def funnel_plan(model_chunks: list, ctx, *, dst_rank: int = 0) -> FunnelPlan:
@@ -171,7 +184,7 @@ def funnel_plan(model_chunks: list, ctx, *, dst_rank: int = 0) -> FunnelPlan:
     held = _holder_shards(model_chunks, ctx, info.arch, info.padded_vocab_size)
     units = _plan(held, ctx)
     entries = _announced_entries(units, info.arch, info.padded_vocab_size) if ctx.rank == dst_rank else []
-    return FunnelPlan(held, units, entries, dst_rank)
+    return FunnelPlan(held, units, entries, dst_rank, held_signature(held))
 
 
 def export_hf_weights(model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: int = 0, fresh: bool = True,

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models.info import model_info
-from megatron_rl.models.export import _buckets, _order_key, _replica_shards, shards_nbytes
+from megatron_rl.models.export import _buckets, _order_key, _replica_shards, held_signature, shards_nbytes
 from megatron_rl.models.mapping import mapping_for
 
 Entry = tuple[str, tuple[int, ...], str]
@@ -224,6 +224,7 @@ class OwnerPlan:
     arch: object
     padded: int
     bucket_bytes: int
+    signature: dict = field(default_factory=dict)
 
 
 def owner_plan(model_chunks: list, ctx, *, bucket_bytes: int, max_senders: int = 0) -> OwnerPlan:
@@ -238,7 +239,7 @@ def owner_plan(model_chunks: list, ctx, *, bucket_bytes: int, max_senders: int =
     assign_owners(params, ctx.world_size, sender_ranks(ctx.world_size, max_senders))
     plan = owner_rounds(params, bucket_bytes)
     rounds = [[(owner, _entries(bucket, arch, padded)) for owner, bucket in parts] for parts in plan]
-    return OwnerPlan(held, plan, rounds, arch, padded, bucket_bytes)
+    return OwnerPlan(held, plan, rounds, arch, padded, bucket_bytes, held_signature(held))
 
 
 def export_owned_weights(model_chunks: list, ctx, *, bucket_bytes: int, fault: Callable[[int, int], None] | None = None,

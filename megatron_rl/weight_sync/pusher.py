@@ -37,7 +37,7 @@ from megatron_rl.actor.distribute import broadcast_object
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.placement import Placement, resolve_placement
 from megatron_rl.config.schema import ClusterConfig, RolloutConfig
-from megatron_rl.models.export import export_hf_weights, funnel_plan
+from megatron_rl.models.export import export_hf_weights, funnel_plan, plan_is_current
 from megatron_rl.models.export_owners import export_owned_weights, owner_plan
 from megatron_rl.weight_sync.broadcast import default_host
 from megatron_rl.weight_sync.delta import DeltaEncoder
@@ -102,6 +102,10 @@ class WeightPusher:
         self._funnel_push(version)
         return {}
 
+    def _stale(self, plan) -> bool:
+        """No plan yet, or one whose shards changed shape or dtype on some rank (every rank calls it: a collective)."""
+        return plan is None or any_rank(not plan_is_current(plan), self.ctx.world_group)
+
     def close(self) -> None:
         """Drop vLLM's trainer engines (the owner groups and relays end with their engines), the delta's base and
         the export plans (they hold the model's parameters)."""
@@ -118,7 +122,7 @@ class WeightPusher:
         relay = self.relay
 
         def export():  # colocated servers by memory handles: every rank shares each bucket with its GPU's worker
-            if self._funnel_plan is None:  # the holders and entries of this model and layout: once per run
+            if self._stale(self._funnel_plan):  # the holders and entries of this model and layout: once per run
                 self._funnel_plan = funnel_plan(self.model_chunks, self.ctx)
             buckets = export_hf_weights(self.model_chunks, self.ctx, bucket_bytes=self.bucket_bytes, fresh=fresh,
                                         plan=self._funnel_plan)
@@ -150,7 +154,7 @@ class WeightPusher:
             self._delta = DeltaEncoder(self.rollout.weight_delta_full_every) if self.rollout.weight_delta else None
         ctx, relay, attempts = self.ctx, self.owner_relay, self.rollout.max_restarts + 1
         for attempt in range(1, attempts + 1):
-            if self._owner_plan is None:  # the owners and rounds of this model and layout: once per run
+            if self._stale(self._owner_plan):  # the owners and rounds of this model and layout: once per run
                 self._owner_plan = owner_plan(self.model_chunks, ctx, bucket_bytes=self.bucket_bytes,
                                               max_senders=self.rollout.weight_senders_max)
             export = export_owned_weights(self.model_chunks, ctx, bucket_bytes=self.bucket_bytes, plan=self._owner_plan)

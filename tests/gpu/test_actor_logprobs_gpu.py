@@ -30,3 +30,23 @@ def test_bf16_logprobs_memory_and_values_on_gpu():
         expected, expected_entropy = reference_logprobs((hidden @ weight.t()).float(), targets, temperature=0.9)
     assert (logprobs - expected).abs().max() <= 1e-3
     assert (entropy - expected_entropy).abs().max() <= 1e-3
+
+
+@pytest.mark.gpu
+def test_a_bf16_models_expert_bias_is_fp32_from_the_build(tmp_path):
+    """A sigmoid router's expert bias (DeepSeek-V3) is fp32 right after a bf16 build (Float16Module made it bf16;
+    megatron turns it back at the first forward): every export, the first push's too, sees one dtype."""
+    from megatron_rl.config import ModelConfig, ParallelConfig
+    from megatron_rl.models import build_model
+    from megatron_rl.models.tiny import make_tiny_model_dir
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    model_dir = make_tiny_model_dir(tmp_path / "bias", "deepseek_v3", seed=0, with_tokenizer=False)
+    ctx = init_parallel(ParallelConfig())
+    try:
+        (chunk,) = build_model(ModelConfig(path=str(model_dir), dtype="bfloat16"), ctx)
+        biases = [b for name, b in chunk.named_buffers() if name.endswith("router.expert_bias")]
+        assert biases and all(b.dtype == torch.float32 for b in biases)
+        assert any(p.dtype == torch.bfloat16 for p in chunk.parameters())
+    finally:
+        destroy_parallel(ctx)

@@ -196,3 +196,25 @@ def test_a_build_without_a_jit_compiler_runs_megatrons_jit_functions_eagerly(par
     assert experts and all("_torchdynamo_orig_callable" not in e.activation_func_with_probs.__dict__ for e in experts)
     use_megatron_jit(True)
     assert TopKRouter.__dict__["_apply_expert_bias"] is compiled
+
+
+
+def test_an_export_plan_whose_shard_changed_dtype_in_place_is_stale(parallel_ctx, model_root):
+    """models.export.plan_is_current: a module may replace a shard's `.data` with another dtype (megatron's router
+    keeps a bf16 model's expert bias in fp32 from its first forward; the bf16 build: tests/gpu); the push's kept
+    plans are then made again (weight_sync.pusher)."""
+    import torch
+
+    from megatron_rl.config import ModelConfig
+    from megatron_rl.models import build_model
+    from megatron_rl.models.export import funnel_plan, plan_is_current
+
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(model_root / "bias", "deepseek_v3", seed=0, with_tokenizer=False)
+    chunks = build_model(ModelConfig(path=str(model_dir)), parallel_ctx)
+    biases = [b for name, b in chunks[0].named_buffers() if name.endswith("router.expert_bias")]
+    plan = funnel_plan(chunks, parallel_ctx)
+    assert biases and plan_is_current(plan)
+    biases[0].data = biases[0].data.to(torch.bfloat16)
+    assert not plan_is_current(plan)
