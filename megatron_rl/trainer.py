@@ -200,6 +200,9 @@ class Trainer:
         self._own_engine = engine is None
         if engine is not None and ctx.world_size > 1:
             raise ValueError(f"an engine started beforehand serves a one-process run; this one has {ctx.world_size} ranks")
+        # train.offload: the actor's state leaves the device before the engines start, as while they generate: an
+        # engine takes its gpu_memory_utilization share of each device at start-up (vLLM refuses less free memory)
+        self._offload.to_host()
         with logs.engine_start() if logs is not None else contextlib.nullcontext():
             self.engine = self._start_engine() if engine is None else self._adopt(engine)
         self._restarts_before = self._engine_restarts_so_far()  # an engine started beforehand counts from here
@@ -218,10 +221,14 @@ class Trainer:
         if ctx.rank == 0 and self.dataset.num_dropped_long:
             logger.warning("%d prompts longer than rollout.max_prompt_tokens=%d were dropped", self.dataset.num_dropped_long, cfg.rollout.max_prompt_tokens)
         self._stream = None  # asynchronous rollout (train.max_staleness > 0), on rank 0
-        # The engine serves exactly the trainer's weights from the first step on (also after a resume).
+        # The engine serves exactly the trainer's weights from the first step on (also after a resume), pushed in the
+        # step's order (plan.memory's push phase): the engine asleep (rollout.sleep_level), its weights woken and the
+        # actor's parameters back for the push, the parameters out again, then the engine's KV cache
+        self._sleep_engine()
         with self._watch.phase(self.step, "push"):
             self._sync_weights(self.weight_version)
         self._offload.to_host()  # until the first step's old-policy forward (train.offload)
+        self._wake_engine()
         self._executor = ThreadPoolExecutor(max_workers=1) if cfg.train.off_policy_lag else None
         self._pending: tuple[Future, dict] | None = None
         if cfg.train.max_staleness and ctx.rank == 0:
