@@ -392,18 +392,18 @@ def merge(per_rank: list[list[Check]]) -> list[Check]:
 
 
 @contextlib.contextmanager
-def _quiet_libraries(cfg):
-    """megatron-core's import-time warnings and transformers' progress bars (the forward check's tiny model) to
-    `logging.dir`/logs/warnings.log (the preset's run directory, else a temporary one), as `train` does."""
+def _quiet_libraries():
+    """megatron-core's import-time warnings and transformers' progress bars (the forward check's tiny model) kept off
+    the console, in a temporary directory removed afterwards: the doctor prints its checks only, and writes nothing
+    into the run's directories (an unwritable logging.dir is the disk check's to name, not a traceback)."""
     from transformers.utils import logging as transformers_logging
 
     from megatron_rl.console import library_logs
 
-    run_dir = cfg.logging.dir if cfg is not None else tempfile.mkdtemp(prefix="mrl-doctor-")
     bars = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
     try:
-        with library_logs(run_dir):
+        with tempfile.TemporaryDirectory(prefix="mrl-doctor-") as scratch, library_logs(scratch):
             yield
     finally:
         if bars:
@@ -426,7 +426,7 @@ def run(config: str | None, overrides: list[str] | None = None, out=None) -> int
             return 2
     avail = detect()
     ctx, start_error = None, None
-    with _quiet_libraries(cfg):  # one line per check: the libraries' warnings and progress bars go to a file
+    with _quiet_libraries():  # one line per check: the libraries' warnings and progress bars stay off the console
         try:
             ctx = _start(cfg)
         except Exception as err:  # noqa: BLE001 - reported as the collectives check

@@ -55,9 +55,10 @@ def test_single_process_cli(tmp_path):
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("doctor: ") and f" {0 if VLLM else 1} FAIL" in summary
     assert ("skipped: gpus (no CUDA device here)" in summary) == (not cuda)
-    # the libraries' import warnings and progress bars went to the run's warnings.log, not between the check lines
+    # the libraries' import warnings and progress bars are not between the check lines, and nothing was written
+    # into the run's directory
     assert "UserWarning" not in result.stderr and "Writing model shards" not in result.stderr, result.stderr[-2000:]
-    assert "Transformer Engine" in (tmp_path / "logs" / "warnings.log").read_text() or cuda
+    assert not (tmp_path / "logs").exists()
 
 
 def _doctor_rank(rank: int, world_size: int, tmp: str, model_path: str) -> tuple[int, str]:
