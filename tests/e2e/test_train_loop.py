@@ -92,7 +92,11 @@ def test_one_step_off_policy(model_dir, tmp_path):
     run_ok(train_command("tiny-gspo.yaml", model_dir, tmp_path, *extra))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
+    # step 0 is on-policy: the engine's logprobs are the trainer's, every importance ratio 1
+    assert rows[0]["mismatch/abs_logprob_diff/max"] < 1e-4, rows[0]
+    assert 1 - 1e-3 < rows[0]["is/ratio/min"] <= rows[0]["is/ratio/max"] < 1 + 1e-3, rows[0]
     assert rows[2]["mismatch/abs_logprob_diff"] > 1e-4  # the engine's policy lags the trainer's
+    assert rows[2]["is/ratio/max"] - rows[2]["is/ratio/min"] > 1e-4, rows[2]  # ... and the ratios correct for it
 
 
 def _consumed_groups(rows: list[dict]) -> int:
