@@ -42,13 +42,27 @@ def _scores(report: dict) -> dict:
     return {name: {k: v for k, v in s.items() if k != "generate_s"} for name, s in report["sets"].items()}
 
 
+def _vote(answers: list[str]) -> int:
+    """maj@k's winner by hand: the first sample of the most common non-empty answer (ties: the answer seen first)."""
+    voted = [a for a in answers if a]
+    if not voted:
+        return -1
+    most = max(voted.count(a) for a in voted)
+    return next(i for i, a in enumerate(answers) if a and voted.count(a) == most)
+
+
 def _by_hand(prompts: list[dict]) -> dict[str, float]:
-    """mean@k and pass@k (k = all samples: 1 when any is correct) and maj@k of a list of per-prompt results."""
+    """mean@k and pass@k (k = all samples: 1 when any is correct) and maj@k of a list of per-prompt results, from each
+    sample's final answer: the parity reward's answer is the response length's parity, correct when "1"."""
     k = len(prompts[0]["rewards"])
+    for p in prompts:
+        assert p["correct"] == [a == "1" for a in p["final_answers"]], p
+        assert p["majority"] == _vote(p["final_answers"]), p
     return {
-        f"mean@{k}": sum(sum(p["correct"]) / k for p in prompts) / len(prompts),
-        f"pass@{k}": sum(float(any(p["correct"])) for p in prompts) / len(prompts),
-        f"maj@{k}": sum(float(p["majority"] >= 0 and p["correct"][p["majority"]]) for p in prompts) / len(prompts),
+        f"mean@{k}": sum(sum(a == "1" for a in p["final_answers"]) / k for p in prompts) / len(prompts),
+        f"pass@{k}": sum(float("1" in p["final_answers"]) for p in prompts) / len(prompts),
+        f"maj@{k}": sum(float(_vote(p["final_answers"]) >= 0 and p["final_answers"][_vote(p["final_answers"])] == "1")
+                        for p in prompts) / len(prompts),
         "length_max": float(max(max(p["lengths"]) for p in prompts)),
     }
 
