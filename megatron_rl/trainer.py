@@ -48,6 +48,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -342,15 +343,27 @@ class Trainer:
 
     def _sleep_engine(self) -> dict[str, float]:
         """rollout.sleep_level: the engine sleeps while the actor trains (the push wakes its weights);
-        engine/sleep_frees_memory says whether that released its memory (0 where vLLM has no sleep mode)."""
-        if not self.cfg.rollout.sleep_level or self.engine is None:
+        engine/sleep_frees_memory says whether that released its memory (0 where vLLM has no sleep mode). Every rank
+        waits for it: an engine's workers may sit on any rank's GPU, which that rank's actor takes back next."""
+        if not self.cfg.rollout.sleep_level:
             return {}
-        return {"engine/sleep_frees_memory": float(self.engine.sleep())}
+        metrics = {"engine/sleep_frees_memory": float(self.engine.sleep())} if self.engine is not None else {}
+        self._every_rank_here()
+        return metrics
 
     def _wake_engine(self) -> None:
-        """The rest of a sleeping engine (its KV cache) wakes once the actor's memory has left the device."""
+        """The rest of a sleeping engine (its KV cache) wakes once the actor's memory has left every rank's device."""
+        if self.cfg.rollout.sleep_level:
+            self._every_rank_here()
         if self.engine is not None:
             self.engine.wake_up()
+
+    def _every_rank_here(self) -> None:
+        """A barrier over the host group (no device work): the engine's sleep and wake are rank 0's calls."""
+        if self.ctx.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.ctx.host_group)
 
     # -- stages ------------------------------------------------------------------------------------
 
@@ -446,17 +459,30 @@ class Trainer:
             return self._colocated.engine(rollout)
         engine = make_engine(self.cfg.model.path, rollout)
         if ctx.world_size == 1:  # the export needs no other rank: a restarted engine re-exports by itself
-            bucket_bytes = int(rollout.weight_bucket_mb * (1 << 20))
-            engine.reexport_fn = lambda: self.actor.export_hf_weights(bucket_bytes)
+            engine.reexport_fn = partial(self._reexport, int(rollout.weight_bucket_mb * (1 << 20)))
         return engine
+
+    def _reexport(self, bucket_bytes: int):
+        """The run's weights for a restarted engine (one process), read while the actor's parameters are on the device:
+        with train.offload=all they are on the host during generation (their device storage empty), and go back
+        there once the export is read."""
+        from megatron_rl.models.export import HFExport
+
+        with self._offload.on_device(["params"]):
+            export = self.actor.export_hf_weights(bucket_bytes)
+
+        def buckets():
+            with self._offload.on_device(["params"]):
+                yield from export
+
+        return HFExport(export.entries, buckets())
 
     def _adopt(self, engine):
         """An engine started beforehand: its recovery re-exports this run's weights (its first push follows)."""
         from megatron_rl.rollout import VLLMEngine
 
         if isinstance(engine, VLLMEngine):
-            bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * (1 << 20))
-            engine.reexport_fn = lambda: self.actor.export_hf_weights(bucket_bytes)
+            engine.reexport_fn = partial(self._reexport, int(self.cfg.rollout.weight_bucket_mb * (1 << 20)))
         return engine
 
     def evaluate(self) -> dict[str, float]:

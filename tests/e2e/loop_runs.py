@@ -38,7 +38,9 @@ RUNS = {
     "tiny-grpo.yaml": ("tiny-grpo.yaml", "train.steps=2"),
 }
 """Run name -> preset and overrides."""
-RESTART = ("tiny-gspo.yaml", "train.steps=2")
+RESTART = ("tiny-gspo.yaml", "train.steps=2", "train.offload=all")
+"""The actor's state on the host while the engine generates: the restarted engine's re-export brings the
+parameters back for itself (Trainer._reexport)."""
 R3 = ("tiny-gspo.yaml", "algorithm.routing_replay=R3", "rollout.return_routed_experts=true", "train.steps=2")
 
 

