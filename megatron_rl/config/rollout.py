@@ -182,6 +182,10 @@ class RolloutConfig:
                               "engine already sends from every rank; set weight_senders=rank0, or weight_transport=broadcast")
         if self.weight_senders_max < 0:
             raise ConfigError(f"rollout.weight_senders_max={self.weight_senders_max}: must be >= 0 (0 = every owner sends)")
+        if self.weight_senders_max and self.weight_senders != "owners":
+            raise ConfigError(f"rollout.weight_senders_max={self.weight_senders_max} caps the owner ranks that send, but "
+                              f"rollout.weight_senders={self.weight_senders} sends through rank 0: set "
+                              "rollout.weight_senders=owners, or drop weight_senders_max")
         if self.weight_delta and self.weight_senders != "owners":
             raise ConfigError("rollout.weight_delta=true needs rollout.weight_senders=owners (each owner keeps what the "
                               "engines hold of its tensors): set both, or weight_delta=false")
