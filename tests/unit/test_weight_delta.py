@@ -64,6 +64,13 @@ def test_config_keys(tmp_path):
     assert cfg.rollout.weight_delta and cfg.rollout.weight_delta_full_every == 10
     with pytest.raises(ConfigError, match="weight_senders=owners with rollout.weight_transport=vllm_nccl_m2n"):
         load_config(RLConfig, path, ["rollout.weight_senders=owners", "rollout.weight_transport=vllm_nccl_m2n"])
+    # rollout.weight_senders_max caps the owner senders: refused without them, and below 0
+    no_delta = "rollout.weight_delta=false"
+    with pytest.raises(ConfigError, match="weight_senders_max=4 caps the owner ranks.*set rollout.weight_senders=owners"):
+        load_config(RLConfig, path, [no_delta, "rollout.weight_senders_max=4"])
+    with pytest.raises(ConfigError, match="weight_senders_max=-1: must be >= 0"):
+        load_config(RLConfig, path, ["rollout.weight_senders=owners", "rollout.weight_senders_max=-1"])
+    assert load_config(RLConfig, path, ["rollout.weight_senders=owners", "rollout.weight_senders_max=4"]).rollout.weight_senders_max == 4
 
 
 def test_the_base_is_a_host_copy_not_the_pushed_tensor():
@@ -77,14 +84,3 @@ def test_the_base_is_a_host_copy_not_the_pushed_tensor():
     assert encoder.held["a"].device.type == "cpu" and encoder.held["a"][2] == 2.0
     wire, meta = encoder.encode([("a", a)], delta=True)
     assert meta["a"]["kind"] == "sparse" and dict(wire)["a#idx"].tolist() == [2]
-
-
-def test_a_sender_cap_needs_owner_senders(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("rollout:\n  weight_senders_max: 4\n")
-    with pytest.raises(ConfigError, match="weight_senders_max=4 caps the owner ranks.*set rollout.weight_senders=owners"):
-        load_config(RLConfig, path)
-    with pytest.raises(ConfigError, match="weight_senders_max=-1: must be >= 0"):
-        load_config(RLConfig, path, ["rollout.weight_senders=owners", "rollout.weight_senders_max=-1"])
-    assert load_config(RLConfig, path, ["rollout.weight_senders=owners"]).rollout.weight_senders_max == 4
-
