@@ -465,11 +465,10 @@ class Trainer:
     def _reexport(self, bucket_bytes: int):
         """The run's weights for a restarted engine (one process), read while the actor's parameters are on the device:
         with train.offload=all they are on the host during generation (their device storage empty), and go back
-        there once the export is read."""
+        there once the export is read. Making the export reads only names and shapes: no copy back for it."""
         from megatron_rl.models.export import HFExport
 
-        with self._offload.on_device(["params"]):
-            export = self.actor.export_hf_weights(bucket_bytes)
+        export = self.actor.export_hf_weights(bucket_bytes)
 
         def buckets():
             with self._offload.on_device(["params"]):
