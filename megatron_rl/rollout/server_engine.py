@@ -72,7 +72,7 @@ from megatron_rl.rollout.server_process import VLLMServer
 from megatron_rl.rollout.serving import ServingEngine
 from megatron_rl.weight_sync.protocol import PushTarget
 from megatron_rl.weight_sync.stream import PushBrokenError
-from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, call_in_threads, default_host
+from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, all_results, call_in_threads, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
 from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
 from megatron_rl.weight_sync.manifest import WeightManifest
@@ -302,10 +302,7 @@ class VLLMServerEngine(ServingEngine):
     def _post_each(self, urls: list[str], path: str) -> None:
         """POST `path` to every server at once (sleep and wake come every step: one round trip, not one per engine);
         the first server's error, in order, once every call has ended."""
-        futures = call_in_threads([partial(self._post, url) for url in urls], [path] * len(urls), "engine-sleep")
-        error = next((e for e in (f.exception() for f in futures) if e is not None), None)
-        if error is not None:
-            raise error
+        all_results(call_in_threads([partial(self._post, url) for url in urls], [path] * len(urls), "engine-sleep"))
 
     def _sleep_frees_memory(self) -> bool:
         return all(self.sleep_mode)

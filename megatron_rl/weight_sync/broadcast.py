@@ -374,6 +374,15 @@ def call_in_threads(calls: list[Callable[[Any], Any]], arguments: list[Any], nam
     return futures
 
 
+def all_results(futures: list[Future]) -> list:
+    """Every call's result in order, once every call has ended; the first call's error, in order, if any failed
+    (no call is left running behind a raised error)."""
+    error = next((e for e in (f.exception() for f in futures) if e is not None), None)
+    if error is not None:
+        raise error
+    return [f.result() for f in futures]
+
+
 def wait_for_engines(futures: list[Future], names: list[str], timeout_s: float, *, what: str) -> None:
     """Wait for every call; at the first failure raise BroadcastError naming its engine (not after the others
     time out); after timeout_s name the engines that have not answered."""

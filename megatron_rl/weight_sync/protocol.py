@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-from megatron_rl.weight_sync.broadcast import BroadcastSender, call_in_threads
+from megatron_rl.weight_sync.broadcast import BroadcastSender, all_results, call_in_threads
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
 from megatron_rl.weight_sync.stream import AnnouncedPush, LiveBytes, PushBrokenError, WeightStream, check_announced
@@ -79,11 +79,7 @@ def commit_engines(targets: list, repack_moe: bool) -> list:
 
     if len(targets) == 1:  # an engine in this process is called from the thread that drives it
         return [commit(targets[0])]
-    futures = call_in_threads([commit] * len(targets), list(targets), "engine-commit")
-    error = next((e for e in (f.exception() for f in futures) if e is not None), None)
-    if error is not None:
-        raise error
-    return [f.result() for f in futures]
+    return all_results(call_in_threads([commit] * len(targets), list(targets), "engine-commit"))
 
 def stream_push(targets: list[PushTarget], stream: WeightStream, version: int, *, manifest: WeightManifest,
                 sender: Callable[[], BroadcastSender] | None, repack_moe: bool = True) -> PushResult:

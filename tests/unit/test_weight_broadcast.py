@@ -236,3 +236,27 @@ def test_a_failed_receive_ends_the_broadcast_at_once_and_the_group_forms_again(w
         assert torch.equal(received[0][1], big[0][1])
     finally:
         sender.shutdown()
+
+
+def test_all_results_waits_for_every_call_and_raises_the_first_error_in_order():
+    import threading
+
+    from megatron_rl.weight_sync.broadcast import all_results, call_in_threads
+
+    release, ended = threading.Event(), []
+
+    def call(i: int) -> int:
+        if i == 0:
+            release.wait(5)  # the slow first call: its error must still be the one raised, after it ended
+            ended.append(i)
+            raise ValueError("first")
+        ended.append(i)
+        if i == 2:
+            release.set()
+            raise KeyError("third")
+        return i * 10
+
+    with pytest.raises(ValueError, match="first"):
+        all_results(call_in_threads([call] * 3, [0, 1, 2], "test"))
+    assert sorted(ended) == [0, 1, 2]
+    assert all_results(call_in_threads([lambda i: i * 10] * 3, [0, 1, 2], "test")) == [0, 10, 20]
