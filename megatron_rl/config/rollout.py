@@ -205,3 +205,12 @@ class RolloutConfig:
                 "algorithm.routing_replay other than R3"
             )
         check_rollout_transport(self.engine, self.weight_transport, self.multiprocessing)
+
+
+def sender_ranks(world_size: int, most: int) -> list[int] | None:
+    """The ranks that may own parameters when at most `most` send (rollout.weight_senders_max): every
+    world_size / most-th rank, spread over the nodes; None (every rank) when `most` is 0 or covers the world."""
+    if most <= 0 or most >= world_size:
+        return None
+    stride = -(-world_size // most)
+    return list(range(0, world_size, stride))

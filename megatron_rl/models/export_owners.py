@@ -38,6 +38,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config.rollout import sender_ranks
 from megatron_rl.models.info import model_info
 from megatron_rl.models.export import _buckets, _order_key, _replica_shards, held_signature, shards_nbytes
 from megatron_rl.models.mapping import mapping_for
@@ -110,15 +111,6 @@ def _gather_params(held: dict, ctx) -> list[_Param]:
             raise RuntimeError(f"export: no replica of {param.name} holds all {param.count} shards: {param.rows}")
         param.rows = complete
     return sorted(params.values(), key=lambda p: _order_key(p.name))
-
-
-def sender_ranks(world_size: int, most: int) -> list[int] | None:
-    """The ranks that may own parameters when at most `most` send (rollout.weight_senders_max): every
-    world_size / most-th rank, spread over the nodes; None (every rank) when `most` is 0 or covers the world."""
-    if most <= 0 or most >= world_size:
-        return None
-    stride = -(-world_size // most)
-    return list(range(0, world_size, stride))
 
 
 def assign_owners(params: list[_Param], world_size: int, senders: list[int] | None = None) -> list[int]:

@@ -23,7 +23,9 @@ receiving side; at link bandwidth `bw` (cluster.push_link_gb_per_s):
                     out = B / S + bucket, in = B                 -> t = B / bw
 
 S = the trainer ranks that hold a shard (every rank: replicated shards are spread
-over their replicas). Owner-parallel frees trainer rank 0 (its link and memory
+over their replicas); owner-parallel with rollout.weight_senders_max=N sends from
+the N ranks config.rollout.sender_ranks picks (the other holders hand them their
+shards first), so its S is N there. Owner-parallel frees trainer rank 0 (its link and memory
 carry a share, not the model) but a broadcast of whole buckets still brings B
 into every worker; only a transport that sends each worker its own shard cuts
 the time below B / bw.
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.config.rollout import sender_ranks
 from megatron_rl.config.schema import RLConfig
 
 
@@ -60,17 +63,20 @@ class PushTime:
 
 
 def push_times(*, model_bytes: float, senders: int, bucket_bytes: float, engine_workers: int,
-               link_bytes_per_s: float, engines: int = 1) -> list[PushTime]:
-    """The four rows of the module docstring's formula; `engines`: E, the engines every push goes to."""
-    if senders < 1 or engine_workers < 1 or engines < 1 or link_bytes_per_s <= 0:
-        raise ValueError(f"senders={senders}, engine_workers={engine_workers}, engines={engines} must be >= 1 and the "
-                         "link bandwidth > 0")
+               link_bytes_per_s: float, engines: int = 1, owner_senders: int | None = None) -> list[PushTime]:
+    """The four rows of the module docstring's formula; `engines`: E, the engines every push goes to;
+    `owner_senders`: the ranks owner-parallel sends from (rollout.weight_senders_max; None: all `senders`)."""
+    owner_senders = senders if owner_senders is None else owner_senders
+    if min(senders, owner_senders, engine_workers, engines) < 1 or link_bytes_per_s <= 0:
+        raise ValueError(f"senders={senders}, owner_senders={owner_senders}, engine_workers={engine_workers}, "
+                         f"engines={engines} must be >= 1 and the link bandwidth > 0")
     bucket = min(bucket_bytes, model_bytes)
     share = model_bytes / senders + bucket
+    owner_share = model_bytes / owner_senders + bucket
     m2n_slices = max(d for d in range(1, min(senders, 16) + 1) if senders % d == 0)  # vllm_transfer.m2n_slices
     m2n_out, m2n_in = model_bytes / m2n_slices + bucket, model_bytes / engine_workers  # one engine's push
     rows = [PushTime(transport=name, out_bytes=out, in_bytes=into, seconds=max(out, into) / link_bytes_per_s)
-            for name, out, into in (("funnel", model_bytes, model_bytes), ("owner-parallel", share, model_bytes))]
+            for name, out, into in (("funnel", model_bytes, model_bytes), ("owner-parallel", owner_share, model_bytes))]
     rows.append(PushTime(transport="vllm-nccl_m2n", out_bytes=engines * m2n_out, in_bytes=m2n_in,
                          seconds=engines * max(m2n_out, m2n_in) / link_bytes_per_s))
     rows.append(PushTime(transport="vllm-ipc", out_bytes=share, in_bytes=model_bytes, seconds=max(share, model_bytes) / link_bytes_per_s))
@@ -79,9 +85,12 @@ def push_times(*, model_bytes: float, senders: int, bucket_bytes: float, engine_
 
 def preset_push_times(cfg: RLConfig, total_params: float, param_bytes: int, engines: int = 1) -> list[PushTime]:
     """The estimate for a preset: its model's wire bytes over its trainer world and its `engines` engines."""
+    world = cfg.cluster.trainer_world_size
+    capped = sender_ranks(world, cfg.rollout.weight_senders_max)
     return push_times(
         model_bytes=float(total_params) * param_bytes,
-        senders=cfg.cluster.trainer_world_size,
+        senders=world,
+        owner_senders=world if capped is None else len(capped),
         bucket_bytes=cfg.rollout.weight_bucket_mb * (1 << 20),
         engine_workers=cfg.rollout.tensor_parallel * cfg.rollout.pipeline_parallel,
         link_bytes_per_s=cfg.cluster.push_link_gb_per_s * 1e9,

@@ -101,7 +101,7 @@ def test_a_worker_holds_at_most_two_layers_whatever_the_senders():
 def test_at_most_n_senders_own_everything_and_receive_what_they_do_not_hold():
     """rollout.weight_senders_max: only every world / N-th rank owns; a parameter none of them holds goes to the
     least loaded sender, which receives every shard. By hand: 4 ranks, senders [0, 2]."""
-    from megatron_rl.models.export_owners import sender_ranks
+    from megatron_rl.config.rollout import sender_ranks
 
     assert sender_ranks(8, 0) is None and sender_ranks(8, 8) is None and sender_ranks(8, 16) is None
     assert sender_ranks(8, 2) == [0, 4] and sender_ranks(8, 3) == [0, 3, 6] and sender_ranks(256, 32) == list(range(0, 256, 8))

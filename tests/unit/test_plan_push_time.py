@@ -35,11 +35,19 @@ def test_push_times_hand_computed():
     assert three["vllm-nccl_m2n"].out_bytes == pytest.approx(3 * 2.6e8) and three["vllm-nccl_m2n"].in_bytes == pytest.approx(5e8)
     assert three["vllm-nccl_m2n"].seconds == pytest.approx(1.5)
     assert three["funnel"] == rows["funnel"] and three["owner-parallel"] == rows["owner-parallel"]
+    # owner-parallel from 2 of the 4 ranks (rollout.weight_senders_max=2): 0.5 GB + 10 MB out of each sender; the
+    # other rows do not use the cap (m2n and vLLM's ipc send from every rank)
+    capped = {r.transport: r for r in push_times(model_bytes=1e9, senders=4, bucket_bytes=1e7, engine_workers=2,
+                                                 link_bytes_per_s=1e9, owner_senders=2)}
+    assert capped["owner-parallel"].out_bytes == pytest.approx(5.1e8) and capped["owner-parallel"].seconds == pytest.approx(1.0)
+    assert {k: v for k, v in capped.items() if k != "owner-parallel"} == {k: v for k, v in rows.items() if k != "owner-parallel"}
     # a bucket larger than the model is the model
     (funnel, owner, _, _) = push_times(model_bytes=1e6, senders=1, bucket_bytes=1e9, engine_workers=1, link_bytes_per_s=1e6)
     assert owner.out_bytes == pytest.approx(2e6)
     with pytest.raises(ValueError, match="senders=0"):
         push_times(model_bytes=1e6, senders=0, bucket_bytes=1, engine_workers=1, link_bytes_per_s=1)
+    with pytest.raises(ValueError, match="owner_senders=0"):
+        push_times(model_bytes=1e6, senders=2, bucket_bytes=1, engine_workers=1, link_bytes_per_s=1, owner_senders=0)
     with pytest.raises(ValueError, match="engines=0"):
         push_times(model_bytes=1e6, senders=1, bucket_bytes=1, engine_workers=1, link_bytes_per_s=1, engines=0)
 
@@ -61,3 +69,14 @@ def test_deepseek_v3_preset_matches_the_published_funnel_time_and_the_cli_prints
     out = io.StringIO()
     render(result, Console(file=out, width=200))
     assert "Weight push per step at 50 GB/s" in out.getvalue() and "vllm-nccl_m2n" in out.getvalue()
+
+
+def test_a_sender_cap_sends_each_senders_share_in_the_preset_plan():
+    """rollout.weight_senders_max=32 on DeepSeek-V3's 256 trainer ranks: every 8th rank sends 1/32 of 1.34 TB."""
+    full = {r.transport: r for r in plan_preset(str(CONFIGS / "deepseek-v3-gspo-64x8h100.yaml")).push}
+    capped = {r.transport: r for r in plan_preset(str(CONFIGS / "deepseek-v3-gspo-64x8h100.yaml"),
+                                                  ["rollout.weight_senders=owners", "rollout.weight_senders_max=32"]).push}
+    bucket = 512 * 2**20
+    assert capped["owner-parallel"].out_bytes == pytest.approx(671e9 * 2 / 32 + bucket, rel=0.03)
+    assert capped["owner-parallel"].out_bytes / (full["owner-parallel"].out_bytes - bucket) > 7
+    assert capped["vllm-nccl_m2n"] == full["vllm-nccl_m2n"] and capped["funnel"] == full["funnel"]
