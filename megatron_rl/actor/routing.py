@@ -184,12 +184,17 @@ class RankRoutes:
         return (dense.reshape(B, T, self.num_moe_layers, self.topk) - 1).to(torch.int16)
 
 
+def expert_id_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest type of an expert id (0..num_experts-1): uint8 up to 256 experts, else int16."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
 class RouteRecorder:
     """Collects one forward's recorded routes on this rank (see `RoutingControl.end_microbatch`)."""
 
     def __init__(self, batch_shape: tuple[int, int], num_moe_layers: int, topk: int, num_experts: int) -> None:
         self.batch_shape, self.num_moe_layers, self.topk = batch_shape, num_moe_layers, topk
-        self.dtype = torch.uint8 if num_experts <= 256 else torch.int16
+        self.dtype = expert_id_dtype(num_experts)
         self._keys: list[torch.Tensor] = []
         self._experts: list[torch.Tensor] = []
 
@@ -283,10 +288,11 @@ class RoutingControl:
         return self._to_routers(local[:, list(self.layer_ids)])
 
     def _to_routers(self, routes: torch.Tensor) -> list[torch.Tensor]:
-        """[N_local, L_local, K] host routes -> one [N_local, K] tensor per local router on the device: one copy for
-        every layer (pinned, non-blocking: no stream synchronisation per layer)."""
-        on_device = host_to_device(routes.contiguous(), self.ctx.device)
-        return [on_device[:, c].contiguous() for c in range(on_device.shape[1])]
+        """[N_local, L_local, K] host routes (ids >= 0) -> one [N_local, K] int64 tensor per local router on the device:
+        one copy for every layer (pinned, non-blocking: no stream synchronisation per layer), of the ids in their
+        narrowest type (a quarter or an eighth of int64's bytes over the host link), widened on the device."""
+        wire = host_to_device(routes.to(expert_id_dtype(self.num_experts)).contiguous(), self.ctx.device)
+        return [wire[:, c].to(torch.int64, memory_format=torch.contiguous_format) for c in range(wire.shape[1])]
 
     def _rank_lookup(self, routes: RankRoutes, layout: TokenLayout, lengths: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per local router [N_local, K] int64 from this rank's recorded routes (padding: experts 0..K-1), and found [N_local]."""

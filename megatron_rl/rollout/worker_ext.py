@@ -61,7 +61,6 @@ import gc
 import json
 import logging
 import multiprocessing
-import sys
 import time
 from functools import partial
 from typing import Any
@@ -104,16 +103,15 @@ def _in_vllm_cpu_process() -> bool:
     return current_platform.is_cpu()
 
 
-# A worker that vLLM imports this module for builds its model after the import: vLLM's CPU rotary kernel is fixed
-# before (rollout.cpu_rope; an in-process engine's start calls it too, this module may be imported earlier there).
-if "vllm" in sys.modules:
-    cpu_rope.install()
-
-
 # Their shutdown unfreezes the heap vLLM froze once it was up and collects it in full twice (megatron_rl.heap): 1.0 s
 # of a 1.4 s shutdown on a 2-core machine. Kept frozen, those collections scan only what was made since.
+# A worker builds its model after vLLM imports this module: its CPU rotary kernel is fixed first (rollout.cpu_rope;
+# an in-process engine's start does it in the trainer's process). Only in vLLM's own processes: the probe call runs
+# OpenMP threads, and a process that others are forked from (the test harness's forkserver imports this module) must
+# start none.
 if _in_vllm_cpu_process():
     keep_frozen_until_exit()
+    cpu_rope.install()
 
 
 def find_moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_rl.actor.plan import Microbatch
@@ -157,3 +158,24 @@ def test_replay_routes_keep_a_ranks_tokens_and_layers_from_padded_and_packed_rou
             seen[rows, positions] += 1
     real = torch.arange(T)[None] < lengths[:, None]
     assert bool((seen[real] == 1).all()) and bool((seen[~real] == 0).all())
+
+
+@pytest.mark.parametrize("num_experts,wire", [(256, torch.uint8), (257, torch.int16), (512, torch.int16)])
+def test_replayed_ids_cross_the_host_link_narrow_and_reach_the_routers_as_int64(monkeypatch, num_experts, wire):
+    """Each microbatch's replay ids go to the device in their narrowest type (1 or 2 bytes, not int64's 8) and are
+    widened there: the routers get the same ids, one contiguous int64 [N, K] per layer."""
+    from types import SimpleNamespace
+
+    from megatron_rl.actor import routing
+
+    sent = []
+    monkeypatch.setattr(routing, "host_to_device", lambda t, device: sent.append(t.dtype) or t.to(device))
+    g = torch.Generator().manual_seed(0)
+    routes = torch.randint(0, num_experts, (10, 3, 4), generator=g, dtype=torch.int64)
+    routes[0, 0, 0] = num_experts - 1  # the largest id survives the narrow type
+    control = SimpleNamespace(num_experts=num_experts, ctx=SimpleNamespace(device=torch.device("cpu")))
+    per_layer = routing.RoutingControl._to_routers(control, routes)
+    assert sent == [wire]
+    assert len(per_layer) == 3
+    for layer, got in enumerate(per_layer):
+        assert got.dtype == torch.int64 and got.is_contiguous() and torch.equal(got, routes[:, layer])

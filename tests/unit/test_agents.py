@@ -207,6 +207,20 @@ def test_malformed_call_no_call_and_bad_arguments(caplog):
 
 
 @needs_vllm
+def test_the_lookup_demo_ends_an_episode_at_a_malformed_call():
+    """LookupAgent.malformed_ends_episode: a call the pythonic parser cannot read is the final answer (scored 0 by
+    the exact reward), counted; a readable call still gets the row's value."""
+    from megatron_rl.rollout.agents.lookup import LookupAgent
+
+    stats = EpisodeStats()
+    agent = LookupAgent(AgentContext(tokenizer=SimpleNamespace(), config=RolloutConfig(), stats=stats))
+    agent.reset(SimpleNamespace(row={"key": "c"}, answer="f"))
+    assert agent.step(_turn("[lookup(key='c')]")).observation[0]["content"] == "f"
+    ended = agent.step(_turn("[lookup(k(key='()]"))
+    assert ended.done and ended.observation is None and stats.malformed == 1
+
+
+@needs_vllm
 def test_unknown_parser_and_agents_that_cannot_be_used():
     agent, _ = _agent("no_such_parser")
     with pytest.raises(AgentError, match="tool parser 'no_such_parser' is not one of vLLM's: set rollout.agent_tool_parser"):

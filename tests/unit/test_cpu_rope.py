@@ -8,9 +8,7 @@ against transformers') is tests/e2e/test_vllm_families.py's MLA test, where the 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+import multiprocessing
 
 import pytest
 import torch
@@ -98,13 +96,25 @@ def test_the_fix_leaves_flat_and_contiguous_layouts_right(vllm_config):
     torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-5)
 
 
-def test_a_worker_process_installs_the_fix_before_its_model_is_built():
-    """A vLLM worker or server imports the worker extension before it builds its model; on a CPU whose kernel
-    misreads the layout, that import leaves RotaryEmbedding.forward_cpu flattening (a fresh process)."""
+def _worker_ext_fixes(queue) -> None:
+    import vllm.model_executor.layers.rotary_embedding.base as base
+
+    import megatron_rl.rollout.worker_ext  # noqa: F401
+
+    queue.put(getattr(base.RotaryEmbedding.forward_cpu, "__wrapped__", None) is not None)
+
+
+@pytest.mark.parametrize("name,fixed", [("EngineCore_DP0", True), ("VllmWorker-0", True), ("SpawnProcess-1", False)])
+def test_vllms_own_processes_install_the_fix_when_they_import_the_worker_extension(name, fixed):
+    """vLLM names its engine-core process EngineCore_DP<i> and its workers VllmWorker-<rank>; either imports the worker
+    extension before it builds its model, and that import installs the fix. Any other process (the test harness's
+    forkserver imports the module too) starts no OpenMP threads for the probe: forked children would hang in theirs."""
     pytest.importorskip("vllm")
-    code = ("import vllm.model_executor.layers.rotary_embedding.base as base, megatron_rl.rollout.worker_ext; "
-            "print(getattr(base.RotaryEmbedding.forward_cpu, '__wrapped__', None) is not None)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "True", done.stdout
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_worker_ext_fixes, args=(queue,), name=name)
+    process.start()
+    try:
+        assert queue.get(timeout=300) is fixed
+    finally:
+        process.join(timeout=60)

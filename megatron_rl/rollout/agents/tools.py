@@ -23,7 +23,8 @@ a `tool` message the episode goes on with:
 * an unknown tool name or arguments that are not a JSON object / do not fit the
   function: "error: ..." naming the tool;
 * a turn that starts a tool call the parser cannot read (malformed):
-  "error: malformed tool call ...".
+  "error: malformed tool call ...", or, where the class sets
+  `malformed_ends_episode`, the end of the episode (that turn is its final answer).
 
 Each kind is counted per tool (agent/tool_errors/<tool>, agent/malformed_tool_calls).
 """
@@ -78,6 +79,9 @@ class ToolsAgent(Environment):
     observation_role = "tool"
     tool_parser: str = "hermes"
     """vLLM tool parser name; rollout.agent_tool_parser overrides it."""
+    malformed_ends_episode: bool = False
+    """A call the parser cannot read ends the episode, that turn its final answer (the task reward scores it),
+    instead of an error observation the episode goes on with."""
 
     def get_tools(self) -> list[Tool]:
         """The tools of this episode (bound methods may read what reset() stored)."""
@@ -100,6 +104,8 @@ class ToolsAgent(Environment):
         if not info.tools_called:
             if _starts_tool_call(parser, turn.text):
                 self._record("", "malformed")
+                if self.malformed_ends_episode:
+                    return StepResult(done=True)
                 return StepResult(observation=f"error: malformed tool call {turn.text.strip()[:200]!r}")
             return StepResult(done=True)
         tools = {t.name: t for t in self.get_tools()}
