@@ -27,6 +27,13 @@ def vllm_config():
         yield
 
 
+def _kernel_forward():
+    """vLLM's own RotaryEmbedding.forward_cpu (the kernel call), whether or not this process installed the fix."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    return getattr(RotaryEmbedding.forward_cpu, "__wrapped__", RotaryEmbedding.forward_cpu)
+
+
 def _rope(rotary_dim: int, head_size: int, neox: bool):
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
@@ -49,7 +56,6 @@ def _mla_layout(tokens=7, heads=4, nope=32, rope=32, latent=288, seed=0):
 @pytest.mark.parametrize("neox", [False, True])
 def test_the_fix_rotates_multi_latent_layouts_as_vllms_torch_code_does(vllm_config, neox):
     from megatron_rl.rollout.cpu_rope import forward_cpu_flat
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     rope = _rope(32, 32, neox)
     query, latent = _mla_layout()
@@ -58,13 +64,13 @@ def test_the_fix_rotates_multi_latent_layouts_as_vllms_torch_code_does(vllm_conf
 
     # the kernel itself gets the layout wrong (what the fix is for)
     q, k = query.clone(), latent.clone()
-    RotaryEmbedding.forward_cpu(rope, positions, q[..., 32:], k[:, 288:].unsqueeze(1))
+    _kernel_forward()(rope, positions, q[..., 32:], k[:, 288:].unsqueeze(1))
     assert not torch.allclose(q[..., 32:], want_q, atol=1e-5)
 
     # fixed: as the MLA wrapper calls it, in place and returned; nothing outside the rotary parts touched
     q, k = query.clone(), latent.clone()
     q_view, k_view = q[..., 32:], k[:, 288:].unsqueeze(1)
-    got_q, got_k = forward_cpu_flat(RotaryEmbedding.forward_cpu)(rope, positions, q_view, k_view)
+    got_q, got_k = forward_cpu_flat(_kernel_forward())(rope, positions, q_view, k_view)
     torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
     torch.testing.assert_close(q[..., 32:], want_q, rtol=0, atol=1e-5)  # the caller's tensors, in place
@@ -76,9 +82,8 @@ def test_the_fix_leaves_flat_and_contiguous_layouts_right(vllm_config):
     """[tokens, heads x dim] views (every other attention layer's) go to the kernel as they are; a contiguous
     [tokens, heads, dim] query, a partial rotary dimension and no key are rotated as the torch code does."""
     from megatron_rl.rollout.cpu_rope import forward_cpu_flat
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    fixed = forward_cpu_flat(RotaryEmbedding.forward_cpu)
+    fixed = forward_cpu_flat(_kernel_forward())
     g = torch.Generator().manual_seed(1)
     positions = torch.arange(6)
     rope = _rope(16, 32, True)  # partial rotary: 16 of 32
