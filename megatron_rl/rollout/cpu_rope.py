@@ -18,20 +18,19 @@ layouts against vLLM's own torch implementation (`RotaryEmbedding.forward_static
 by a version: where the kernel misreads [tokens, heads, dim], `forward_cpu` hands it
 [tokens, heads x dim] views (a contiguous copy where the layout has none, written back in
 place, as callers that rely on the in-place update expect). It must run before a model is
-built (vLLM binds each layer's forward method at construction): the worker extension
-(rollout.worker_ext) calls it at import, which vLLM does before it loads the model.
+built (vLLM binds each layer's forward method at construction): an in-process engine's start
+calls it in the trainer's process, and the worker extension (rollout.worker_ext) at its import
+in vLLM's own engine-core and worker processes, which vLLM does before it loads the model.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-_installed: bool | None = None
-
 
 def _probe_inputs():
     """positions [5], a [5, 4, 2 x 8] query whose rotary part is the last 8 of each head, a [5, 24] latent whose last 8
@@ -69,6 +68,7 @@ def _write_back(flat: torch.Tensor | None, x: torch.Tensor | None) -> None:
 def forward_cpu_flat(forward_cpu):
     """`forward_cpu` of RotaryEmbedding handing the kernel [tokens, heads x dim] views of 3-dimensional inputs."""
 
+    @functools.wraps(forward_cpu)  # __wrapped__: the kernel's own method
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
         if query.dim() < 3 and (key is None or key.dim() < 3):
             return forward_cpu(self, positions, query, key)
@@ -79,17 +79,13 @@ def forward_cpu_flat(forward_cpu):
         _write_back(flat_k, key)
         return query, key
 
-    forward.__wrapped__ = forward_cpu
     return forward
 
 
+@functools.cache
 def install() -> bool:
     """On a CPU vLLM whose rotary kernel misreads [tokens, heads, dim] (`kernel_misreads_heads`), make
     `RotaryEmbedding.forward_cpu` flatten them first; True when it did. Once per process; nothing on a GPU."""
-    global _installed
-    if _installed is not None:
-        return _installed
-    _installed = False
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu() or not kernel_misreads_heads():
@@ -97,7 +93,6 @@ def install() -> bool:
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     RotaryEmbedding.forward_cpu = forward_cpu_flat(RotaryEmbedding.forward_cpu)
-    _installed = True
     logger.info("vLLM's CPU rotary kernel misreads [tokens, heads, dim] layouts (multi-latent attention's): "
                 "rotating through [tokens, heads x dim] views (rollout.cpu_rope)")
     return True
