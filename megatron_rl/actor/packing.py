@@ -138,9 +138,11 @@ def unpack_index(layout: TokenLayout, mb: Microbatch, lengths: torch.Tensor, wid
     valid = torch.zeros(num_rows, width + 1, dtype=torch.bool)
     here = torch.nonzero(flat_rows >= 0).flatten()
     if here.numel():
-        # slot of each batch row in mb.rows, looked up as a tensor (padding rows, -1, are never looked up)
+        # slot of each batch row in mb.rows, looked up as a tensor (padding rows, -1, are never looked up). Sized by
+        # mb.rows, not by the rows this rank's positions hold: under CP a short sequence can lie wholly in the other
+        # rank's chunks (1 token padded to 4: chunks 1 and 2 are padding), and it may be the microbatch's last row.
         mb_rows = torch.tensor(list(mb.rows), dtype=torch.int64)
-        slot_of = torch.zeros(int(flat_rows.max()) + 1, dtype=torch.int64)
+        slot_of = torch.zeros(max(mb.rows) + 1, dtype=torch.int64)
         real_slots = torch.nonzero(mb_rows >= 0).flatten()
         slot_of[mb_rows[real_slots]] = real_slots
         rows_here = flat_rows[here]

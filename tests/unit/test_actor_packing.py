@@ -41,6 +41,8 @@ def test_packed_layout_and_unpack_index_match_a_per_sequence_reference():
         ((0, 2, 3, 4), 4, 2, 40),
         ((1, 4), 8, 4, 32),
         ((), 1, 1, 6),  # an empty microbatch: one inert sequence
+        ((0, 3, 5), 4, 2, 20),  # the last row, 1 token, lies wholly in chunk 0: CP rank 1 holds none of it
+        ((5,), 4, 2, 8),  # a microbatch of that row alone (its padding grown to the width)
     ]
     for rows, multiple, cp_size, width in cases:
         mb = Microbatch(rows, width, packed=True)
