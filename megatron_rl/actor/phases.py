@@ -19,9 +19,12 @@ the forward and the backward of each piece (module hooks, removed afterwards):
 * host overhead: the step's wall time minus the time the device was busy (CUDA: the sum of
   kernel times; on CPU there is no separate device and it is reported as None).
 
-Phase times are device times (CUDA kernels launched inside the range, forward and backward
-threads alike) on a GPU, and CPU times of the ranges on CPU. The profiler itself slows a
-step down: the breakdown is for proportions, the step's own timing comes unprofiled.
+Each piece of work is counted once, in the innermost range around it: on a GPU every device
+kernel, in the phase of the op that launched it (forward and backward threads alike: the
+profiler links each kernel to its op); on CPU every outermost op. The phases partition the
+device's busy time: nested ranges (the router and experts inside the MoE layer) are not
+counted twice. The profiler itself slows a step down: the breakdown is for proportions, the
+step's own timing comes unprofiled.
 """
 
 from __future__ import annotations
@@ -130,35 +133,103 @@ def profile_train_step(actor, batch) -> dict:
             wall = time.perf_counter() - start
     finally:
         ranges.detach()
-    return phase_breakdown(prof.key_averages(), prof.events(), wall_s=wall, cuda=cuda)
+    return phase_breakdown(prof.events(), wall_s=wall, cuda=cuda)
 
 
-def phase_breakdown(averages, events, *, wall_s: float, cuda: bool) -> dict:
-    """Phase times (seconds) from the profiler's labelled ranges; nested ranges (router and experts inside the
-    MoE layer) are subtracted from the enclosing one, so the phases do not overlap."""
-    def total(event) -> float:
-        return (event.device_time_total if cuda else event.cpu_time_total) / 1e6
+LABELS = {"experts": "experts", "attention": "attention", "router": "router", "moe_layer": "permutation",
+          "logprobs": "logprobs", "optimizer": "optimizer"}
+"""Labelled range -> phase: the innermost range around a piece of work names its phase (the MoE layer's own
+work, outside its router and experts, is the permutation)."""
 
-    labelled = {evt.key.removeprefix("phase::"): total(evt) for evt in averages if evt.key.startswith("phase::")}
-    phases = {name: labelled.get(name, 0.0) for name in ("experts", "attention", "router", "logprobs", "optimizer")}
-    phases["permutation"] = max(0.0, labelled.get("moe_layer", 0.0) - phases["experts"] - phases["router"])
+
+def _phase_of(evt) -> str:
+    """The phase of the innermost labelled range around `evt` (itself included), "other" outside every range."""
+    node = evt
+    while node is not None:
+        if node.name.startswith("phase::"):
+            return LABELS.get(node.name.removeprefix("phase::"), "other")
+        node = node.cpu_parent
+    return "other"
+
+
+def _is_range(evt) -> bool:
+    """A labelled range or a user annotation (phase::..., Optimizer.step#...), not an op that does work."""
+    return evt.name.startswith("phase::") or "#" in evt.name or bool(getattr(evt, "is_user_annotation", False))
+
+
+def _work(events, cuda: bool):
+    """(phase, seconds) of each piece of work, each counted once: on a GPU every device kernel, in the phase of the
+    op that launched it; on CPU every outermost op (no op above it, only ranges), in the phase around it."""
+    from torch.autograd import DeviceType
+
+    for evt in events:
+        if evt.device_type != DeviceType.CPU or _is_range(evt):
+            continue
+        if cuda:
+            seconds = sum(k.duration for k in evt.kernels if not k.name.startswith("phase::") and "#" not in k.name)
+            if seconds:
+                yield _phase_of(evt), seconds / 1e6
+            continue
+        parent = evt.cpu_parent
+        while parent is not None and _is_range(parent):
+            parent = parent.cpu_parent
+        if parent is None:
+            yield _phase_of(evt), evt.cpu_time_total / 1e6
+
+
+def phase_breakdown(events, *, wall_s: float, cuda: bool) -> dict:
+    """Phase times (seconds) from the profiler's events, exclusive: each kernel (GPU) or outermost op (CPU) is
+    counted once, in the innermost labelled range around the op that ran it (the router and the experts inside
+    the MoE layer are theirs, not the permutation's too), so the phases add up to the device's busy time."""
+    phases = dict.fromkeys(PHASES, 0.0)
+    for phase, seconds in _work(events, cuda):
+        phases[phase] += seconds
+    attributed = sum(phases.values())
     if cuda:
         from torch.autograd import DeviceType
 
         busy = sum(evt.time_range.elapsed_us() for evt in events if _is_kernel(evt, DeviceType)) / 1e6
+        phases["other"] += max(0.0, busy - attributed)  # kernels no op of this process launched (none expected)
     else:
-        busy = min(wall_s, sum(total(evt) for evt in events if evt.cpu_parent is None))  # top-level ops, ranges included
-    named = sum(phases.values())
-    phases["other"] = max(0.0, busy - named)
-    kernels = top_kernels(events) if cuda else []
+        busy = attributed
     return {
         "wall_s": wall_s,
         "device_busy_s": busy if cuda else None,
         "host_overhead_s": max(0.0, wall_s - busy) if cuda else None,
-        "phases_s": {name: phases[name] for name in PHASES},
-        "phases_fraction": {name: phases[name] / max(busy, named, 1e-12) for name in PHASES},
-        "top_kernels": kernels,
+        "phases_s": phases,
+        "phases_fraction": {name: phases[name] / max(busy, 1e-12) for name in PHASES},
+        "top_kernels": top_kernels(events) if cuda else [],
     }
+
+
+def phases_check(breakdown: dict) -> tuple[bool, str]:
+    """(ok, detail) of `make gpu-check`'s phases check: the phases add up to no more than the step's wall time."""
+    named = sum(breakdown.get("phases_s", {}).values())
+    wall = breakdown.get("wall_s", 0.0)
+    ok = bool(breakdown.get("phases_s")) and named <= wall * 1.05 + 1e-3
+    return ok, f"phases {sorted(breakdown.get('phases_s', {}))}: {named:.3f} s of a {wall:.3f} s profiled step"
+
+
+def rederived_phases(breakdown: dict) -> dict:
+    """A breakdown recorded before device time counted kernels only, corrected from what it recorded.
+
+    Those runs counted the labelled ranges' own spans on the GPU timeline (phase::..., Optimizer.step#...) as
+    device work, and "other" was the busy time left over; the record lists them among its top kernels. Taking
+    them out of the busy time and "other" gives the kernels' time again: an upper bound where a range was too
+    short to be listed (each unlisted one is shorter than the last listed entry). Unchanged when none is listed.
+    """
+    ranges = sum(k["seconds"] for k in breakdown.get("top_kernels", [])
+                 if k["kernel"].startswith("phase::") or "#" in k["kernel"])
+    if not ranges or breakdown.get("device_busy_s") is None:
+        return breakdown
+    busy = breakdown["device_busy_s"] - ranges
+    phases = dict(breakdown["phases_s"])
+    named = sum(v for k, v in phases.items() if k != "other")
+    phases["other"] = max(0.0, busy - named)
+    return {**breakdown, "device_busy_s": busy, "host_overhead_s": max(0.0, breakdown["wall_s"] - busy),
+            "phases_s": phases, "phases_fraction": {k: v / max(busy, 1e-12) for k, v in phases.items()},
+            "top_kernels": [k for k in breakdown["top_kernels"] if not (k["kernel"].startswith("phase::") or "#" in k["kernel"])],
+            "rederived": f"{ranges:.6f} s of labelled ranges' spans taken out of the device busy time and other"}
 
 
 def _is_kernel(evt, device_types) -> bool:
@@ -181,4 +252,4 @@ def top_kernels(events, count: int = 20) -> list[dict]:
     return [{"kernel": name, "seconds": seconds, "launches": launches} for name, (seconds, launches) in ranked]
 
 
-__all__ = ["PHASES", "phase_breakdown", "profile_train_step", "top_kernels"]
+__all__ = ["PHASES", "phase_breakdown", "phases_check", "profile_train_step", "rederived_phases", "top_kernels"]
