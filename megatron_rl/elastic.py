@@ -109,10 +109,20 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    ours.add_argument("--log-file", default="torchrun.log")
-    ours.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=SHUTDOWN_TIMEOUT_S)
-    known, torchrun_argv = ours.parse_known_args(sys.argv[1:] if argv is None else argv)
+    ours = argparse.ArgumentParser(
+        prog="python -m megatron_rl.elastic", add_help=False, allow_abbrev=False,
+        usage="%(prog)s [--log-file PATH] [--shutdown-timeout S] [torchrun's arguments]",
+        description="torchrun with its log in a file and each failed rank's one line at the end (megatron_rl.elastic).",
+    )
+    ours.add_argument("--log-file", default="torchrun.log", metavar="PATH",
+                      help="torchrun's own log; {node_rank} in it is the node's rank (default torchrun.log)")
+    ours.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=SHUTDOWN_TIMEOUT_S, metavar="S",
+                      help=f"seconds the ranks get to save after a stop signal, before SIGKILL (default {SHUTDOWN_TIMEOUT_S})")
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:  # this launcher's options first; torchrun's parser then prints its own and exits
+        ours.print_help()
+        print("\ntorchrun's arguments (torch.distributed.run), passed on:\n")
+    known, torchrun_argv = ours.parse_known_args(argv)
     grace_s = known.shutdown_timeout
     if torchrun_takes("--shutdown-timeout"):
         torchrun_argv = [f"--shutdown-timeout={grace_s}", *torchrun_argv]
