@@ -57,6 +57,7 @@ BAD_INPUT = frozenset({
     "megatron_rl.data.tokenizer.TokenizerError",
     "megatron_rl.rollout.rewards.RewardError",
     "megatron_rl.checkpoint.state.CheckpointError",
+    "megatron_rl.checkpoint.no_code.CheckpointFileError",  # a checkpoint file refused (it asks for code) or unreadable
     "megatron_rl.rollout.engine.EngineStartError",
     "megatron_rl.weight_sync.vllm_transfer.TransferStartError",
     "megatron_rl.rollout.engine.PromptError",

@@ -107,12 +107,15 @@ def check_lengths(cfg: RLConfig, hf_config: dict) -> None:
 
 def check_resume_matches(cfg: RLConfig, architecture: dict[str, Any]) -> None:
     """checkpoint.resume names a complete checkpoint of this model (or none is asked for)."""
-    from megatron_rl.checkpoint.state import TRAINER_STATE, CheckpointError, resolve_checkpoint
+    from megatron_rl.checkpoint.state import RESUME_ADVICE, TRAINER_STATE, CheckpointError, read_trainer_state, resolve_checkpoint
 
     path = resolve_checkpoint(cfg.checkpoint.resume, cfg.checkpoint.dir)
     if path is None:
         return
-    saved = json.loads((path / TRAINER_STATE).read_text()).get("model_architecture")
+    saved = read_trainer_state(path).get("model_architecture")
+    if saved is not None and not isinstance(saved, dict):
+        raise CheckpointError(f"{path / TRAINER_STATE} has model_architecture={saved!r:.80}, not the object a save "
+                              f"writes: it is damaged; {RESUME_ADVICE}")
     if saved is None:  # saved before checkpoints recorded the model: megatron's load compares the shapes
         return
     differ = {key: (saved.get(key), value) for key, value in architecture.items() if saved.get(key) != value}

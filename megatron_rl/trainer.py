@@ -552,7 +552,7 @@ class Trainer:
         from megatron_rl.actor.distribute import on_rank0
         from megatron_rl.checkpoint.state import load_checkpoint, optimizer_format_to_load, read_trainer_state
 
-        saved = read_trainer_state(path)
+        saved = read_trainer_state(path, resume=True)  # every field the resume reads, checked before any is used
         optimizer_format = optimizer_format_to_load(path, saved, self._layout())
         state, trainer_state, _ = load_checkpoint(path, self.actor.state_dict(is_loading=True, optimizer_format=optimizer_format),
                                                   trainer_state=saved)

@@ -426,12 +426,13 @@ def resolve_mcore_dir(ckpt_dir: str | os.PathLike) -> Path:
         raise ConversionError(f"{str(path)!r} has no {missing}: it is not a (complete) megatron dist checkpoint; pass a "
                               "step_XXXXXXXX directory of a run's checkpoint.dir (or the directory itself, to take its "
                               "newest), or the output of tools/convert_hf_to_mcore.py")
-    from megatron_rl.checkpoint.no_code import PickledCodeError, check_dcp_metadata
+    from megatron_rl.checkpoint.no_code import CheckpointFileError
+    from megatron_rl.checkpoint.plain_load import check_dist_checkpoint
 
     try:  # torch unpickles .metadata as it is: nothing but metadata classes may be in it
-        check_dcp_metadata(path)
-    except PickledCodeError as error:
-        raise ConversionError(str(error)) from None
+        check_dist_checkpoint(path)
+    except CheckpointFileError as error:
+        raise ConversionError(f"{error}; use another checkpoint (a step_XXXXXXXX directory this project wrote)") from None
     return path
 
 
@@ -444,10 +445,10 @@ def find_hf_side_dir(ckpt_dir: Path, hf_dir: str | os.PathLike | None = None) ->
         state_file = ckpt_dir / "trainer_state.json"
         if state_file.is_file():
             try:
-                model_path = json.loads(state_file.read_text()).get("config", {}).get("model", {}).get("path")
-            except (json.JSONDecodeError, AttributeError):
+                model_path = json.loads(state_file.read_bytes().decode("utf-8")).get("config", {}).get("model", {}).get("path")
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):  # damaged: not a candidate
                 model_path = None
-            if model_path:
+            if isinstance(model_path, str) and model_path:
                 candidates.append(Path(model_path))
     for candidate in candidates:
         if (candidate / "config.json").is_file():

@@ -20,7 +20,8 @@ keys, global shapes and the pieces each parameter is stored as are whatever
     4. reading: the pieces of a few parameters at a time (a bucket), read with
        DCP into buffers and merged by megatron's factory merge (PieceReader);
        a whole model of any layout loads with `dist_checkpointing.load`
-       (load_mcore_checkpoint).
+       (load_mcore_checkpoint). Both read every pickled part as plain data
+       (checkpoint.plain_load, checkpoint.no_code).
 
 One name differs between megatron's layer specs: an MoE layer's pre-MLP norm
 (local spec: mlp.linear_fc1.layer_norm_weight, Transformer Engine spec:
@@ -356,10 +357,13 @@ class StoredTensor:
 
 def stored_tensors(ckpt_dir: Path) -> dict[str, StoredTensor]:
     """Checkpoint key -> StoredTensor, for every tensor in a dist checkpoint (metadata only)."""
-    from megatron.core import dist_checkpointing
+    from megatron_rl.checkpoint.no_code import CheckpointFileError
+    from megatron_rl.checkpoint.plain_load import PlainTorchDistLoadStrategy, check_dist_checkpoint
 
-    try:
-        metadata = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    try:  # .metadata unpickled with torch's metadata classes only (checkpoint.no_code)
+        metadata = PlainTorchDistLoadStrategy().load_tensors_metadata(ckpt_dir, check_dist_checkpoint(ckpt_dir))
+    except CheckpointFileError as err:
+        raise ConversionError(f"{err}; use another checkpoint (a step_XXXXXXXX directory this project wrote)") from None
     except Exception as err:  # noqa: BLE001 - name the checkpoint whatever megatron raised
         raise ConversionError(f"cannot read the tensor metadata of {str(ckpt_dir)!r} ({' '.join(str(err).split())[:300]}): it "
                               "is not a complete megatron dist checkpoint (.metadata damaged or missing); save or convert "
@@ -438,10 +442,10 @@ class PieceReader:
 
     def __init__(self, ckpt_dir: Path, layout: CheckpointLayout, stored: dict[str, StoredTensor]) -> None:
         """stored: layout key -> stored tensor (match_stored_tensors)."""
-        from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
+        from megatron_rl.checkpoint.plain_load import PlainMetadataReader
 
         self.layout, self.stored, self.ckpt_dir = layout, stored, ckpt_dir
-        self._reader = CachedMetadataFileSystemReader(str(ckpt_dir))
+        self._reader = PlainMetadataReader(ckpt_dir)  # .metadata read once, with torch's metadata classes only
         self._by_param: dict[str, list[Piece]] = defaultdict(list)
         for pieces in layout.pieces.values():
             for piece in pieces:
@@ -455,7 +459,9 @@ class PieceReader:
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
         from torch.distributed.checkpoint import load as dcp_load
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        from megatron_rl.checkpoint.no_code import CheckpointFileError
+        from megatron_rl.checkpoint.plain_load import PlainBytesLoadPlanner
 
         wanted: dict[str, list[Piece]] = defaultdict(list)
         for name in names:
@@ -466,11 +472,14 @@ class PieceReader:
             stored = self.stored[key]
             state[stored.key] = _PieceBuffers(stored.shape, stored.dtype, [self._chunk(p) for p in pieces])
         try:
-            dcp_load(state, storage_reader=self._reader, planner=DefaultLoadPlanner(flatten_state_dict=False))
+            dcp_load(state, storage_reader=self._reader, planner=PlainBytesLoadPlanner(self.ckpt_dir))
         except BaseException as err:  # torch DCP's CheckpointException derives from BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
             cause = _dcp_cause(err)
+            if isinstance(cause, CheckpointFileError):  # a refused or unreadable item, named
+                raise ConversionError(f"{cause}; use another checkpoint (a step_XXXXXXXX directory this project "
+                                      "wrote)") from None
             detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
             raise ConversionError(
                 f"cannot read tensors {sorted(wanted)[:3]} from the checkpoint {str(self.ckpt_dir)!r} ({detail}): "
@@ -498,18 +507,20 @@ def load_mcore_checkpoint(model_chunks: list, ckpt_dir: str | os.PathLike) -> No
     `_extra_state` objects a Transformer Engine model has and a local-spec
     checkpoint lacks are left at their defaults.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+    from megatron_rl.checkpoint.no_code import CheckpointFileError
+    from megatron_rl.checkpoint.plain_load import check_dist_checkpoint, load_dist_checkpoint
     from megatron_rl.models.mapping import unwrap_model
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
         raise ConversionError(f"{str(ckpt_dir)!r} has no metadata.json: it is not a (complete) megatron dist checkpoint; pass "
                               "a step_XXXXXXXX directory of a run's checkpoint.dir or the output of tools/convert_hf_to_mcore.py")
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
-    stored = load_sharded_metadata(str(ckpt_dir))
+    try:  # what it stores, from its .metadata unpickled with torch's metadata classes only (checkpoint.no_code)
+        stored = set(check_dist_checkpoint(ckpt_dir).state_dict_metadata)
+    except CheckpointFileError as err:
+        raise ConversionError(f"{err}; use another checkpoint (a step_XXXXXXXX directory this project wrote)") from None
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         request = model.sharded_state_dict()
@@ -526,7 +537,14 @@ def load_mcore_checkpoint(model_chunks: list, ckpt_dir: str | os.PathLike) -> No
                 missing.append(key)
         if missing:
             raise ConversionError(f"megatron checkpoint {str(ckpt_dir)!r} lacks {len(missing)} tensors this model needs (e.g. {sorted(missing)[:4]})")
-        loaded = dist_checkpointing.load(request, str(ckpt_dir))
+        try:  # every bytes item and common.pt read as plain data (checkpoint.plain_load)
+            loaded = load_dist_checkpoint(request, ckpt_dir)
+        except BaseException as err:  # torch DCP's CheckpointException derives from BaseException
+            cause = _dcp_cause(err)
+            if isinstance(cause, CheckpointFileError):
+                raise ConversionError(f"{cause}; use another checkpoint (a step_XXXXXXXX directory this project "
+                                      "wrote)") from None
+            raise
         result = model.load_state_dict(loaded, strict=False)
         not_loaded = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if not_loaded:

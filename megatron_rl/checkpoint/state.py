@@ -9,6 +9,10 @@ Layout under `checkpoint.dir`:
         trainer_state.json    step, weight version, data position, scheduler, config
     latest                    text file naming the newest complete checkpoint
 
+Nothing of it is unpickled freely (checkpoint.no_code, checkpoint.plain_load); a
+file that is missing, unreadable, truncated, not UTF-8 or of another shape than a
+save writes is a CheckpointError naming it and what to do (RESUME_ADVICE).
+
 How a save stays safe:
 1. every rank writes into `.step_00000010.partial/` (a crash leaves only this);
 2. after a barrier, rank 0 writes trainer_state.json, renames the directory to
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.no_code import (
-    PickledCodeError, RankFileError, check_dcp_metadata, load_rank_file, numpy_state_from_tensors, numpy_state_to_tensors,
+    CheckpointFileError, load_rank_file, numpy_state_from_tensors, numpy_state_to_tensors,
 )
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -41,8 +45,24 @@ TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
 
 
+RESUME_ADVICE = ("resume from another step (checkpoint.resume=<checkpoint.dir>/step_XXXXXXXX) or start afresh "
+                 "(checkpoint.resume=none)")
+"""What to do about a checkpoint that cannot be read: nothing saved is changed by the refusal."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, half-written or unreadable; the message names the file."""
+
+
+def _read_text(path: Path) -> str:
+    """A checkpoint's text file (`latest`, trainer_state.json) as UTF-8; CheckpointError naming it otherwise."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path} ({err.strerror or err}): {RESUME_ADVICE}") from None
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}): it "
+                              f"is damaged; {RESUME_ADVICE}") from None
 
 
 def step_dir_name(step: int) -> str:
@@ -246,10 +266,13 @@ def resolve_checkpoint(spec: str, root: str | os.PathLike) -> Path | None:
         latest = root / LATEST
         if not latest.exists():
             return None
-        name = latest.read_text().strip()
+        name = _read_text(latest).strip()
         path = root / name
         if not STEP_DIR.match(name):
-            raise CheckpointError(f"{latest} names {name!r}, not a step_XXXXXXXX directory: fix or delete {latest}")
+            raise CheckpointError(f"{latest} names {name[:80]!r}, not a step_XXXXXXXX directory: write the name of a "
+                                  f"complete one into it, or {RESUME_ADVICE}")
+        if not path.is_dir():
+            raise CheckpointError(f"{latest} names {name}, which does not exist in {root}: {RESUME_ADVICE}")
     else:
         path = Path(spec)
         if not STEP_DIR.match(path.name) and (path / LATEST).is_file():  # a run's checkpoint.dir: its newest
@@ -276,12 +299,24 @@ def check_complete(path: Path) -> None:
             f"checkpoint {str(path)!r} is incomplete (no {TRAINER_STATE}): it was interrupted while saving; "
             f"resume from an older one (checkpoint.resume=<dir>) or delete it"
         )
-    try:
-        json.loads(state_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{state_file} is not valid JSON ({err.msg}): the checkpoint is damaged; resume from an older one") from None
+    _parse_trainer_state(state_file)
     if not (path / "metadata.json").is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} has no megatron metadata.json: the model state is missing; resume from an older one")
+        raise CheckpointError(f"checkpoint {str(path)!r} has no megatron metadata.json: the model state is missing; {RESUME_ADVICE}")
+
+
+def _parse_trainer_state(state_file: Path) -> dict[str, Any]:
+    """trainer_state.json as a save writes it: a JSON object whose step is a count; CheckpointError otherwise."""
+    try:
+        state = json.loads(_read_text(state_file))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{state_file} is not valid JSON ({err.msg}): the checkpoint is damaged; {RESUME_ADVICE}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{state_file} holds a JSON {type(state).__name__}, not the object a save writes: it is "
+                              f"damaged; {RESUME_ADVICE}")
+    step = state.get("step")
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{state_file} has step={step!r}, not a step count: it is damaged; {RESUME_ADVICE}")
+    return state
 
 
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
@@ -289,10 +324,21 @@ MODEL_PARALLEL = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "ex
 """The sizes a dp_reshardable optimizer state was cut by: a resume must keep them (data_parallel may change)."""
 
 
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    """The trainer state a complete checkpoint was saved with (check_complete first)."""
+RESUME_FIELDS = {"weight_version": (int,), "optimizer_steps": (int,), "scheduler": (dict,), "data": (dict, type(None))}
+"""What a training resume reads of trainer_state.json besides the step, and the JSON types a save writes."""
+
+
+def read_trainer_state(path: Path, *, resume: bool = False) -> dict[str, Any]:
+    """The trainer state a complete checkpoint was saved with (check_complete first). resume: it must also hold
+    RESUME_FIELDS (a trainer's save), each of the type a save writes; CheckpointError naming the field otherwise."""
     check_complete(path)
-    return json.loads((path / TRAINER_STATE).read_text())
+    state = _parse_trainer_state(path / TRAINER_STATE)
+    for key, types in RESUME_FIELDS.items() if resume else ():
+        if key not in state or type(state[key]) not in types:
+            what = f"has {key}={state[key]!r}" if key in state else f"has no {key!r}"
+            raise CheckpointError(f"{path / TRAINER_STATE} {what}: not the trainer state a training run saves (it is "
+                                  f"damaged, or was written by a converter); {RESUME_ADVICE}")
+    return state
 
 
 def optimizer_format_to_load(path: Path, saved: dict[str, Any], layout: dict[str, int]) -> str:
@@ -321,11 +367,11 @@ def optimizer_format_to_load(path: Path, saved: dict[str, Any], layout: dict[str
 
 def _truncated_shards(path: Path) -> list[str]:
     """The .distcp files of a dist checkpoint shorter than its metadata says, as 'file: N of M bytes'."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_rl.checkpoint.no_code import read_dcp_metadata
 
     try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data or {}
-    except Exception:  # noqa: BLE001 - no metadata to compare with: say nothing more
+        storage = read_dcp_metadata(path).storage_data or {}
+    except CheckpointFileError:  # no metadata to compare with: say nothing more
         return []
     needed: dict[str, int] = {}
     for info in storage.values():
@@ -338,12 +384,30 @@ def _truncated_shards(path: Path) -> list[str]:
     return short
 
 
+def _file_error(err: BaseException | None, depth: int = 0) -> CheckpointFileError | None:
+    """The CheckpointFileError (a refused or unreadable file, named) inside what megatron or torch DCP raised."""
+    if err is None or depth > 8:
+        return None
+    if isinstance(err, CheckpointFileError):
+        return err
+    for failure in (getattr(err, "failures", None) or {}).values():  # CheckpointException: each failed rank's
+        found = _file_error(_failure_exception(failure), depth + 1)
+        if found is not None:
+            return found
+    return _file_error(err.__cause__ or err.__context__, depth + 1)
+
+
 def _load_failure(path: Path, err: BaseException) -> str:
-    """One line on why a dist checkpoint did not load: its truncated files, else the first rank's error, shortened."""
+    """One line on why a dist checkpoint did not load: its truncated files, a file refused or unreadable (named),
+    else the first rank's error, shortened."""
     short = _truncated_shards(path)
     if short:
         return (f"{'; '.join(short)} (truncated or damaged: the disk filled up or a copy was cut short): resume from an "
-                "older checkpoint (checkpoint.resume=<its step_XXXXXXXX directory>) or copy this one again")
+                "older checkpoint (checkpoint.resume=<its step_XXXXXXXX directory>), copy this one again, or start afresh "
+                "(checkpoint.resume=none)")
+    refused = _file_error(err)
+    if refused is not None:
+        return f"{refused}; {RESUME_ADVICE}"
     failures = getattr(err, "failures", None)  # CheckpointException: each failed rank's (exception, traceback)
     cause = _failure_exception(next(iter(failures.values()))) if failures else err
     text = " ".join(f"{type(cause).__name__}: {cause}".split())
@@ -368,24 +432,28 @@ def load_checkpoint(
     file exists (same world size). trainer_state: what read_trainer_state(path)
     gave the caller already (not read again).
     """
-    from megatron.core import dist_checkpointing
+    from megatron_rl.checkpoint.plain_load import check_dist_checkpoint, load_dist_checkpoint
 
     if trainer_state is None:
         trainer_state = read_trainer_state(path)
     rank_file = path / f"rank_{_rank():05d}.pt"
     try:  # nothing that could run code is unpickled (checkpoint.no_code)
-        check_dcp_metadata(path)
         rank_state: dict[str, Any] = load_rank_file(rank_file) if rank_file.is_file() else {}
-    except (PickledCodeError, RankFileError) as err:
-        raise CheckpointError(str(err)) from None
+        check_dist_checkpoint(path)
+    except CheckpointFileError as err:
+        raise CheckpointError(f"{err}; {RESUME_ADVICE}") from None
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `except Exception` misses it
 
     try:
-        state = dist_checkpointing.load(sharded_state_dict, str(path))
+        state = load_dist_checkpoint(sharded_state_dict, path)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - name the checkpoint whatever megatron raised
         raise CheckpointError(f"cannot load the model/optimizer state from {str(path)!r}: {_load_failure(path, err)}") from None
     if rank_state and restore_rng:
-        restore_rng_state(rank_state.pop("rng"))
+        try:
+            restore_rng_state(rank_state.pop("rng"))
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise CheckpointError(f"{rank_file} does not hold the random states a save writes ({type(err).__name__}: "
+                                  f"{' '.join(str(err).split())[:200]}): it is damaged; {RESUME_ADVICE}") from None
     return state, trainer_state, rank_state
 
 

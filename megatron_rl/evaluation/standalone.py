@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import tempfile
 from pathlib import Path
@@ -52,8 +51,9 @@ def model_to_serve(cfg) -> Iterator[tuple[Path, int]]:
         source = resolve_mcore_dir(cfg.checkpoint.load)
     except ConversionError as err:
         raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r}: {err}") from None
-    state = source / "trainer_state.json"
-    step = int(json.loads(state.read_text()).get("step", 0)) if state.is_file() else 0
+    from megatron_rl.checkpoint.state import TRAINER_STATE, read_trainer_state
+
+    step = read_trainer_state(source)["step"] if (source / TRAINER_STATE).is_file() else 0  # a converted one has none
     try:  # config.json and tokenizer: the checkpoint's own (<ckpt>/hf, its run's model.path), else model.path
         side_dir = find_hf_side_dir(source)
     except ConversionError:

@@ -28,13 +28,17 @@ import torch
 
 from megatron_rl.cli import main
 from megatron_rl.models.tiny import make_tiny_model_dir
+from tests.distributed.harness import run_distributed
 from tests.extras import VLLM_EXTRA
+from tests.unit.test_checkpoint_no_code import EXTRA_STATE, RunsCodeAndReturns, _repoint, _save, _torch_save
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = str(REPO / "configs" / "tiny-gspo.yaml")
 CASE_SECONDS = 60  # one in-process case; a hang would take forever
 needs_vllm = pytest.mark.extra(VLLM_EXTRA, "vllm")  # the case gets as far as the engine
 FAST = ["train.steps=1", "train.prompts_per_step=2", "rollout.n_samples=2", "logging.progress_bar=false"]
+RESUMED_STATE = {"weight_version": 1, "optimizer_steps": 1, "scheduler": {}, "data": None}
+"""What a resume reads of trainer_state.json besides the step (checkpoint.state.RESUME_FIELDS)."""
 
 
 @dataclass(kw_only=True)
@@ -172,9 +176,19 @@ def corpus(tmp_path_factory) -> Path:
     pickled = ckpts / "pickled" / "step_00000001"  # a checkpoint from elsewhere whose rank file would run code
     pickled.mkdir(parents=True)
     (pickled / "metadata.json").write_text("{}")
-    (pickled / "trainer_state.json").write_text(json.dumps({"step": 1}))
+    (pickled / "trainer_state.json").write_text(json.dumps({"step": 1, **RESUMED_STATE}))
     torch.save({"rng": {}, "extra": RunsCode(pickled / "code_ran")}, pickled / "rank_00000.pt")
     (ckpts / "pickled" / "latest").write_text("step_00000001\n")
+    not_utf8 = ckpts / "not_utf8"  # `latest` and trainer_state.json with bytes that are not UTF-8
+    (not_utf8 / "step_00000001").mkdir(parents=True)
+    (not_utf8 / "latest").write_bytes(b"step_0000000\xb9\n")
+    (not_utf8 / "step_00000001" / "metadata.json").write_text("{}")
+    (not_utf8 / "step_00000001" / "trainer_state.json").write_bytes(b'{"step": 1, "note": "caf\xe9"}')
+    # a checkpoint this project saved (the model's actor after one step), one bytes item of its data files replaced by
+    # a well-formed torch.save that writes a file and gives back the item's own value when unpickled
+    run_distributed(_save, 1, str(model), str(ckpts / "code_in_data"), timeout=300)
+    _repoint(ckpts / "code_in_data" / "step_00000001", EXTRA_STATE,
+             _torch_save(RunsCodeAndReturns(ckpts / "code_in_data" / "code_ran", [None])))
     (root / "token_644").write_text("a-token-of-the-bad-input-corpus-0123\n")
     (root / "token_644").chmod(0o644)
     return root
@@ -265,6 +279,14 @@ CASES = [
     Case(name="resume_pickled_code", argv=_train("checkpoint.dir={root}/ckpts/pickled", "checkpoint.resume=auto"), code=2,
          culprit=["pickled/step_00000001/rank_00000.pt", "unpickling can run code", "tools/convert_rank_state.py"],
          untouched=["ckpts/pickled"]),  # no code_ran file appears
+    Case(name="resume_code_in_a_data_file", argv=_train("checkpoint.dir={root}/ckpts/code_in_data", "checkpoint.resume=auto"),
+         code=2, culprit=["code_in_data/step_00000001/__0_0.distcp", EXTRA_STATE, "asks to load builtins.eval",
+                          "checkpoint.resume=none"], untouched=["ckpts/code_in_data"]),  # no code_ran file appears
+    Case(name="latest_not_utf8", argv=_train("checkpoint.dir={root}/ckpts/not_utf8", "checkpoint.resume=auto"), code=2,
+         culprit=["not_utf8/latest is not UTF-8 text", "checkpoint.resume=none"], untouched=["ckpts/not_utf8"]),
+    Case(name="trainer_state_not_utf8", argv=_train("checkpoint.resume={root}/ckpts/not_utf8/step_00000001"), code=2,
+         culprit=["not_utf8/step_00000001/trainer_state.json is not UTF-8 text", "checkpoint.resume=none"],
+         untouched=["ckpts/not_utf8"]),
     # -- rollout servers: `serve` where other hosts reach it needs the run's token
     Case(name="serve_other_hosts_without_token", argv=_raw("serve", "--dry-run", "--config", PRESET, "model.path={root}/model",
                                                            "--host", "0.0.0.0"), code=2,

@@ -8,10 +8,15 @@ import pytest
 from megatron_rl.checkpoint.state import CheckpointError, list_checkpoints, resolve_checkpoint
 
 
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                     "common_backend_version": 1}
+"""The metadata.json megatron-core 0.16.1's dist_checkpointing.save writes."""
+
+
 def _complete(root, step):
     path = root / f"step_{step:08d}"
     path.mkdir(parents=True)
-    (path / "metadata.json").write_text("{}")
+    (path / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
     (path / "trainer_state.json").write_text(json.dumps({"step": step}))
     return path
 

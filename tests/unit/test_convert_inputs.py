@@ -147,7 +147,8 @@ def test_mcore_input_must_be_a_dist_checkpoint(tmp_path):
 def test_mcore_input_needs_a_config(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "metadata.json").write_text("{}")
+    (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                    "common_backend": "torch", "common_backend_version": 1}))
     import pickle
 
     from torch.distributed.checkpoint.metadata import Metadata
