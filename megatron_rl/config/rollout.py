@@ -31,6 +31,12 @@ class RolloutConfig:
     """File (mode 600) holding the token every request to the vLLM servers carries (rollout.server_auth);
     `megatron-rl serve` and the trainer read it. Empty: the file $MEGATRON_RL_SERVER_TOKEN_FILE names, else
     $MEGATRON_RL_SERVER_TOKEN, else servers the trainer starts itself get a random token per run."""
+    server_max_body_mb: float = 4096.0
+    """Largest request body a vLLM server this project starts reads, in MB (10^6 bytes): a larger one is answered
+    413 before its body is read (rollout.server_limits). A weight push over HTTP (weight_transport=rpc to a
+    server) sends each bucket as base64 text, 4/3 of its bytes: keep this above 4/3 x the largest bucket (a tensor
+    larger than weight_bucket_mb goes alone). Request heads (request line and headers) are limited to 64 KiB
+    (431), before the token is checked."""
     engines: int = 0
     """Colocated engines (engine=vllm) the trainer starts; 0 = one per tensor_parallel x pipeline_parallel of the
     trainer's GPUs, one on CPU. With more than one, each runs as a vLLM server hosted by a trainer rank on that
@@ -171,6 +177,9 @@ class RolloutConfig:
                 f"rollout.max_restarts={self.max_restarts}, rollout.weight_bucket_mb={self.weight_bucket_mb}, "
                 f"rollout.kv_cache_gib={self.kv_cache_gib}: restarts must be >= 0, sizes > 0"
             )
+        if self.server_max_body_mb <= 0:
+            raise ConfigError(f"rollout.server_max_body_mb={self.server_max_body_mb}: must be > 0 (MB a server reads of "
+                              "one request body)")
         if self.server_start_timeout_s < 0 or self.request_timeout_s <= 0:
             raise ConfigError(
                 f"rollout.server_start_timeout_s={self.server_start_timeout_s}, rollout.request_timeout_s="

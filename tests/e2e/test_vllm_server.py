@@ -201,6 +201,34 @@ def test_without_the_token_every_route_is_refused_and_changes_nothing(server_eng
     assert token not in server_engine.servers[0].log_path.read_text()  # never logged
 
 
+def test_request_limits_hold_before_the_token_check_and_the_scheme_is_read_in_any_case(server_engine):
+    """A request head over 64 KiB gets 431 with the server having read at most the limit and its socket buffers of it
+    (uvicorn's default parser read and held a 128 MiB header); a declared body over rollout.server_max_body_mb gets
+    413 before it is sent; `bearer` in lower case opens the routes (RFC 7235); the server serves on."""
+    import socket
+
+    import httpx
+
+    from megatron_rl.rollout.server_limits import HEAD_LIMIT_BYTES
+    from tests.unit.test_server_auth import send_head, status_of
+
+    url, token = server_engine.urls[0], server_engine.token
+    port = int(url.rsplit(":", 1)[1])
+    sent, answer = send_head(port, HEAD_LIMIT_BYTES + (16 << 10), end=False)
+    assert status_of(answer) == 431, answer[:200]
+    sent, answer = send_head(port, 64 << 20)
+    assert sent < 32 << 20, sent
+    with httpx.Client(timeout=30) as client:
+        assert client.get(f"{url}/v1/models", headers={"Authorization": f"bearer {token}"}).status_code == 200
+        assert client.get(f"{url}/v1/models", headers={"Authorization": f"bearer {token}x"}).status_code == 401
+        limit = int(server_engine.config.server_max_body_mb * 1_000_000)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # the length only: no body is sent
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\n"
+                         f"Content-Length: {limit + 1}\r\n\r\n".encode())
+            assert status_of(sock.recv(1 << 16)) == 413
+        assert client.get(f"{url}/health").status_code == 200
+
+
 def test_in_flight_prompts_follow_the_server_and_a_long_request_is_slow_not_dead(server_engine, models):
     # the server runs at most 6 sequences at once; a prompt of n=2 samples takes 2 of them
     assert server_engine.max_num_seqs == [6] and server_engine.prompts_in_flight(2) == [3]

@@ -68,7 +68,9 @@ def test_dry_run_prints_the_server_command_of_the_preset(tmp_path):
     assert value("--logprobs-mode") == "processed_logprobs"  # what the trainer's logprobs are compared with
     assert value("--max-model-len") == "96" and value("--tensor-parallel-size") == "2"
     assert value("--seed") == "42"  # train.seed's default
-    assert value("--middleware") == "megatron_rl.rollout.server_auth.BearerTokenMiddleware"
+    assert [command[i + 1] for i, flag in enumerate(command) if flag == "--middleware"] == [
+        "megatron_rl.rollout.server_limits.BodyLimitMiddleware", "megatron_rl.rollout.server_auth.BearerTokenMiddleware"]
+    assert "export MEGATRON_RL_SERVER_MAX_BODY_BYTES=4096000000" in lines  # rollout.server_max_body_mb's default
     assert "--api-key" not in command  # a command line is every user's to read (ps)
 
 
@@ -87,7 +89,8 @@ def test_the_dry_run_command_parses_with_vllms_parser(tmp_path):
     assert args.worker_extension_cls == "megatron_rl.rollout.worker_ext.RolloutWorkerExtension"
     assert args.logprobs_mode == "processed_logprobs"
     assert args.max_model_len == 96 and args.tensor_parallel_size == 2 and args.seed == 42
-    assert args.middleware == ["megatron_rl.rollout.server_auth.BearerTokenMiddleware"]
+    assert args.middleware == ["megatron_rl.rollout.server_limits.BodyLimitMiddleware",
+                               "megatron_rl.rollout.server_auth.BearerTokenMiddleware"]
     assert args.api_key is None
 
 
@@ -106,7 +109,7 @@ def test_serving_other_hosts_without_a_token_is_refused_in_one_line(tmp_path):
     # on loopback without a token: open to this host's users, said on stderr
     result = serve("--dry-run", "--config", "configs/tiny-gspo.yaml", f"model.path={model}", "--host", "127.0.0.1")
     assert result.returncode == 0, result.stderr
-    assert "--middleware" not in result.stdout and "VLLM_API_KEY" not in result.stdout
+    assert "server_auth.BearerTokenMiddleware" not in result.stdout and "VLLM_API_KEY" not in result.stdout
     assert "no token: every user of this host can drive the server" in result.stderr
 
 

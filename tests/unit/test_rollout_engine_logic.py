@@ -139,7 +139,7 @@ def test_server_command_line(tmp_path):
     config = RolloutConfig(kv_cache_gib=0.5, max_model_len=512, return_routed_experts=True, dtype="float32")
     cmd = VLLMServer(tmp_path, config, port=8123).command()
     joined = " ".join(cmd)
-    assert "-m vllm.entrypoints.openai.api_server" in joined and "--port 8123" in joined
+    assert "-m megatron_rl.rollout.served" in joined and "--port 8123" in joined
     assert "--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension" in joined
     assert "--logprobs-mode processed_logprobs" in joined and "--dtype float32" in joined
     assert f"--kv-cache-memory-bytes {1 << 29}" in joined and "--max-model-len 512" in joined
@@ -165,7 +165,7 @@ def test_server_command_line_parses_with_vllms_parser(tmp_path):
 
     config = RolloutConfig(kv_cache_gib=0.5, max_model_len=512, return_routed_experts=True, dtype="float32")
     cmd = VLLMServer(tmp_path, config, port=8123).command()
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[1:3] == ["-m", "megatron_rl.rollout.served"]  # vLLM's API server with the request-head limit
     args = parse_vllm_server_args(cmd[3:])
     assert args.model == str(tmp_path) and args.host == "127.0.0.1" and args.port == 8123
     assert args.dtype == "float32" and args.seed == 0
@@ -174,12 +174,15 @@ def test_server_command_line_parses_with_vllms_parser(tmp_path):
     assert args.kv_cache_memory_bytes == 512 * 1024 * 1024  # 0.5 GiB
     assert args.max_model_len == 512 and args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1
     assert args.enable_prefix_caching is False  # prompt routes need every prompt token computed
-    assert args.middleware == ["megatron_rl.rollout.server_auth.BearerTokenMiddleware"]  # a token: a random one here
+    # the body limit inside the token check (vLLM adds each middleware outside the ones before it)
+    assert args.middleware == ["megatron_rl.rollout.server_limits.BodyLimitMiddleware",
+                               "megatron_rl.rollout.server_auth.BearerTokenMiddleware"]  # a token: a random one here
     assert args.disable_log_stats is True and args.api_key is None  # the token is never on the command line
 
-    # defaults: prefix caching left to vLLM (its default, unset), and no middleware for an open control plane
+    # defaults: prefix caching left to vLLM (its default, unset), and no token check for an open control plane
     args = parse_vllm_server_args(VLLMServer(tmp_path, RolloutConfig(), port=1, open_control_plane=True).command()[3:])
-    assert args.enable_prefix_caching is None and args.middleware == [] and args.port == 1
+    assert args.enable_prefix_caching is None and args.port == 1
+    assert args.middleware == ["megatron_rl.rollout.server_limits.BodyLimitMiddleware"]
 
 
 def test_a_server_engine_without_urls_names_both_ways_to_get_them():
