@@ -36,7 +36,11 @@ rank's gspo update on TP2, DP2 x 3 microbatches (distributed) and CP2 packed.
 Every case gets the batch as the trainer gives it (trainer.py): only rank 0 holds
 the step and actor.distribute sends each rank its DP rank's rows, packed and
 padded alike; one case (CP2/packed/whole) hands the whole batch to every rank,
-the form tools use. Each case's response-token count equals the single rank's
+the form tools use. Its logprobs come from actor.prepare_batch under
+train.old_logprobs=forward; each case also runs one step of its first loss under
+train.old_logprobs=auto (the training forward's own old policy, ratio 1, where it
+applies: all but the icepop cases) and must give the single rank's auto step,
+which for gspo is transformers' gradient at ratio 1. Each case's response-token count equals the single rank's
 (CP once counted every token on both CP ranks), and batch/packed_fraction says
 that the plan's packing reached the microbatches.
 
@@ -224,7 +228,7 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
                 algorithm = AlgorithmConfig(loss=loss, eps_low=CLIP, eps_high=CLIP, beta=GRPO_BETA if loss == "grpo" else 0.0,
                                             max_response_tokens=T, **extra.get("algorithm", {}))
                 actor = Actor(ctx, model=ModelConfig(path=model_dir, token_dispatcher=dispatcher, **extra.get("model", {})), optimizer=sgd,
-                              train=TrainConfig(**train), algorithm=algorithm, temperature=TEMPERATURE)
+                              train=TrainConfig(old_logprobs="forward", **train), algorithm=algorithm, temperature=TEMPERATURE)
                 try:
                     if "logprobs" not in case:
                         if shares:
@@ -233,7 +237,8 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
                             case["handed_bytes"] = _gather(sum(handed), ctx)
                             case["share_bytes"] = _gather(actor.last_share_bytes, ctx)
                             case["share_rows"] = _gather(batch.row_ids.tolist(), ctx)
-                        case["logprobs"] = _whole(actor.compute_logprobs(batch), batch, ctx)
+                        prepared, _ = actor.prepare_batch(batch)  # the trainer's call (train.old_logprobs=forward)
+                        case["logprobs"] = _whole(prepared.old_logprobs, batch, ctx)
                         old = old_logprobs if old_logprobs is not None else old_from(case["logprobs"], make_batch().response_mask)
                         case["old_logprobs"] = old
                         batch = batch.replace(old_logprobs=_rows_of(old, batch))
@@ -253,12 +258,42 @@ def _worker(rank: int, world_size: int, model_dir: str, cases: dict, old_logprob
                         case["updates"][loss] = params
                 finally:
                     actor.close()
+            case["auto"] = _auto_step(rank, ctx, model_dir, name, (layout, train, dispatcher, extra), case, shares, losses)
             out[name] = case
             if old_logprobs is None:  # every later case trains against the first case's old policy
                 old_logprobs = case["old_logprobs"]
         finally:
             destroy_parallel(ctx, keep_world=True)
     return out if rank == 0 else None
+
+
+def _auto_step(rank: int, ctx, model_dir: str, name: str, spec: tuple, case: dict, shares: bool, losses) -> dict:
+    """One step of the case's first loss under train.old_logprobs=auto, through the trainer's calls (distribute,
+    prepare_batch, train_step): the old policy is the training forward's own where it applies (ratio 1), else a
+    forward of its own. Returns the loss metrics and, on rank 0, the weights after the step."""
+    from megatron_rl.actor import Actor
+    from megatron_rl.config import AlgorithmConfig, ModelConfig, OptimizerConfig, TrainConfig
+    from megatron_rl.models import export_hf_state_dict
+
+    layout, train, dispatcher, extra = spec
+    loss = extra.get("losses", losses)[0]
+    algorithm = AlgorithmConfig(loss=loss, eps_low=CLIP, eps_high=CLIP, beta=GRPO_BETA if loss == "grpo" else 0.0,
+                                max_response_tokens=T, **extra.get("algorithm", {}))
+    sgd = OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0, use_distributed_optimizer=False)
+    actor = Actor(ctx, model=ModelConfig(path=model_dir, token_dispatcher=dispatcher, **extra.get("model", {})), optimizer=sgd,
+                  train=TrainConfig(old_logprobs="auto", **train), algorithm=algorithm, temperature=TEMPERATURE)
+    try:
+        batch = batch_for(name)
+        if algorithm.tis_mode != "none":
+            batch = batch.replace(rollout_logprobs=rollout_from(case["old_logprobs"], make_batch().response_mask))
+        if shares:
+            batch = actor.distribute(batch if rank == 0 else None)
+        prepared, _ = actor.prepare_batch(batch)
+        metrics = actor.train_step(prepared)
+        params = export_hf_state_dict(actor.model, ctx)
+        return {"loss": loss, "metrics": metrics, "params": params if rank == 0 else None, "source": actor.old_logprobs_from}
+    finally:
+        actor.close()
 
 
 def _runs(rank: int, world_size: int, runs: list) -> list:
@@ -391,6 +426,14 @@ def _compare(results: dict, reference: dict, initial: dict, losses=LOSSES) -> li
                 ent_err = abs(case["metrics"][loss]["entropy"] - reference["metrics"][loss]["entropy"])
                 if ent_err > PACKED_TOLERANCE:
                     failures.append(f"{name}/{loss}: entropy differs from the padded single rank's by {ent_err:.3g}")
+        auto, auto_reference = case["auto"], reference["auto"]
+        expected = _flat_update(auto_reference["params"], initial)
+        err = ((_flat_update(auto["params"], initial) - expected).norm() / expected.norm()).item()
+        loss_err = abs(auto["metrics"]["loss/sum"] - auto_reference["metrics"]["loss/sum"]) / abs(auto_reference["metrics"]["loss/sum"])
+        line.append(f"auto/{auto['loss']} {err:.1e}")
+        if not (err <= TOLERANCE and loss_err <= TOLERANCE):
+            failures.append(f"{name}/auto/{auto['loss']}: relative gradient error {err:.3g}, loss error {loss_err:.3g} "
+                            f"(old policy: {auto['source']})")
         print("  ".join(line))
     return failures
 
@@ -434,18 +477,24 @@ def test_single_rank_matches_transformers(model_dir, single):
         per_token = torch.minimum(w * a, w.clamp(1 - CLIP, 1 + CLIP) * a)
         return -(per_token * mask).sum() / mask.sum()
 
-    for loss_name, loss_fn in (("gspo", gspo), ("dapo", dapo)):
+    def gspo_at_ratio_1(logprobs):  # train.old_logprobs=auto: the old policy is this forward's own, detached
+        log_ratio = torch.where(mask, logprobs - logprobs.detach(), 0.0)
+        s = torch.exp(log_ratio.sum(1) / mask.sum(1).clamp(min=1))
+        return -(torch.minimum(s * advantages, s.clamp(1 - CLIP, 1 + CLIP) * advantages) * has_tokens).sum() / has_tokens.sum()
+
+    for loss_name, loss_fn in (("gspo", gspo), ("dapo", dapo), ("auto", gspo_at_ratio_1)):
         model.zero_grad()
         loss = loss_fn(hf_logprobs())
         loss.backward()
         grads = _hf_grads_by_export_name(model)
         assert set(grads) == set(initial)
-        got = _flat_update(single["updates"][loss_name], initial)
+        run = single["auto"] if loss_name == "auto" else {"params": single["updates"][loss_name], "metrics": single["metrics"][loss_name]}
+        got = _flat_update(run["params"], initial)
         want = -torch.cat([grads[k].flatten() for k in sorted(initial)])
         err = ((got - want).norm() / want.norm()).item()
-        print(f"{loss_name}: relative gradient error vs transformers {err:.2e}, loss {loss.item():.6f} vs {single['metrics'][loss_name]['loss/sum']:.6f}")
+        print(f"{loss_name}: relative gradient error vs transformers {err:.2e}, loss {loss.item():.6f} vs {run['metrics']['loss/sum']:.6f}")
         assert err <= TOLERANCE, (loss_name, err)
-        assert abs(loss.item() - single["metrics"][loss_name]["loss/sum"]) <= TOLERANCE * abs(loss.item())
+        assert abs(loss.item() - run["metrics"]["loss/sum"]) <= TOLERANCE * abs(loss.item())
 
 
 def _hf_grads_by_export_name(model) -> dict[str, torch.Tensor]:
