@@ -3,8 +3,10 @@
 Each reward has an AnswerRule: `final(response) -> str` (the answer a response
 gives, "" for none) and `same(a, b) -> bool` (two final answers are one vote):
 - exact: the stripped response; equal strings;
-- math: what the `math` reward parses (the last \\boxed{...}, else the whole
-  response); equal strings or math-verify equivalence, as the reward verifies;
+- math: what the `math` reward reads (rewards.math_candidate: the last
+  \\boxed{...}, else the last number after an answer marker, else a response
+  that is one number, else none); equal strings or math-verify equivalence, as
+  the reward verifies;
 - a user function (`module:function`) may carry `final_answer` and
   `same_answer` attributes; without them its stripped response and string
   equality are used.

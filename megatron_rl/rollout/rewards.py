@@ -35,22 +35,58 @@ def exact_match(response: str, answer: Any, *, prompt: str = "") -> float:
 
 
 def math_answer(response: str, answer: Any, *, prompt: str = "") -> float:
-    """1.0 when math-verify finds the response's final answer equivalent to the reference.
+    """1.0 when math-verify finds the response's final answer equivalent to the reference, else 0.0.
 
-    The last \\boxed{...} in the response is checked if present, else the whole
-    response; the reference is parsed the same way.
+    The final answer (math_candidate) is, in this order:
+    1. the content of the response's last \\boxed{...};
+    2. else the last number after the response's last answer marker (ANSWER_MARKER: "answer:", "answer is",
+       "the final answer is", "####", any case), read to the end of that sentence or line: "The answer is 23."
+       and "#### 23" give 23, "Answer: 19 + 4 = 23" gives 23;
+    3. else the response itself when it is one number and nothing more ("23", " 23.");
+    4. else none: 0.0. The rest of a response is never parsed: parsed whole, "19 + 4 = 6 ... the problem of
+       19 + 4 is" scored 1.0 for the answer 23, math-verify evaluating the question the response restated.
+    The reference is parsed as LaTeX ($answer$). When it is a number, the final answer must be a number too
+    (an integer, a decimal, a/b or \\frac{a}{b}): "\\boxed{19 + 4}" restates the question, and scores 0.0.
     """
     math_verify = import_extra("math_verify", extra="data", feature="the `math` reward")
     parse, verify = math_verify.parse, math_verify.verify
 
+    candidate = math_candidate(response)
+    if not candidate or (_is_number(str(answer)) and not _is_number(candidate)):
+        return 0.0
     gold = parse(f"${answer}$" if not str(answer).startswith("$") else str(answer))
-    return float(bool(verify(gold, parse(math_candidate(response)))))
+    return float(bool(verify(gold, parse(candidate))))
+
+
+ANSWER_MARKER = re.compile(r"####|\banswer\s*(?:is\b|:)", re.IGNORECASE)
+"""Where a final answer is announced without \\boxed{}: "answer:", "answer is" (so also "the (final) answer is"),
+"####" (GSM8K's)."""
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
+"""An integer, a decimal or a fraction a/b; commas group thousands."""
+_SENTENCE_END = re.compile(r"\n|[.!?](?!\d)")
+_FRACTION = re.compile(r"-?\\d?frac\{\d+\}\{\d+\}")
+
+
+def _is_number(text: str) -> bool:
+    """Whether `text` (surrounding $ and white space aside) is a number literal: _NUMBER or \\frac{a}{b}."""
+    text = text.strip().strip("$").strip()
+    return bool(_NUMBER.fullmatch(text) or _FRACTION.fullmatch(text))
 
 
 def math_candidate(response: str) -> str:
-    """What the `math` reward parses of a response: its last \\boxed{...} as $...$, else the whole response."""
+    """The final answer the `math` reward reads of a response (see math_answer), as $...$; "" when it gives none."""
     boxed = re.findall(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}", response)
-    return f"${boxed[-1]}$" if boxed else response
+    if boxed:
+        return f"${boxed[-1]}$"
+    markers = list(ANSWER_MARKER.finditer(response))
+    if markers:
+        after = response[markers[-1].end():].lstrip(" \t\n:=")
+        end = _SENTENCE_END.search(after)
+        numbers = _NUMBER.findall(after[: end.start()] if end else after)
+    else:
+        alone = re.fullmatch(rf"\s*({_NUMBER.pattern})\s*\.?\s*", response)
+        numbers = [alone.group(1)] if alone else []
+    return f"${numbers[-1].replace(',', '').replace(' ', '')}$" if numbers else ""
 
 
 REWARDS: dict[str, RewardFn] = {"exact": exact_match, "math": math_answer}
