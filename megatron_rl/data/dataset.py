@@ -2,9 +2,9 @@
 
 Each row holds a prompt (text, or chat messages) and a reference answer that
 the reward compares against. Rows are checked when the file is read: a
-missing field, a wrong type or an empty prompt is an error naming the file,
-the row and the field. Prompts longer than the limit are dropped and counted,
-or rejected (`data.long_prompts`).
+missing field, a wrong type, an empty prompt or an empty (null) answer is an
+error naming the file, the row and the field. Prompts longer than the limit
+are dropped and counted, or rejected (`data.long_prompts`).
 
 The sampler is deterministic in (seed, epoch) and its position is a plain
 dict, so a resumed run continues with exactly the prompts it would have seen.
@@ -129,6 +129,12 @@ class PromptDataset:
             prompt = _prompt_text(row, where, prompt_key)
             if answer_key not in row:
                 raise DatasetError(f"{where}: missing field {answer_key!r} (fields: {sorted(row)}); set data.answer_key")
+            answer = row[answer_key]
+            if answer is None or (isinstance(answer, str) and not answer.strip()):
+                raise DatasetError(
+                    f"{where}: field {answer_key!r} is empty ({answer!r}): the reward compares each response with it; "
+                    "fill it in or remove the row"
+                )
             if isinstance(prompt, list):
                 ids = tokenizer.apply_chat_template(prompt)
                 text = "\n".join(m["content"] for m in prompt)

@@ -73,6 +73,8 @@ def test_malformed_rows_are_named(tmp_path, tokenizer_files):
         ([{"prompt": 3, "answer": "b"}], r"row 0: field 'prompt' must be a string"),
         ([{"prompt": "  ", "answer": "b"}], r"row 0: field 'prompt' is empty"),
         ([{"prompt": "a"}], r"row 0: missing field 'answer'"),
+        ([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}], r"row 1: field 'answer' is empty \(None\)"),
+        ([{"prompt": "a", "answer": " "}], r"row 0: field 'answer' is empty \(' '\)"),
         ([{"prompt": [{"role": "user"}], "answer": "x"}], r"row 0: field 'prompt' as chat messages"),
     ]
     for i, (rows, message) in enumerate(cases):
