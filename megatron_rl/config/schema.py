@@ -394,7 +394,7 @@ class ClusterConfig:
     gpus_per_node: int = 0
     """GPUs per node (0 = CPU run; one process per `cpu_processes`)."""
     gpu_memory_gib: float = 80.0
-    """Memory of one GPU in GiB (CPU runs: the memory one trainer process may use, rank 0's engine included)."""
+    """Memory of one GPU in GiB (CPU runs: not read; the planner takes the machine's memory, plan.memory.host_memory_bytes)."""
     gpu_name: str = "cpu"
     """GPU model name, for reports (e.g. H100-80GB)."""
     rollout_gpus: int = 0

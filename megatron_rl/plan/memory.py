@@ -32,12 +32,23 @@ Sources for each term:
   ids up to 128 experts, else int16).
 - Engine: vLLM takes `gpu_memory_utilization` of each of its GPUs for its
   weights (split over its TP x PP GPUs) and its KV cache, 2 x layers x
-  kv_heads x head_dim values per token.
+  kv_heads x head_dim values per token. On the CPU it takes its weights, the
+  KV cache of rollout.kv_cache_gib (kv_cache_memory_bytes; a server started
+  here also gets VLLM_CPU_KVCACHE_SPACE), its own overhead, and a second
+  copy of the input embedding and of the output layer: vLLM's CPU embedding
+  method packs each for its matmul and keeps the weight too
+  (UnquantizedEmbeddingMethod -> dispatch_cpu_unquantized_gemm with
+  remove_weight=False; linear layers drop theirs).
+- A CPU run's memory is the machine's (`host_memory_bytes`: physical memory,
+  or the cgroup's limit), shared by every trainer process on it, each with
+  its runtime (python, torch, megatron-core); the engine lives in rank 0.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl.config.schema import OFFLOAD_PARTS, RLConfig
@@ -333,16 +344,34 @@ def engine_memory(spec: ModelSpec, cfg: RLConfig) -> EngineMemory:
         kv_space = reserved - weights - engine_overhead(cfg)
     else:
         kv_space = rollout.kv_cache_gib * GIB
-        reserved = weights + kv_space + ENGINE_OVERHEAD_GIB["cpu"] * GIB
+        packed_vocab = 2 * spec.padded_vocab(etp) * spec.hidden_size / etp * prec.param  # module docstring, Engine
+        reserved = weights + packed_vocab + kv_space + ENGINE_OVERHEAD_GIB["cpu"] * GIB
     return EngineMemory(
         weights=weights, reserved=reserved, kv_bytes_per_token=kv_per_token, kv_tokens=max(0, int(kv_space // kv_per_token))
     )
 
 
-def device_budget(cfg: RLConfig) -> float:
-    """Bytes one device offers the trainer and a colocated engine together, after the runtime."""
-    overhead = GPU_RUNTIME_OVERHEAD_GIB if cfg.cluster.gpus_per_node > 0 else CPU_RUNTIME_OVERHEAD_GIB
-    return (cfg.cluster.gpu_memory_gib - overhead) * GIB
+def host_memory_bytes() -> int:
+    """This machine's memory: its physical memory, or its cgroup's limit where that is lower (a container)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            limit = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
+
+
+def device_budget(cfg: RLConfig, processes_per_node: int = 1) -> float:
+    """Bytes one device offers the trainer and a colocated engine together, after the runtime.
+
+    On a CPU cluster the device is the machine (host_memory_bytes, not cluster.gpu_memory_gib), less the runtime
+    of each of its `processes_per_node` trainer processes; the planner counts the other processes' actors."""
+    if cfg.cluster.gpus_per_node > 0:
+        return (cfg.cluster.gpu_memory_gib - GPU_RUNTIME_OVERHEAD_GIB) * GIB
+    return host_memory_bytes() - processes_per_node * CPU_RUNTIME_OVERHEAD_GIB * GIB
 
 
 @dataclass(kw_only=True, frozen=True)

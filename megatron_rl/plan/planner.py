@@ -78,19 +78,31 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def other_processes(self) -> int:
+        """Trainer processes whose actors share the worst device's memory: on a CPU machine, every rank but the one
+        with the engine (their memory is one); on GPUs none."""
+        return self.launch.procs_per_node - 1 if self.cfg.cluster.gpus_per_node == 0 else 0
+
+    def need(self, phase: PhaseMemory) -> float:
+        """Bytes the device's memory must hold in `phase`: the worst rank's, and the other processes' actors on a CPU."""
+        return phase.total + self.other_processes * phase.actor
+
+    @property
     def peak(self) -> PhaseMemory:
         """The phase that needs the most memory."""
-        return max(self.phases, key=lambda phase: phase.total)
+        return max(self.phases, key=self.need)
 
     @property
     def fits(self) -> bool:
-        return self.peak.total <= self.budget
+        return self.need(self.peak) <= self.budget
 
     def verdict(self) -> str:
         peak = self.peak
-        need, have = peak.total / GIB, self.budget / GIB
+        need, have = self.need(peak) / GIB, self.budget / GIB
+        gpu = self.cfg.cluster.gpus_per_node > 0
+        where = "per device" if gpu else f"of this machine's memory ({self.launch.procs_per_node} trainer process(es))"
         if self.fits:
-            return f"fits: {need:.1f} GiB of {have:.1f} GiB per device at the peak ({peak.name}, {100 * need / have:.0f}%)"
+            return f"fits: {need:.1f} GiB of {have:.1f} GiB {where} at the peak ({peak.name}, {100 * need / have:.0f}%)"
         s = self.stage
         terms = (("weights", s.weights), ("grads", s.grads), ("optimizer", s.optimizer), ("activations", s.activations),
                  ("logits", s.logits), ("reference", s.reference), ("batch share", s.batch_share))
@@ -100,6 +112,12 @@ class Plan:
             actor = f"actor {peak.actor / GIB:.1f}"
         parts = actor + (f", engine {peak.engine / GIB:.1f}" if peak.engine else "") + (
             f", push buckets {peak.push_buffers / GIB:.1f}" if peak.push_buffers else "")
+        if not gpu:
+            others = f", {self.other_processes} more actor(s) {self.other_processes * peak.actor / GIB:.1f}" if self.other_processes else ""
+            return (
+                f"does not fit: in the {peak.name} phase the run needs {need:.1f} GiB ({parts}{others}) but this machine "
+                f"has {have:.1f} GiB after the runtime; {_hint(self)}"
+            )
         return (
             f"does not fit: in the {peak.name} phase pipeline stage {s.stage} needs {need:.1f} GiB per device ({parts}) "
             f"but the device has {have:.1f} GiB after the runtime; {_hint(self)}"
@@ -108,6 +126,11 @@ class Plan:
 
 def _hint(plan: Plan) -> str:
     s, cfg, peak = plan.stage, plan.cfg, plan.peak
+    if cfg.cluster.gpus_per_node == 0 and peak.engine > peak.actor:
+        return (
+            f"the in-process engine takes {peak.engine / GIB:.1f} GiB, {cfg.rollout.kv_cache_gib:g} of them its KV cache: "
+            "lower rollout.kv_cache_gib"
+        )
     colocated = plan.engine is not None and cfg.cluster.rollout_gpus == 0 and cfg.cluster.gpus_per_node > 0
     if colocated and peak.name != "training" and cfg.train.offload != "all":
         return (
@@ -297,7 +320,7 @@ def plan(cfg: RLConfig, spec: ModelSpec) -> Plan:
         stage=stage,
         engine=engine,
         phases=phase_memory(stage, engine, cfg, spec.total_params() * precision_for(cfg).param),
-        budget=device_budget(cfg),
+        budget=device_budget(cfg, launch.procs_per_node),
         push=preset_push_times(cfg, spec.total_params(), precision_for(cfg).param, engines),
         warnings=warnings,
     )
