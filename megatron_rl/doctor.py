@@ -11,9 +11,11 @@ FAIL. The checks:
   vLLM, against what the preset needs (naming the setup.py extra that brings it);
 * gpus: devices and free memory per rank against the planner's per-phase peak
   (megatron_rl.plan) for the preset;
-* forward: one forward of a tiny Qwen3-MoE on this rank's device with the layer
-  spec the build chooses here (models.build.spec_choice), fp32, compared with
-  transformers' forward of the same weights;
+* forward: one forward of the preset's model (model.path with its safetensors
+  weights, up to FORWARD_MAX_PARAMS parameters), else of a tiny Qwen3-MoE, on
+  this rank's device with the layer spec the build chooses here
+  (models.build.spec_choice), fp32, compared with transformers' forward of
+  the same weights;
 * collectives: an all-reduce and a broadcast over all ranks, with bus bandwidth
   (nccl-tests' convention: all-reduce busbw = bytes/t x 2(n-1)/n, broadcast
   busbw = bytes/t) and the slowest rank named;
@@ -157,8 +159,37 @@ def check_gpus(cfg, avail, local_world: int) -> Check:
     return Check(name="gpus", status="ok", detail=detail)
 
 
-def check_forward(ctx, model_cfg_kwargs: dict | None = None) -> Check:
-    """One forward of a tiny Qwen3-MoE on ctx.device with the chosen spec, fp32, against transformers on the CPU."""
+FORWARD_MAX_PARAMS = 600_000_000
+"""The largest model.path the forward check loads (fp32 on each rank: megatron's copy and transformers', 4.8 GB at
+this size); a larger model is checked as the tiny Qwen3-MoE."""
+
+
+def given_model(cfg) -> tuple[Path | None, str]:
+    """(model.path, its description) when the forward check can load that model, else (None, why not)."""
+    from megatron_rl.plan.report import load_spec
+
+    path = Path(cfg.model.path) if cfg is not None and cfg.model.path else None
+    if path is None or not (path / "config.json").is_file():
+        return None, "no model.path with a config.json"
+    if not any(path.glob("*.safetensors")):
+        return None, f"{path} has no safetensors weights"
+    params = load_spec(cfg).total_params()
+    if params > FORWARD_MAX_PARAMS:
+        return None, f"{path} has {params / 1e9:.1f}B parameters, over the {FORWARD_MAX_PARAMS / 1e9:.1f}B this check loads"
+    return path, f"{path} ({params / 1e6:.0f}M parameters)"
+
+
+def check_forward(ctx, model_cfg_kwargs: dict | None = None, cfg=None) -> Check:
+    """One forward of the preset's model (given_model), else of a tiny Qwen3-MoE, on ctx.device with the chosen spec,
+    fp32, against transformers on the CPU."""
+    path, about = given_model(cfg)
+    if path is None:
+        with _shared_tiny_model() as model_dir:
+            return _forward(ctx, model_dir, model_cfg_kwargs, f"tiny Qwen3-MoE ({about})")
+    return _forward(ctx, path, model_cfg_kwargs, about)
+
+
+def _forward(ctx, model_dir: Path, model_cfg_kwargs: dict | None, about: str) -> Check:
     import warnings
 
     from transformers import AutoModelForCausalLM
@@ -167,24 +198,23 @@ def check_forward(ctx, model_cfg_kwargs: dict | None = None) -> Check:
     from megatron_rl.models import build_model
     from megatron_rl.models.build import spec_choice
 
-    with _shared_tiny_model() as model_dir:
-        model_cfg = ModelConfig(path=str(model_dir), dtype="float32", **(model_cfg_kwargs or {}))
-        _, spec_line = spec_choice(model_cfg)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            (model,) = build_model(model_cfg, ctx)
-            reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        tokens = torch.randint(0, reference.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-        positions = torch.arange(16).expand(2, 16)
-        start = time.perf_counter()
-        with torch.no_grad():
-            got = model.eval()(tokens.to(ctx.device), positions.to(ctx.device), attention_mask=None)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            expected = reference(tokens).logits
+    model_cfg = ModelConfig(path=str(model_dir), dtype="float32", **(model_cfg_kwargs or {}))
+    _, spec_line = spec_choice(model_cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (model,) = build_model(model_cfg, ctx)
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(0, reference.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand(2, 16)
+    start = time.perf_counter()
+    with torch.no_grad():
+        got = model.eval()(tokens.to(ctx.device), positions.to(ctx.device), attention_mask=None)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        expected = reference(tokens).logits
     err = (got[..., : expected.shape[-1]].float().cpu() - expected).abs().max().item()
-    detail = f"tiny Qwen3-MoE on {ctx.device}, {spec_line}; max |logits - transformers| {err:.1e} in {1e3 * elapsed:.0f} ms"
+    detail = f"{about} on {ctx.device}, {spec_line}; max |logits - transformers| {err:.1e} in {1e3 * elapsed:.0f} ms"
     if not err < 1e-3:
         return Check(name="forward", status="FAIL", detail=detail, fix="the model does not compute what transformers does on this device: report it with this line")
     return Check(name="forward", status="ok", detail=detail)
@@ -361,7 +391,7 @@ def _local_checks(cfg, avail, ctx) -> list[Check]:
         checks.append(Check(name="forward", status="skip", detail="megatron-core did not start (see versions/collectives)"))
     else:
         chosen = {} if cfg is None else {"transformer_impl": cfg.model.transformer_impl}  # the preset's spec choice
-        checks.append(_guard("forward", lambda: check_forward(ctx, chosen)))
+        checks.append(_guard("forward", lambda: check_forward(ctx, chosen, cfg)))
     if cfg is None:
         checks.append(Check(name="disk", status="skip", detail="no --config: checkpoint.dir unknown"))
     else:

@@ -169,3 +169,29 @@ def test_gpus_against_the_preset_and_the_planners_peak(monkeypatch):
     assert doctor.check_gpus(cfg, cuda, local_world=8).status == "ok"
     shared = doctor.check_gpus(cfg, cuda, local_world=16)
     assert shared.status == "FAIL" and "16 processes on this node share 8 GPU(s)" in shared.fix
+
+
+def test_the_forward_check_runs_the_model_it_is_given(tmp_path):
+    """model.path holds a model (a tied tiny Llama, as SmolLM2 is): that model's forward is checked, not the tiny
+    Qwen3-MoE's; its logits are compared with transformers' forward of the same checkpoint."""
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "llama", "llama", seed=0, tie_word_embeddings=True)
+    ((code, out),) = run_distributed(_doctor_rank, 1, str(tmp_path), str(model), timeout=600)
+    forward = _line(out, "forward")
+    assert forward.startswith(f"ok    forward: {model} (") and "M parameters) on cpu" in forward, out
+    assert float(re.search(r"max \|logits - transformers\| (\S+) in", forward).group(1)) < 1e-3
+
+
+def test_a_model_too_large_to_load_here_is_checked_as_the_tiny_one(tmp_path, monkeypatch):
+    from megatron_rl.config import RLConfig, load_config
+    from megatron_rl.models.tiny import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "moe", "qwen3_moe", seed=0, with_tokenizer=False)
+    cfg = load_config(RLConfig, str(REPO / PRESET), [f"model.path={model}"])
+    path, about = doctor.given_model(cfg)
+    assert path == model and about.startswith(f"{model} (")
+    monkeypatch.setattr(doctor, "FORWARD_MAX_PARAMS", 1000)
+    assert doctor.given_model(cfg)[0] is None and "over the 0.0B this check loads" in doctor.given_model(cfg)[1]
+    (model / "model.safetensors").unlink()
+    assert doctor.given_model(cfg) == (None, f"{model} has no safetensors weights")
