@@ -72,7 +72,6 @@ import torch
 
 from megatron_rl.heap import frozen_until_exit, keep_frozen_until_exit
 from megatron_rl.rollout import cpu_rope
-from megatron_rl.rollout.common import splits_fail_seeded_prefills
 from megatron_rl.rollout.routing import RequestCapture, encode_captures
 from megatron_rl.weight_sync.broadcast import (
     BroadcastError, backend_device, broadcast_from_root, check_layout, check_not_same_gpu, close_group, open_group,
@@ -484,11 +483,9 @@ class RolloutWorkerExtension:
         """{'workers' (TP x PP), 'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len',
         'model_dir', 'max_num_seqs', 'sleep_mode' (started with it), 'platform_sleep_mode' (the platform has one),
         'cpu_threads' (torch's intra-op threads in the worker's process), 'heap_frozen_until_exit' (its shutdown
-        leaves the heap frozen: a process vLLM started, on the CPU), 'max_num_batched_tokens', 'splits_seeded_prefills'
-        (chunked prefill on where a split seeded prefill fails: rollout.common.splits_fail_seeded_prefills)}."""
+        leaves the heap frozen: a process vLLM started, on the CPU)}."""
         runner = self.model_runner  # type: ignore[attr-defined]
         routers = find_moe_routers(runner.get_model())
-        scheduler = self.vllm_config.scheduler_config  # type: ignore[attr-defined]
         return {
             "workers": int(self.parallel_config.world_size),  # type: ignore[attr-defined]
             "num_moe_layers": len(routers),
@@ -496,13 +493,11 @@ class RolloutWorkerExtension:
             "vocab_size": int(runner.model_config.get_vocab_size()),
             "max_model_len": int(runner.model_config.max_model_len),
             "model_dir": str(runner.model_config.model),
-            "max_num_seqs": int(scheduler.max_num_seqs),
+            "max_num_seqs": int(self.vllm_config.scheduler_config.max_num_seqs),  # type: ignore[attr-defined]
             "sleep_mode": bool(runner.model_config.enable_sleep_mode),
             "platform_sleep_mode": _platform_sleep_mode(),
             "cpu_threads": torch.get_num_threads(),
             "heap_frozen_until_exit": frozen_until_exit(),
-            "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
-            "splits_seeded_prefills": bool(scheduler.enable_chunked_prefill) and splits_fail_seeded_prefills(),
         }
 
     def mrl_capture_start(self) -> None:
