@@ -13,9 +13,7 @@ the first bucket, so each bucket is loaded as it arrives:
 1. `mrl_begin_push(version)` opens a push;
 2. `mrl_stage_weights(bucket)` checks the bucket against the manifest (HF
    names and shapes of the checkpoint the engine loaded) and hands it to ONE
-   in-place reload (weight_sync.engine_reload: the steps of vLLM's
-   `model_runner.reload_weights`; a tied output layer gets the embedding's
-   tensor, a layer given nothing fails the push, named) running on a thread of
+   `model_runner.reload_weights(weights_iterator=...)` running on a thread of
    its own for the whole push (plain `model.load_weights` fails on CPU after
    start: the CPU backend re-packs linear weights and empties `.weight`).
    vLLM's layerwise reload keeps the parts of a fused layer (qkv_proj,
@@ -79,7 +77,6 @@ from megatron_rl.weight_sync.broadcast import (
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
 from megatron_rl.weight_sync.delta import DeltaHolder
-from megatron_rl.weight_sync.engine_reload import reload_model_directory
 from megatron_rl.weight_sync.ipc_receive import IpcReceiver
 from megatron_rl.weight_sync.manifest import WeightPushError, manifest_from_checkpoint
 from megatron_rl.weight_sync.streaming_load import StreamingLoad
@@ -270,7 +267,7 @@ class RolloutWorkerExtension:
         if push is None or not push.abort():
             return {"version": self.mrl_weight_version(), "restored": False}
         runner = self.model_runner  # type: ignore[attr-defined]
-        reload_model_directory(runner)
+        runner.reload_weights(weights_path=str(runner.model_config.model), is_checkpoint_format=True)
         repack_cpu_moe_experts(runner.get_model())
         self.__dict__["_mrl_version"] = 0
         logger.warning("weight push v%d broken midway: the model directory's weights (version 0) were reloaded", push.version)
