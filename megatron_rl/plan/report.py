@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config.core import ConfigError, load_config
+from megatron_rl.config.layout import check_layout
 from megatron_rl.config.schema import RLConfig, old_logprobs_source
+from megatron_rl.plan.launch import launch_shape
 from megatron_rl.plan.memory import GIB
 from megatron_rl.plan.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
 from megatron_rl.plan.planner import Plan, plan
@@ -42,8 +44,10 @@ def plan_preset(config_path: str, overrides: list[str] | None = None, model_conf
 def require_fit(cfg: RLConfig) -> Plan | None:
     """What a GPU launch asks before it starts a process: ConfigError with the verdict when `cfg` does not fit
     its devices (or its layout is impossible). None, with a line on stderr, when the model's config.json cannot
-    be read here; None on CPU clusters (tiny runs, the memory is the machine's)."""
+    be read here; None on CPU clusters (tiny runs, the memory is the machine's) once the parallel sizes divide the
+    trainer processes (an impossible layout would otherwise end the ranks only after they started)."""
     if cfg.cluster.gpus_per_node == 0:
+        check_layout(cfg.parallel, launch_shape(cfg).world)
         return None
     try:
         spec = load_spec(cfg)
