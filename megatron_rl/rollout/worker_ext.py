@@ -13,7 +13,9 @@ the first bucket, so each bucket is loaded as it arrives:
 1. `mrl_begin_push(version)` opens a push;
 2. `mrl_stage_weights(bucket)` checks the bucket against the manifest (HF
    names and shapes of the checkpoint the engine loaded) and hands it to ONE
-   `model_runner.reload_weights(weights_iterator=...)` running on a thread of
+   `model_runner.reload_weights(weights_iterator=...)` (through
+   weight_sync.engine_reload: a tied output layer gets the embedding's tensor,
+   a layer given nothing fails the push, named) running on a thread of
    its own for the whole push (plain `model.load_weights` fails on CPU after
    start: the CPU backend re-packs linear weights and empties `.weight`).
    vLLM's layerwise reload keeps the parts of a fused layer (qkv_proj,
@@ -70,6 +72,7 @@ import torch
 
 from megatron_rl.heap import frozen_until_exit, keep_frozen_until_exit
 from megatron_rl.rollout import cpu_rope
+from megatron_rl.rollout.common import splits_fail_seeded_prefills
 from megatron_rl.rollout.routing import RequestCapture, encode_captures
 from megatron_rl.weight_sync.broadcast import (
     BroadcastError, backend_device, broadcast_from_root, check_layout, check_not_same_gpu, close_group, open_group,
@@ -77,6 +80,7 @@ from megatron_rl.weight_sync.broadcast import (
 )
 from megatron_rl.weight_sync.buckets import bucket_from_b64, bucket_from_bytes
 from megatron_rl.weight_sync.delta import DeltaHolder
+from megatron_rl.weight_sync.engine_reload import reload_model_directory
 from megatron_rl.weight_sync.ipc_receive import IpcReceiver
 from megatron_rl.weight_sync.manifest import WeightPushError, manifest_from_checkpoint
 from megatron_rl.weight_sync.streaming_load import StreamingLoad
@@ -267,7 +271,7 @@ class RolloutWorkerExtension:
         if push is None or not push.abort():
             return {"version": self.mrl_weight_version(), "restored": False}
         runner = self.model_runner  # type: ignore[attr-defined]
-        runner.reload_weights(weights_path=str(runner.model_config.model), is_checkpoint_format=True)
+        reload_model_directory(runner)
         repack_cpu_moe_experts(runner.get_model())
         self.__dict__["_mrl_version"] = 0
         logger.warning("weight push v%d broken midway: the model directory's weights (version 0) were reloaded", push.version)
@@ -480,9 +484,11 @@ class RolloutWorkerExtension:
         """{'workers' (TP x PP), 'num_moe_layers': L, 'top_k': K (0 for a dense model), 'vocab_size', 'max_model_len',
         'model_dir', 'max_num_seqs', 'sleep_mode' (started with it), 'platform_sleep_mode' (the platform has one),
         'cpu_threads' (torch's intra-op threads in the worker's process), 'heap_frozen_until_exit' (its shutdown
-        leaves the heap frozen: a process vLLM started, on the CPU)}."""
+        leaves the heap frozen: a process vLLM started, on the CPU), 'max_num_batched_tokens', 'splits_seeded_prefills'
+        (chunked prefill on where a split seeded prefill fails: rollout.common.splits_fail_seeded_prefills)}."""
         runner = self.model_runner  # type: ignore[attr-defined]
         routers = find_moe_routers(runner.get_model())
+        scheduler = self.vllm_config.scheduler_config  # type: ignore[attr-defined]
         return {
             "workers": int(self.parallel_config.world_size),  # type: ignore[attr-defined]
             "num_moe_layers": len(routers),
@@ -490,11 +496,13 @@ class RolloutWorkerExtension:
             "vocab_size": int(runner.model_config.get_vocab_size()),
             "max_model_len": int(runner.model_config.max_model_len),
             "model_dir": str(runner.model_config.model),
-            "max_num_seqs": int(self.vllm_config.scheduler_config.max_num_seqs),  # type: ignore[attr-defined]
+            "max_num_seqs": int(scheduler.max_num_seqs),
             "sleep_mode": bool(runner.model_config.enable_sleep_mode),
             "platform_sleep_mode": _platform_sleep_mode(),
             "cpu_threads": torch.get_num_threads(),
             "heap_frozen_until_exit": frozen_until_exit(),
+            "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
+            "splits_seeded_prefills": bool(scheduler.enable_chunked_prefill) and splits_fail_seeded_prefills(),
         }
 
     def mrl_capture_start(self) -> None:

@@ -20,8 +20,10 @@ workers on the trainer's own device (the trainer's own tensors, host or GPU, by
 reference), ipc_receive.py the worker's end; vllm_transfer.py / vllm_source.py: vLLM's own weight-transfer
 engines over our shards; protocol.py: the one push protocol every placement
 drives (stream_push, PushTarget); streaming_load.py: a push loaded into a
-worker's model as its buckets arrive. vLLM's worker extension that calls it
-is megatron_rl.rollout.worker_ext; this package imports nothing of rollout.
+worker's model as its buckets arrive; engine_reload.py: vLLM's in-place reload
+under it (tied output layers given their tensor, a layer given nothing an
+error). vLLM's worker extension that calls them is megatron_rl.rollout.worker_ext;
+this package imports nothing of rollout.
 """
 
 from megatron_rl.weight_sync.buckets import Bucket, bucket_from_bytes, bucket_to_bytes, bucketize, tensor_bytes

@@ -48,7 +48,8 @@ class WeightManifest:
     dtypes: dict[str, str] = field(default_factory=dict)
     """Checkpoint dtype of each tensor (informational: pushes may use another dtype)."""
     optional: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Tensors accepted but not required (lm_head.weight of a tied-embedding model: vLLM ignores it)."""
+    """Tensors accepted but not required (lm_head.weight of a tied-embedding model: the engine's output layer gets the
+    embedding's tensor when a push leaves it out, weight_sync.engine_reload)."""
 
     def to_json(self) -> dict:
         return {

