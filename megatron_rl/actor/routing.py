@@ -89,12 +89,24 @@ def local_tokens(x: torch.Tensor, *, tp_rank: int, tp_size: int, sequence_parall
 
 
 def set_differs(routing_map: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """[N] bool: the set of experts routing_map marks ([N, E] bool) differs from reference ([N, K] distinct ids).
+    """[N] bool: the set of experts a router used differs from reference ([N, K] distinct ids).
 
-    Top-k routing marks K experts per token (at most K with capacity dropping), so the sets are equal iff every
-    reference expert is marked: one gather instead of building and comparing a second [N, E] map.
+    routing_map: megatron's [N, E] bool map (top-k marks K experts per token, at most K with capacity dropping, so
+    the sets are equal iff every reference expert is marked: one gather), or the [N, K] distinct ids a
+    models.moe.SortedTopKRouter returns (equal iff every used id is among the reference's).
     """
-    return ~routing_map.gather(1, reference).all(dim=1)
+    if routing_map.dtype == torch.bool:
+        return ~routing_map.gather(-1, reference).all(dim=-1)
+    return ~(routing_map[..., :, None] == reference[..., None, :]).any(dim=-1).all(dim=-1)
+
+
+def experts_count(routing_map: torch.Tensor, tokens: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E]: how many of the tokens marked in `tokens` ([N] bool) each expert received, from an [N, E] bool map or
+    [N, K] expert ids (see set_differs)."""
+    if routing_map.dtype == torch.bool:
+        return (routing_map & tokens[:, None]).sum(dim=0)
+    weights = tokens[:, None].expand_as(routing_map).reshape(-1).to(torch.int64)
+    return torch.zeros(num_experts, dtype=torch.int64, device=routing_map.device).scatter_add_(0, routing_map.reshape(-1), weights)
 
 
 def _layout(x) -> TokenLayout:
@@ -273,9 +285,9 @@ class RoutingControl:
         # per MoE layer: [used differs, own differs, counted] (on the device: no host sync per forward)
         self.counts = torch.zeros(max(self.num_moe_layers, 1), 3, dtype=torch.float64, device=ctx.device)
         self._layer_index = torch.tensor(self.layer_ids, dtype=torch.int64, device=ctx.device)
-        # This forward's per-token drift flags of each local router ([N_local] bool: used, own), summed once per
-        # microbatch in end_microbatch rather than once per layer.
-        self._flags: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.routers)
+        # This forward's experts of each local router (used: its routing map or ids; own: its own top-k ids under replay,
+        # else None), compared with the reference for every layer at once in end_microbatch rather than once per layer.
+        self._flags: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(self.routers)
         self._peers: dict[int, tuple] | None = None  # R3: the share group's (TP rank, CP rank, MoE layers) by rank
 
     # -- conversion -------------------------------------------------------------------------------
@@ -480,7 +492,7 @@ class RoutingControl:
             return  # megatron counts only with gradients enabled (Router._apply_expert_bias)
         padding = self._padding[index].popleft()
         with torch.no_grad():
-            padded_routes = (routing_map & padding[:, None]).sum(dim=0)
+            padded_routes = experts_count(routing_map, padding, router.config.num_moe_experts)
             router.local_tokens_per_expert -= padded_routes.to(router.local_tokens_per_expert.dtype)
 
     def _make_hook(self, index: int):
@@ -491,15 +503,10 @@ class RoutingControl:
             if not self._active or self._reference is None:
                 return
             with torch.no_grad():
-                routing_map = output[1]  # [N_local, E] bool: the experts this forward used
-                reference = self._reference[index]
-                used_differs = set_differs(routing_map, reference)
-                if router.router_replay.router_replay_action in replaying:
-                    own_map = torch.zeros_like(routing_map).scatter_(1, self._own_topk(router, args[0]), True)
-                    own_differs = set_differs(own_map, reference)
-                else:  # without replay the router used its own top-k
-                    own_differs = used_differs
-                self._flags[index] = (used_differs, own_differs)
+                # output[1]: [N_local, E] bool or [N_local, K] ids (set_differs), the experts this forward used; without
+                # replay the router used its own top-k
+                own = self._own_topk(router, args[0]) if router.router_replay.router_replay_action in replaying else None
+                self._flags[index] = (output[1].detach(), own)
 
         return hook
 
@@ -510,8 +517,9 @@ class RoutingControl:
             return
         with torch.no_grad():
             counted = self._counted.index_select(1, self._layer_index).t()  # [R, N_local]
-            used = torch.stack([f[0] for f in flags])
-            own = used if all(f[0] is f[1] for f in flags) else torch.stack([f[1] for f in flags])
+            reference = torch.stack(self._reference)  # [R, N_local, K]
+            used = set_differs(torch.stack([f[0] for f in flags]), reference)
+            own = used if all(f[1] is None for f in flags) else set_differs(torch.stack([f[1] for f in flags]), reference)
             sums = torch.stack([(used & counted).sum(1), (own & counted).sum(1), counted.sum(1)], dim=1)
             self.counts.index_add_(0, self._layer_index, sums.to(self.counts.dtype))
 
@@ -541,5 +549,5 @@ class RoutingControl:
         return out
 
 
-__all__ = ["RankRoutes", "RouteRecorder", "RoutingControl", "local_tokens", "microbatch_positions", "microbatch_routes",
-           "replay_routes", "set_differs"]
+__all__ = ["RankRoutes", "RouteRecorder", "RoutingControl", "experts_count", "local_tokens", "microbatch_positions",
+           "microbatch_routes", "replay_routes", "set_differs"]

@@ -75,8 +75,11 @@ class ModelConfig:
     """Parameter/compute dtype; auto = bfloat16 on GPU, float32 on CPU."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer spec: Transformer Engine when importable on GPU (auto), else megatron's local spec."""
-    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    """MoE token dispatcher type (megatron's moe_token_dispatcher_type)."""
+    token_dispatcher: Literal["auto", "sorted", "alltoall", "allgather"] = "auto"
+    """MoE token dispatch: sorted = models.moe's path (router output kept as [tokens, top-k], one gather each way,
+    no host sync; the local spec with every expert on its rank: expert parallel x expert tensor parallel = 1);
+    alltoall / allgather = megatron's dispatchers (moe_token_dispatcher_type); auto = sorted where it applies,
+    else alltoall (models.kernels; the start-up line says which)."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing auxiliary loss coefficient (0 disables it)."""
     moe_z_loss_coeff: float = 0.0
@@ -93,6 +96,11 @@ class ModelConfig:
     """Turn on each megatron fusion whose kernel exists here (models.kernels: jit-fused bias-SwiGLU and
     bias-dropout-add with triton on CUDA, RoPE / router fusion with Transformer Engine, ...); False turns every
     one off (for before/after measurements). On CPU none exists."""
+    compile_regions: bool = False
+    """torch.compile (dynamic shapes: one compilation serves every microbatch size) the small ops each layer runs
+    around its kernels: the packed RoPE of the query and key (models.rope), fused into a kernel or two each way.
+    Off by default until measured on a GPU (bench/op_count.py --compile counts its recompilations); the start-up
+    line says which regions are compiled."""
     packed_attention: Literal["auto", "varlen", "per_sequence"] = "auto"
     """Packed (THD) attention of the local spec: varlen = torch's flash varlen kernel, one call per microbatch
     (CUDA, bf16/fp16, no context parallelism); per_sequence = one exact SDPA per sequence; auto = varlen where

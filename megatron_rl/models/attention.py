@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
@@ -119,14 +120,24 @@ def packed_seq_params(
 
 
 def _layout_offsets(params: PackedSeqParams) -> list[int]:
-    """Token offsets of the sequences as laid out (padded when given), checked q == kv (self-attention)."""
+    """Token offsets of the sequences as laid out (padded when given), checked q == kv (self-attention); read once per
+    microbatch and kept on `params` for every layer (and the recomputation in backward)."""
+    cached = getattr(params, "layout_offsets", None)
+    if cached is not None:
+        return cached
+    params.layout_offsets = _read_layout_offsets(params)
+    return params.layout_offsets
+
+
+def _read_layout_offsets(params: PackedSeqParams) -> list[int]:
     cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
     cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
     if cu_q is None:
         raise ValueError("PackedSeqParams(qkv_format='thd') without cu_seqlens_q: build it with packed_seq_params(lengths)")
-    if cu_kv is not None and not torch.equal(cu_kv.cpu(), cu_q.cpu()):
+    offsets = [int(x) for x in cu_q.tolist()]  # host copy: a handful of integers per microbatch
+    if cu_kv is not None and cu_kv is not cu_q and [int(x) for x in cu_kv.tolist()] != offsets:
         raise ValueError("PackedSeqParams: cu_seqlens_kv differs from cu_seqlens_q; self-attention needs the same layout")
-    return [int(x) for x in cu_q.tolist()]  # host copy: a handful of integers per microbatch
+    return offsets
 
 
 def device_offsets(params: PackedSeqParams | None, offsets: list[int], device: torch.device) -> torch.Tensor:
@@ -362,6 +373,62 @@ class LocalCoreAttention(MegatronModule):
         return torch.arange(seq_len_padded, device=device)[None, :] <= positions[:, None]
 
 
+class PackedSelfAttention(SelfAttention):
+    """megatron's SelfAttention whose RoPE of a packed (THD) microbatch is models.rope's: one table per microbatch,
+    one rotation of the query and one of the key per layer, applied where megatron applies it (after the q / k
+    norms, before the core attention). Elsewhere (unpacked rows, context parallelism, interleaved or fused
+    RoPE, inference) megatron's own path runs."""
+
+    _rope_table = None
+    compiled_rope = False
+    """Rotate with models.rope's torch.compile'd pair rotation (model.compile_regions; set at build)."""
+
+    def _packed_rope(self, rotary_pos_emb, packed_seq_params, inference_context):
+        """The packed table for this call, or None where megatron's RoPE runs (class docstring)."""
+        config = self.config
+        if (rotary_pos_emb is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd"
+                or inference_context is not None or config.apply_rope_fusion or config.rotary_interleaved
+                or config.multi_latent_attention or self.pg_collection.cp.size() > 1):
+            return None
+        if isinstance(rotary_pos_emb, tuple):
+            if rotary_pos_emb[0] is not rotary_pos_emb[1]:
+                return None
+            rotary_pos_emb = rotary_pos_emb[0]
+        if config.no_rope_freq and config.no_rope_freq[self.layer_number - 1]:
+            return None
+        from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+
+        from megatron_rl.models.rope import packed_table
+
+        mscale = float(_yarn_get_concentration_factor_from_config(config))
+        return packed_table(packed_seq_params, _layout_offsets(packed_seq_params), rotary_pos_emb,
+                            config.params_dtype, mscale)
+
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+        table = None
+        if not args:
+            table = self._packed_rope(kwargs.get("rotary_pos_emb"), kwargs.get("packed_seq_params"),
+                                      kwargs.get("inference_context"))
+        if table is None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        self._rope_table = table
+        try:
+            return super().forward(hidden_states, attention_mask, **{**kwargs, "rotary_pos_emb": None})
+        finally:
+            self._rope_table = None
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        qkv = super().get_query_key_value_tensors(*args, **kwargs)
+        if self._rope_table is None:
+            return qkv
+        from megatron_rl.models.rope import rotate, rotate_pair_compiled
+
+        query, key, *rest = qkv
+        if self.compiled_rope and self._rope_table[0].shape[-1] == query.shape[-1]:
+            return (*rotate_pair_compiled()(query, key, *self._rope_table), *rest)
+        return (rotate(query, self._rope_table), rotate(key, self._rope_table), *rest)
+
+
 def with_local_core_attention(block_spec):
     """A copy of a local-spec decoder block spec whose layers use LocalCoreAttention as core attention.
 
@@ -377,7 +444,9 @@ def with_local_core_attention(block_spec):
         inner = getattr(attention, "submodules", None)
         if getattr(inner, "core_attention", None) is not DotProductAttention:
             return layer_spec
-        attention = dataclasses.replace(attention, submodules=dataclasses.replace(inner, core_attention=LocalCoreAttention))
+        module = PackedSelfAttention if attention.module is SelfAttention else attention.module
+        attention = dataclasses.replace(attention, module=module,
+                                        submodules=dataclasses.replace(inner, core_attention=LocalCoreAttention))
         return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=attention))
 
     return dataclasses.replace(block_spec, layer_specs=[swap(spec) for spec in block_spec.layer_specs])

@@ -138,6 +138,7 @@ def kernel_choice(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, arch: HF
     return choose_kernels(
         kernels or detect_kernels(), model_cfg, use_te=use_transformer_engine(model_cfg), dtype=dtype,
         context_parallel=parallel_cfg.context_parallel, has_experts=bool(arch.num_experts), data_parallel=data_parallel,
+        experts_per_rank_split=parallel_cfg.expert_parallel * (parallel_cfg.expert_tensor_parallel or 1),
     )
 
 
@@ -179,7 +180,8 @@ def hf_to_transformer_config(
     moe: dict[str, Any] = {}
     if arch.num_experts:
         moe = dict(
-            moe_token_dispatcher_type=model_cfg.token_dispatcher,
+            # the sorted path replaces megatron's dispatcher after the layer builds one (models.moe)
+            moe_token_dispatcher_type="alltoall" if choice.dispatcher == "sorted" else choice.dispatcher,
             moe_router_load_balancing_type=model_cfg.moe_load_balancing_type if model_cfg.moe_aux_loss_coeff else "none",
             moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
             moe_z_loss_coeff=model_cfg.moe_z_loss_coeff or None,
@@ -295,7 +297,7 @@ def build_model(
     with _te_attention_environment(use_te):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=family.layer_spec(config, use_te),
+            transformer_layer_spec=_layer_spec(family, config, use_te, choice),
             vocab_size=info.padded_vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=ctx.is_pipeline_first_stage(),
@@ -305,7 +307,11 @@ def build_model(
             **family.gpt_model_kwargs(arch),
         )
     model.hf_info = info
-    _set_packed_attention(model, choice.attention, varlen_gqa=choice.varlen_gqa)
+    _set_packed_attention(model, choice.attention, varlen_gqa=choice.varlen_gqa, compiled_rope="packed_rope" in choice.compiled_regions)
+    if choice.dispatcher == "sorted":
+        from megatron_rl.models.moe import use_sorted_dispatch
+
+        use_sorted_dispatch(model)
     if ctx.device.type == "cuda":
         model.cuda(ctx.device)
     if load_weights is None:
@@ -334,13 +340,29 @@ def build_model(
     return chunks
 
 
-def _set_packed_attention(model, kernel: str, *, varlen_gqa: bool = True) -> None:
+def _layer_spec(family, config, use_te: bool, choice):
+    """The family's decoder block spec, its MoE layers on the sorted path where chosen (models.moe)."""
+    spec = family.layer_spec(config, use_te)
+    if choice.dispatcher != "sorted":
+        return spec
+    from megatron_rl.models.moe import sorted_dispatch_refusal, with_sorted_moe
+
+    refusal = sorted_dispatch_refusal(config)
+    if refusal:
+        raise ConfigError(f"the sorted MoE dispatch cannot serve this model ({refusal}): set model.token_dispatcher=alltoall")
+    return with_sorted_moe(spec)
+
+
+def _set_packed_attention(model, kernel: str, *, varlen_gqa: bool = True, compiled_rope: bool = False) -> None:
     """Every LocalCoreAttention of the model runs packed microbatches with `kernel` (models.kernels), the varlen
-    kernel called as the installed torch's signature allows (models.varlen)."""
-    from megatron_rl.models.attention import LocalCoreAttention
+    kernel called as the installed torch's signature allows (models.varlen); every PackedSelfAttention rotates with
+    the compiled RoPE where asked (model.compile_regions)."""
+    from megatron_rl.models.attention import LocalCoreAttention, PackedSelfAttention
     from megatron_rl.models.varlen import VarlenBinding
 
     for module in model.modules():
+        if isinstance(module, PackedSelfAttention):
+            module.compiled_rope = compiled_rope
         if isinstance(module, LocalCoreAttention):
             module.packed_kernel = kernel
             module.varlen_binding = VarlenBinding(enable_gqa=varlen_gqa)

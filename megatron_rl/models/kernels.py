@@ -8,7 +8,7 @@ torch's varlen flash attention, a compiler for megatron's jit fusions), and
 
     kernels = detect_kernels()
     choice = choose_kernels(kernels, model_cfg, use_te=..., dtype=..., data_parallel=...)
-    print(choice.describe())     # e.g. "experts: torch_grouped_mm (...); attention: varlen (...); ..."
+    print(choice.describe())     # e.g. "experts: torch_grouped_mm (...); MoE dispatch sorted (...); attention: varlen (...); ..."
 
 Routed experts (model.moe_grouped_gemm; None = auto):
   * te_grouped: Transformer Engine's TEGroupedMLP (TE spec);
@@ -26,6 +26,16 @@ Packed (THD) attention of the local spec (models.attention.LocalCoreAttention):
     whole packed microbatch in one call (CUDA, bf16/fp16, no context parallelism);
   * per_sequence: one exact scaled_dot_product_attention per sequence (CPU, fp32, CP).
   The TE spec uses TE's own attention. Padded rows use SDPA's causal path (no mask).
+
+MoE token dispatch (model.token_dispatcher; auto = sorted where it applies):
+  * sorted: models.moe's path (the router's top-k kept as [tokens, k], one stable sort, one
+    gather each way, expert offsets left on the device for torch._grouped_mm: no host sync),
+    for the local spec with every expert on its rank (expert parallel x expert tensor parallel
+    = 1) and without Transformer Engine's fused permute;
+  * alltoall / allgather: megatron's dispatchers (experts over several ranks, the TE spec).
+
+Compiled regions (model.compile_regions, off by default until a GPU measures it): the packed
+RoPE of each layer's query and key torch.compile'd with dynamic shapes (models.rope).
 
 Fusions (TransformerConfig fields): megatron's jit-fused bias-SwiGLU / bias-GELU and
 bias-dropout-add when a compiler for them exists (CUDA with triton); RoPE, router and
@@ -167,6 +177,11 @@ class KernelChoice:
     overlap_why: str = ""
     jit_fusions: bool = False
     """megatron's @jit_fuser functions are torch.compile'd (else eager: use_megatron_jit)."""
+    dispatcher: str = "alltoall"
+    """MoE token dispatch: sorted (models.moe) | alltoall | allgather (megatron's)."""
+    dispatcher_why: str = ""
+    compiled_regions: tuple[str, ...] = ()
+    """Regions torch.compile'd in each layer (model.compile_regions): "packed_rope"."""
 
     @property
     def moe_grouped_gemm(self) -> bool:
@@ -183,9 +198,11 @@ class KernelChoice:
             for why, names in sorted(by_reason.items())
         )
         overlap = "on" if self.overlap_grad_reduce else f"off ({self.overlap_why})"
-        return (f"kernels: experts {self.experts} ({self.experts_why}); attention {self.attention} ({self.attention_why}); "
+        return (f"kernels: experts {self.experts} ({self.experts_why}); MoE dispatch {self.dispatcher} ({self.dispatcher_why}); "
+                f"attention {self.attention} ({self.attention_why}); "
                 f"fusions on: {', '.join(on) or 'none'}{'; ' + off if off else ''}; overlap_grad_reduce {overlap}; "
-                f"megatron's jit functions {'compiled' if self.jit_fusions else 'eager'}")
+                f"megatron's jit functions {'compiled' if self.jit_fusions else 'eager'}; compiled regions: "
+                f"{', '.join(self.compiled_regions) if self.compiled_regions else 'none (model.compile_regions=false)'}")
 
 
 def choose_experts(kernels: Kernels, requested: bool | None, *, use_te: bool, dtype: torch.dtype) -> tuple[str, str]:
@@ -214,6 +231,25 @@ def choose_experts(kernels: Kernels, requested: bool | None, *, use_te: bool, dt
     if kernels.torch_grouped_mm:
         return "torch_grouped_mm", "torch._grouped_mm on CPU"
     return "per_expert_loop", "this torch has no torch._grouped_mm"
+
+
+def choose_dispatcher(requested: str, *, use_te: bool, experts_per_rank_split: int, permute_fusion: bool = False) -> tuple[str, str]:
+    """(dispatcher, why) for model.token_dispatcher; experts_per_rank_split = expert parallel x expert tensor parallel.
+    ConfigError naming the key where sorted is asked for and cannot run."""
+    if requested in ("alltoall", "allgather"):
+        return requested, f"model.token_dispatcher={requested}"
+    refusal = None
+    if use_te:
+        refusal = "the Transformer Engine spec keeps megatron's dispatcher"
+    elif experts_per_rank_split > 1:
+        refusal = f"experts split over {experts_per_rank_split} ranks (expert parallel x expert tensor parallel) need an all-to-all"
+    elif permute_fusion:
+        refusal = "model.moe_permute_fusion uses megatron's dispatcher"
+    if refusal is None:
+        return "sorted", "one gather each way, no host sync"
+    if requested == "sorted":
+        raise ConfigError(f"model.token_dispatcher=sorted cannot run here ({refusal}): set model.token_dispatcher=auto")
+    return "alltoall", refusal
 
 
 def choose_attention(kernels: Kernels, *, use_te: bool, dtype: torch.dtype, context_parallel: int,
@@ -280,12 +316,15 @@ def choose_overlap(kernels: Kernels, data_parallel: int) -> tuple[bool, str]:
 
 
 def choose_kernels(kernels: Kernels, model_cfg, *, use_te: bool, dtype: torch.dtype, context_parallel: int = 1,
-                   data_parallel: int = 1, has_experts: bool = True) -> KernelChoice:
+                   data_parallel: int = 1, has_experts: bool = True, experts_per_rank_split: int = 1) -> KernelChoice:
     """Every choice for one model build (see the module docstring)."""
     if has_experts:
         experts, experts_why = choose_experts(kernels, model_cfg.moe_grouped_gemm, use_te=use_te, dtype=dtype)
+        dispatcher, dispatcher_why = choose_dispatcher(model_cfg.token_dispatcher, use_te=use_te, permute_fusion=model_cfg.moe_permute_fusion,
+                                                       experts_per_rank_split=experts_per_rank_split)
     else:
         experts, experts_why = "sequential", "dense model"
+        dispatcher, dispatcher_why = "none", "dense model"
     attention, attention_why = choose_attention(kernels, use_te=use_te, dtype=dtype, context_parallel=context_parallel,
                                                 requested=model_cfg.packed_attention)
     fusions, off = choose_fusions(kernels, use_te=use_te, enabled=model_cfg.fusions)
@@ -293,6 +332,8 @@ def choose_kernels(kernels: Kernels, model_cfg, *, use_te: bool, dtype: torch.dt
     return KernelChoice(experts=experts, experts_why=experts_why, attention=attention, attention_why=attention_why,
                         varlen_gqa=kernels.varlen_gqa,
                         fusions=fusions, fusions_off_why=off, overlap_grad_reduce=overlap, overlap_why=overlap_why,
+                        dispatcher=dispatcher, dispatcher_why=dispatcher_why,
+                        compiled_regions=("packed_rope",) if model_cfg.compile_regions and attention != "te" else (),
                         jit_fusions=bool(kernels.cuda and kernels.jit_compiler and model_cfg.fusions))
 
 
@@ -337,5 +378,5 @@ def use_megatron_jit(compiled: bool) -> None:
                     setattr(owner, name, original)
 
 
-__all__ = ["KernelChoice", "Kernels", "choose_attention", "choose_experts", "choose_fusions", "choose_kernels", "choose_overlap",
+__all__ = ["KernelChoice", "Kernels", "choose_attention", "choose_dispatcher", "choose_experts", "choose_fusions", "choose_kernels", "choose_overlap",
            "detect_kernels", "use_megatron_jit"]

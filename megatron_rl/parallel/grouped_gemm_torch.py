@@ -105,13 +105,22 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
-    """Grouped matrix product: for each expert e, its rows of `a` times b[e] (see the module docstring)."""
-    sizes = [int(n) for n in batch_sizes.tolist()]  # a host tensor, as grouped_gemm requires: no device sync
+    """Grouped matrix product: for each expert e, its rows of `a` times b[e] (see the module docstring).
+
+    batch_sizes: a host tensor (as the grouped_gemm package requires), or counts on the device that carry their
+    cumulative int32 end rows as `grouped_mm_offsets` (models.moe's sorted dispatch): torch's grouped matmul then
+    takes those as they are, without reading the counts on the host (no device sync)."""
+    weights = b.transpose(-1, -2) if trans_b else b  # [E, k, n]
+    offsets = getattr(batch_sizes, "grouped_mm_offsets", None)
+    if offsets is not None and provider_for(a, weights) == "torch_grouped_mm":
+        if offsets.numel() != b.shape[0]:
+            raise ValueError(f"gmm: {offsets.numel()} expert offsets for {b.shape[0]} experts")
+        return _ContiguousGrad.apply(torch._grouped_mm(a.contiguous(), weights, offs=offsets))
+    sizes = [int(n) for n in batch_sizes.tolist()]  # on the host: the per-expert loop splits by them
     if len(sizes) != b.shape[0] or sum(sizes) != a.shape[0]:
         raise ValueError(
             f"gmm: batch_sizes {sizes} must have one entry per expert ({b.shape[0]}) and sum to the rows of a ({a.shape[0]})"
         )
-    weights = b.transpose(-1, -2) if trans_b else b  # [E, k, n]
     if provider_for(a, weights) == "torch_grouped_mm":
         offsets = host_to_device(torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32), a.device)
         return _ContiguousGrad.apply(torch._grouped_mm(a.contiguous(), weights, offs=offsets))

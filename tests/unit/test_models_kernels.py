@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_rl.config import ConfigError, ModelConfig
-from megatron_rl.models.kernels import Kernels, choose_attention, choose_experts, choose_fusions, choose_kernels
+from megatron_rl.models.kernels import Kernels, choose_attention, choose_dispatcher, choose_experts, choose_fusions, choose_kernels
 
 CPU = Kernels(cuda=False, torch_grouped_mm=True)
 H200_NO_TE = Kernels(cuda=True, capability=(9, 0), torch_grouped_mm=True, varlen_attention=True, jit_compiler=True)
@@ -70,8 +70,13 @@ def test_the_start_up_line_says_what_and_why():
     assert not cpu.moe_grouped_gemm and not cpu.overlap_grad_reduce and "overlap_grad_reduce off (CPU)" in cpu.describe()
     assert "fusions on: none; all fusions off: no CUDA" in cpu.describe()
     # megatron's own @jit_fuser functions compile where its fusions do, and run eagerly elsewhere
-    assert choice.jit_fusions and line.endswith("megatron's jit functions compiled")
-    assert not cpu.jit_fusions and cpu.describe().endswith("megatron's jit functions eager")
+    assert choice.jit_fusions and "megatron's jit functions compiled;" in line
+    assert not cpu.jit_fusions and "megatron's jit functions eager;" in cpu.describe()
+    # the MoE dispatch and the compiled regions, each with its reason
+    assert "MoE dispatch sorted (one gather each way, no host sync)" in line
+    assert line.endswith("compiled regions: none (model.compile_regions=false)")
+    compiled = choose_kernels(H200_NO_TE, ModelConfig(compile_regions=True), use_te=False, dtype=BF16)
+    assert compiled.compiled_regions == ("packed_rope",) and compiled.describe().endswith("compiled regions: packed_rope")
     no_triton = Kernels(cuda=True, capability=(9, 0), torch_grouped_mm=True, varlen_attention=True)
     assert not choose_kernels(no_triton, ModelConfig(), use_te=False, dtype=BF16).jit_fusions
     assert not choose_kernels(H200_NO_TE, ModelConfig(fusions=False), use_te=False, dtype=BF16).jit_fusions
@@ -95,3 +100,21 @@ def test_the_model_config_can_turn_each_kernel_off_for_comparisons():
     assert choice.fusions_off_why["bias_activation_fusion"] == "model.fusions=false"
     with pytest.raises(ConfigError, match="model.packed_attention=varlen cannot run here.*CPU"):
         choose_kernels(CPU, ModelConfig(packed_attention="varlen"), use_te=False, dtype=FP32)
+
+
+@pytest.mark.parametrize("requested,use_te,split,fusion,expected", [
+    ("auto", False, 1, False, "sorted"),        # every expert on this rank: one gather each way
+    ("auto", False, 2, False, "alltoall"),      # experts over EP x expert-TP ranks: megatron's all-to-all
+    ("auto", True, 1, False, "alltoall"),       # the Transformer Engine spec keeps megatron's dispatcher
+    ("auto", False, 1, True, "alltoall"),       # TE's fused permute is megatron's dispatcher's
+    ("sorted", False, 1, False, "sorted"),
+    ("allgather", False, 1, False, "allgather"),
+    ("alltoall", False, 1, False, "alltoall"),
+])
+def test_moe_dispatch(requested, use_te, split, fusion, expected):
+    assert choose_dispatcher(requested, use_te=use_te, experts_per_rank_split=split, permute_fusion=fusion)[0] == expected
+
+
+def test_the_sorted_dispatch_asked_for_where_it_cannot_run_names_the_key():
+    with pytest.raises(ConfigError, match=r"model.token_dispatcher=sorted cannot run here \(experts split over 4 ranks"):
+        choose_dispatcher("sorted", use_te=False, experts_per_rank_split=4)
