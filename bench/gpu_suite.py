@@ -24,7 +24,7 @@ reports what it finished):
    ratio; where one step's time goes (megatron_rl.actor.phases: experts,
    attention, router, permutation, logprobs, optimizer, other, host overhead);
    and each kernel choice of models.kernels undone in turn (per-expert GEMMs,
-   per-sequence attention, fusions off, padded rows) as a before/after line.
+   per-sequence attention, fusions off, megatron's MoE dispatcher, padded rows) as a before/after line.
 5. ``vocab_logprobs``: peak memory of vocab-parallel logprobs + entropy
    (forward and backward) on bf16 logits as a multiple of the logits' bytes,
    and their values against log_softmax.
@@ -358,6 +358,7 @@ ABLATIONS = {
     "experts_per_expert_gemm": {"model": {"moe_grouped_gemm": False}},
     "attention_per_sequence": {"model": {"packed_attention": "per_sequence"}},
     "fusions_off": {"model": {"fusions": False}},
+    "megatron_dispatch": {"model": {"token_dispatcher": "alltoall"}},
     "padded_rows": {"packed": False},
 }
 

@@ -1,4 +1,4 @@
-"""Aten ops dispatched per layer per microbatch: a CPU proxy for the kernel launches and host work of a step.
+"""Aten ops, kernels, host syncs and bytes per layer per microbatch: a CPU count of a GPU step's launch overhead.
 
 On a GPU without CUDA graphs every aten op that is not a view is (at least) one
 kernel launch and a few microseconds of host time, so the count per layer is a
@@ -11,11 +11,17 @@ microbatches, GRPO with the entropy metric):
     share, _ = actor.prepare_batch(share)       # old-policy forward (no grad, records routes for drift)
     actor.train_step(share)                     # forward + backward + optimizer step
 
-Each op is counted once by a `torch.utils._python_dispatch.TorchDispatchMode`
-and attributed to a phase:
+with the kernels a GPU build picks (bench/op_count_emulation.py: grouped experts, the
+flash varlen attention, torch's fused RMSNorm and Adam, run exactly on the CPU and
+counted as the CUDA ops they stand for; what it cannot emulate is listed in the JSON),
+and again with the CPU's own choices (``cpu_path``). Beside it, transformers' own
+Qwen3-MoE layer on the same model and sequences as one padded batch
+(bench/op_count_reference.py), and the ratio.
+
+bench/op_counter.py counts each op once and attributes it to a phase:
 
 * forward: the innermost labelled region open when it dispatches (module hooks:
-  attention = SelfAttention, router = TopKRouter (gating, top-k, aux losses, and
+  attention = SelfAttention, router = the MoE router (gating, top-k, aux losses, and
   the actor's routing hooks on it), experts = SequentialMLP / GroupedMLP,
   permutation = the MoE layer minus its router and experts (token dispatch,
   permute / unpermute, combine), layer_other = the rest of each transformer layer
@@ -23,40 +29,39 @@ and attributed to a phase:
   entropy path; loss = the policy loss; optimizer = the optimizer step; batch =
   building the microbatches' input tensors; other = everything else (embedding,
   final norm, schedule, metrics);
-* backward: the phase of the forward region that created the autograd node being
-  run (`torch._C._current_autograd_node()` and its sequence number, recorded at
-  every region boundary), so backward ops land where their forward ran. Every
-  region megatron-core can recompute in backward (core attention, MoE layer,
-  transformer layer) is a labelled module, so a recomputation marks its nodes too.
+* backward: the phase of the forward region that created the autograd node being run.
 
 Per layer = (attention + router + permutation + experts + layer_other) /
 (layers x microbatches); logprobs and loss per microbatch; optimizer and batch per
-step. ``kernels`` counts non-view ops (what launches work on a GPU); ``ops`` all
-of them; ``host_syncs`` the `aten::_local_scalar_dense` calls (`.item()`, `int()`).
+step. ``kernels`` counts ops that launch device work; ``host_syncs`` the ops that make
+the host wait for a GPU (a scalar read, a data-sized output); ``bytes`` the tensors each
+kernel reads and writes. The permutation's minimum: every token's top-k copies of its
+hidden state, tokens x top-k x hidden x element size, moved each way (to the experts and
+back) in the forward and again in the backward.
 
 Writes bench/results/op_count.json: ``--record before`` / ``--record after``
-replace that entry (the code as it was, the code as it is). Run: python bench/op_count.py
+replace that entry (the code as it was, the code as it is); the transformers column is
+measured by every run. Run: python bench/op_count.py [--variants]
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import json
 import platform
 import sys
 import tempfile
-from collections import Counter, defaultdict
 from pathlib import Path
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "bench" / "results" / "op_count.json"
+
+from bench.op_counter import OpCounter  # noqa: E402  (after the repository joins the path)
 
 MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
              moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
@@ -66,25 +71,26 @@ TOKENS_PER_MICROBATCH = 128
 VARIANTS = {"recompute=moe": {"recompute": "moe"}, "recompute=full": {"recompute": "full"},
             "token_dispatcher=allgather": {"token_dispatcher": "allgather"}}
 """Settings measured beside the default (--variants): per-layer kernels of each."""
+SHAPE_VARIANTS = {"num_experts=16,num_experts_per_tok=8": {"num_experts": 16, "num_experts_per_tok": 8}}
+"""Model shapes measured beside MODEL (--variants): top-k 8, as Qwen3-MoE's own routing. A gather to the experts reads
+the T x hidden token tensor and writes its k copies; the combine writes, reads and rewrites the T x hidden output
+while it reads the copies; their gradients do the same: the bytes over the minimum (the copies) fall as 1 + 2 / k."""
 LAYER_PHASES = ("attention", "router", "permutation", "experts", "layer_other")
 PHASES = (*LAYER_PHASES, "logprobs", "loss", "optimizer", "batch", "other")
-NOT_KERNELS = {"scalar_tensor", "promote_types", "result_type", "empty", "empty_like", "empty_strided", "lift_fresh"}
-"""Ops that launch no device work: a wrapped host scalar, dtype arithmetic, uninitialised allocations."""
-VIEW_OPS = {"detach", "alias", "lift_fresh", "_unsafe_view", "view", "reshape", "expand", "t", "transpose",
-            "permute", "unsqueeze", "squeeze", "select", "slice", "split", "split_with_sizes", "unbind",
-            "as_strided", "chunk", "narrow", "view_as", "_reshape_alias", "unfold", "diagonal", "movedim",
-            "flatten", "unflatten", "expand_as", "set_", "resize_"}
+GOAL_FRACTION_OF_BEFORE, GOAL_PERMUTATION_BYTES = 0.6, 1.5
+"""Goals of the counts: kernels per layer at most 0.6 x the code before and at most transformers' own; no host
+sync in a layer; the permutation's bytes at most 1.5 x its minimum."""
 
 
 def _module_phase(name: str, module: torch.nn.Module) -> str | None:
     kind = type(module).__name__
-    if kind in ("SelfAttention", "LocalCoreAttention", "DotProductAttention", "TEDotProductAttention"):
+    if kind in ("SelfAttention", "PackedSelfAttention", "LocalCoreAttention", "DotProductAttention", "TEDotProductAttention"):
         return "attention"
-    if kind in ("TopKRouter",):
+    if kind.endswith("Router"):
         return "router"
     if kind in ("SequentialMLP", "GroupedMLP", "TEGroupedMLP"):
         return "experts"
-    if kind in ("MoELayer",):
+    if kind.endswith("MoELayer"):
         return "permutation"
     if kind in ("TransformerLayer", "MoETransformerLayer"):
         return "layer_other"
@@ -93,89 +99,22 @@ def _module_phase(name: str, module: torch.nn.Module) -> str | None:
     return None
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops by phase (see the module docstring); `region(phase)` opens a labelled region."""
+class RoutedCopies:
+    """The permutation's minimum bytes: per MoE forward, tokens x top-k x hidden x element size each way, twice
+    (dispatch and combine), twice more for their gradients when the forward builds a graph outside backward."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.stack: list[str] = []
-        self.boundaries: list[int] = []  # autograd sequence numbers where a phase began
-        self.boundary_phase: list[str] = []
-        self.paused = False
-        self.counts: dict[str, Counter] = defaultdict(Counter)
-        self.names: dict[str, Counter] = defaultdict(Counter)
+        self.bytes = 0
 
-    # -- phase bookkeeping ------------------------------------------------------------------------
-
-    def _next_sequence_nr(self) -> int:
-        self.paused = True
-        try:
-            with torch.enable_grad():
-                probe = torch.zeros((), requires_grad=True).mul(1.0)
-            return probe.grad_fn._sequence_nr()
-        finally:
-            self.paused = False
-
-    def _mark(self) -> None:
-        """Nodes created from here on belong to the current innermost phase."""
-        if torch._C._current_autograd_node() is not None and not self.stack:
-            return
-        self.boundaries.append(self._next_sequence_nr())
-        self.boundary_phase.append(self.stack[-1] if self.stack else "other")
-
-    def enter(self, phase: str) -> None:
-        self.stack.append(phase)
-        self._mark()
-
-    def exit(self) -> None:
-        if self.stack:
-            self.stack.pop()
-        self._mark()
-
-    @contextlib.contextmanager
-    def region(self, phase: str):
-        self.enter(phase)
-        try:
-            yield
-        finally:
-            self.exit()
-
-    def _phase_now(self) -> str:
-        if self.stack:  # forward (or a recomputation in backward)
-            return self.stack[-1]
-        node = torch._C._current_autograd_node()
-        if node is None or not self.boundaries or node.name().endswith("AccumulateGrad"):
-            return "other"  # a parameter's gradient accumulation (DDP's main_grad hooks) is no layer phase
-        index = bisect.bisect_right(self.boundaries, node._sequence_nr()) - 1
-        return self.boundary_phase[index] if index >= 0 else "other"
-
-    # -- counting ---------------------------------------------------------------------------------
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused:
-            phase = self._phase_now()
-            name = func._schema.name.removeprefix("aten::")
-            launches = not (name in VIEW_OPS or name in NOT_KERNELS or func.is_view)
-            self.counts[phase]["ops"] += 1
-            self.counts[phase]["kernels"] += launches
-            self.counts[phase]["host_syncs"] += name == "_local_scalar_dense"
-            if launches:
-                self.names[phase][name] += 1
-        return func(*args, **(kwargs or {}))
-
-    def take(self) -> tuple[dict, dict]:
-        counts = {phase: dict(self.counts.get(phase, {"ops": 0, "kernels": 0, "host_syncs": 0})) for phase in PHASES}
-        for phase in counts:
-            for key in ("ops", "kernels", "host_syncs"):
-                counts[phase].setdefault(key, 0)
-        names = {phase: dict(self.names[phase].most_common(12)) for phase in PHASES if phase in self.names}
-        self.counts.clear()
-        self.names.clear()
-        return counts, names
+    def hook(self, module, args) -> None:
+        hidden = args[0]
+        copies = hidden.numel() * module.config.moe_router_topk * hidden.element_size()
+        backward = torch.is_grad_enabled() and torch._C._current_autograd_node() is None
+        self.bytes += copies * (4 if backward else 2)
 
 
 @contextlib.contextmanager
-def labelled(actor, counter: OpCounter):
+def labelled(actor, counter: OpCounter, routed: RoutedCopies | None = None):
     """Module hooks and wrappers that open the phases' regions while `actor` runs."""
     import megatron_rl.actor.step as step_module
 
@@ -187,6 +126,8 @@ def labelled(actor, counter: OpCounter):
                 continue
             handles.append(module.register_forward_pre_hook(lambda m, a, p=phase: counter.enter(p)))
             handles.append(module.register_forward_hook(lambda m, a, o: counter.exit()))
+            if phase == "permutation" and routed is not None:
+                handles.append(module.register_forward_pre_hook(routed.hook))
 
     def wrap(fn, phase):
         def wrapped(*args, **kwargs):
@@ -225,68 +166,87 @@ def make_batch(vocab: int):
     )
 
 
-def _summary(counts: dict, names, layers: int, microbatches: int, *, train: bool) -> dict:
-    """One side's figures: per layer and per microbatch, the loss and optimizer (training only), host syncs."""
-    out = {"per_layer_per_microbatch": _per_layer(counts, layers, microbatches),
+def per_layer(counts: dict, layers: int, microbatches: int) -> dict:
+    """Per layer per microbatch: ops, kernels, host syncs and bytes of the layer phases, and kernels / bytes by phase."""
+    out = {key: sum(counts[p][key] for p in LAYER_PHASES) / (layers * microbatches)
+           for key in ("ops", "kernels", "host_syncs", "bytes")}
+    out["by_phase"] = {p: counts[p]["kernels"] / (layers * microbatches) for p in LAYER_PHASES}
+    out["host_syncs_by_phase"] = {p: counts[p]["host_syncs"] / (layers * microbatches) for p in LAYER_PHASES}
+    out["bytes_by_phase"] = {p: counts[p]["bytes"] / (layers * microbatches) for p in LAYER_PHASES}
+    return out
+
+
+def _summary(counts: dict, names: dict, layers: int, microbatches: int, *, train: bool, routed_bytes: int) -> dict:
+    """One side's figures: per layer and per microbatch, the loss and optimizer (training only), host syncs, and the
+    permutation's bytes against its minimum."""
+    out = {"per_layer_per_microbatch": per_layer(counts, layers, microbatches),
            "logprobs_per_microbatch": counts["logprobs"]["kernels"] / microbatches}
     if train:
         out["loss_per_microbatch"] = counts["loss"]["kernels"] / microbatches
         out["optimizer_per_step"] = counts["optimizer"]["kernels"]
     out["batch_per_microbatch"] = counts["batch"]["kernels"] / microbatches
     out["host_syncs_per_step" if train else "host_syncs_per_forward"] = sum(c["host_syncs"] for c in counts.values())
+    if routed_bytes:
+        measured, index = counts["permutation"]["bytes"], counts["permutation"]["index_bytes"]
+        out["permutation_bytes"] = {"measured": measured, "of_which_indices": index, "minimum": routed_bytes,
+                                    "ratio": measured / routed_bytes, "ratio_without_indices": (measured - index) / routed_bytes}
     return out | {"phases": counts, "top_ops": names}
 
 
-def _per_layer(counts: dict, layers: int, microbatches: int) -> dict:
-    out = {}
-    for key in ("ops", "kernels", "host_syncs"):
-        layer = sum(counts[p][key] for p in LAYER_PHASES)
-        out[key] = layer / (layers * microbatches)
-    out["by_phase"] = {p: counts[p]["kernels"] / (layers * microbatches) for p in LAYER_PHASES}
-    return out
+def measure(model_dir: str, *, gpu_kernels: bool = True, **model_settings) -> dict:
+    """Op counts of one old-policy forward and one train step of a tiny actor (this process, world 1), with the
+    kernels a GPU picks (bench/op_count_emulation.py) or the CPU's own; model_settings: ModelConfig fields."""
+    from bench.op_count_emulation import cuda_kernels_on_cpu
+
+    emulation = cuda_kernels_on_cpu() if gpu_kernels else contextlib.nullcontext()
+    if gpu_kernels:
+        model_settings.setdefault("moe_grouped_gemm", True)
+    with emulation:
+        return _measure(model_dir, gpu_kernels, model_settings)
 
 
-def measure(model_dir: str, **model_settings) -> dict:
-    """Op counts of one old-policy forward and one train step of a tiny actor (this process, world 1);
-    model_settings: ModelConfig fields (e.g. recompute="moe")."""
+def _measure(model_dir: str, gpu_kernels: bool, model_settings: dict) -> dict:
+    from bench.op_count_emulation import gpu_kernel_choices
     from megatron_rl.actor import Actor
     from megatron_rl.config import AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
     from megatron_rl.models import load_hf_config, model_shape
     from megatron_rl.parallel import destroy_parallel, init_parallel
 
     ctx = init_parallel(ParallelConfig(), shape=model_shape(load_hf_config(model_dir)))
-    model_cfg = ModelConfig(path=model_dir, **model_settings)
-    actor = Actor(ctx, model=model_cfg, optimizer=OptimizerConfig(lr=1e-3),
+    actor = Actor(ctx, model=ModelConfig(path=model_dir, **model_settings), optimizer=OptimizerConfig(lr=1e-3),
                   # old_logprobs=forward: the old-policy forward is one of the paths counted
                   train=TrainConfig(pack_sequences=True, max_tokens_per_microbatch=TOKENS_PER_MICROBATCH, old_logprobs="forward"),
                   algorithm=AlgorithmConfig(loss="grpo"))
-    counter = OpCounter()
-    result = {}
+    counter = OpCounter(PHASES)
     try:
+        if gpu_kernels:
+            gpu_kernel_choices(actor)
         batch = make_batch(actor.arch.vocab_size)
         share = actor.distribute(batch)
         share, _ = actor.prepare_batch(share)  # warm-up: lazy initialisation is not counted
         actor.train_step(share)
         layers = actor.arch.num_layers
-        with labelled(actor, counter), counter:
+        routed_forward, routed_train = RoutedCopies(), RoutedCopies()
+        with labelled(actor, counter, routed_forward), counter:
             share, _ = actor.prepare_batch(share.replace(old_logprobs=None, old_routed_experts=None))
         forward, forward_names = counter.take()
-        with labelled(actor, counter), counter:
+        with labelled(actor, counter, routed_train), counter:
             metrics = actor.train_step(share)
         train, train_names = counter.take()
         microbatches = int(metrics["microbatches_per_rank"])
-        result = {"layers": layers, "microbatches": microbatches,
-                  "train_step": _summary(train, train_names, layers, microbatches, train=True),
-                  "old_policy_forward": _summary(forward, forward_names, layers, microbatches, train=False)}
+        return {"layers": layers, "microbatches": microbatches,
+                "train_step": _summary(train, train_names, layers, microbatches, train=True, routed_bytes=routed_train.bytes),
+                "old_policy_forward": _summary(forward, forward_names, layers, microbatches, train=False,
+                                               routed_bytes=routed_forward.bytes)}
     finally:
         actor.close()
         destroy_parallel(ctx)
-    return result
 
 
 def batch_scaling(sequences=(4, 32), length: int = 40) -> dict:
-    """Kernels and scalar reads of building one packed microbatch's inputs (actor.step.microbatch_inputs,
-    loss inputs included) for a microbatch of n sequences: host work per sequence shows as growth with n."""
+    """Kernels, host syncs and scalar reads (.item(), int()) of building one packed microbatch's inputs
+    (actor.step.microbatch_inputs, loss inputs included; on the host in a GPU run, then copied) for a microbatch of
+    n sequences: host work per sequence shows as growth with n."""
     from megatron_rl.actor import TrainBatch
     from megatron_rl.actor.plan import Microbatch
     from megatron_rl.actor.step import microbatch_inputs
@@ -301,25 +261,30 @@ def batch_scaling(sequences=(4, 32), length: int = 40) -> dict:
                            advantages=torch.randn(n, generator=g), sequence_lengths=lengths,
                            old_logprobs=-torch.rand(n, length, generator=g), rollout_logprobs=-torch.rand(n, length, generator=g))
         mb = Microbatch(tuple(range(n)), int(lengths.sum()), packed=True)
-        counter = OpCounter()
+        counter = OpCounter(PHASES)
         with counter:
             microbatch_inputs(batch, mb, lengths, torch.device("cpu"), with_loss_inputs=True)
-        counts, _ = counter.take()
+        counts, names = counter.take()
         out[str(n)] = {key: sum(c[key] for c in counts.values()) for key in ("kernels", "host_syncs")}
+        out[str(n)]["scalar_reads"] = sum(s.get("_local_scalar_dense", 0) for s in names["host_syncs"].values())
     return out
 
 
-def tiny_model(tmp: str) -> str:
+def tiny_model(tmp: str, **shape) -> str:
+    """The tiny Qwen3-MoE (MODEL, `shape` replacing its keys) written under `tmp`."""
     from megatron_rl.models.tiny import make_tiny_model_dir
 
-    return str(make_tiny_model_dir(Path(tmp) / "moe", "qwen3_moe", seed=0, with_tokenizer=False, **MODEL))
+    name = "moe" + "".join(f"-{k}{v}" for k, v in sorted(shape.items()))
+    return str(make_tiny_model_dir(Path(tmp) / name, "qwen3_moe", seed=0, with_tokenizer=False, **(MODEL | shape)))
 
 
 def summary(result: dict) -> str:
     train, fwd = result["train_step"], result["old_policy_forward"]
     layer = train["per_layer_per_microbatch"]
     phases = ", ".join(f"{p} {v:.0f}" for p, v in layer["by_phase"].items())
-    return (f"train: {layer['kernels']:.1f} kernels / layer / microbatch ({phases}); logprobs "
+    permutation = train.get("permutation_bytes", {})
+    return (f"train: {layer['kernels']:.1f} kernels / layer / microbatch ({phases}), host syncs {layer['host_syncs']:.1f}, "
+            f"permutation bytes {permutation.get('ratio', float('nan')):.2f} x minimum; logprobs "
             f"{train['logprobs_per_microbatch']:.0f}, loss {train['loss_per_microbatch']:.0f} per microbatch; optimizer "
             f"{train['optimizer_per_step']}; batch {train['batch_per_microbatch']:.0f} per microbatch; host syncs "
             f"{train['host_syncs_per_step']} per step. old-policy forward: "
@@ -327,19 +292,65 @@ def summary(result: dict) -> str:
             f"{fwd['host_syncs_per_forward']}")
 
 
+def transformers_column(model_dir: str) -> dict:
+    """transformers' own layer on the same model and sequences (bench/op_count_reference.py)."""
+    from bench.op_count_reference import count_transformers
+
+    return count_transformers(model_dir, LENGTHS, lambda: OpCounter(PHASES), per_layer)
+
+
+def goals(before: dict | None, after: dict, reference: dict) -> dict:
+    """The count's goals (GOAL_*), each with the figures it compares."""
+    ours = after["train_step"]["per_layer_per_microbatch"]
+    theirs = reference["train_step"]["kernels"]
+    out = {"kernels_vs_transformers": {"after": ours["kernels"], "transformers": theirs, "ratio": ours["kernels"] / theirs,
+                                       "met": ours["kernels"] <= theirs},
+           "host_syncs_per_layer": {"after": ours["host_syncs"], "met": ours["host_syncs"] == 0}}
+    ratio = after["train_step"].get("permutation_bytes", {}).get("ratio")
+    out["permutation_bytes"] = {"ratio": ratio, "goal": GOAL_PERMUTATION_BYTES,
+                                "met": ratio is not None and ratio <= GOAL_PERMUTATION_BYTES}
+    if before:
+        old = before["train_step"]["per_layer_per_microbatch"]["kernels"]
+        out["kernels_vs_before"] = {"before": old, "after": ours["kernels"], "ratio": ours["kernels"] / old,
+                                    "goal": GOAL_FRACTION_OF_BEFORE, "met": ours["kernels"] <= GOAL_FRACTION_OF_BEFORE * old}
+    return out
+
+
+def compile_recompilations(model_dir: str) -> dict:
+    """model.compile_regions=true: the compilations torch.compile made over the old-policy forwards and train steps of
+    microbatches of different sizes (dynamic shapes: once per grad mode, not once per microbatch). Its kernels are
+    not counted: the CPU's compiled kernels are no aten ops (a GPU measures them)."""
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["frames"])
+    result = measure(model_dir, compile_regions=True)
+    compiled = {key: value - before.get(key, 0) for key, value in counters["frames"].items()}
+    return {"compilations": compiled.get("ok", 0), "frames": compiled, "microbatches_per_step": result["microbatches"],
+            "steps": 2, "old_policy_forwards": 2}
+
+
 def main() -> None:
+    from bench.op_count_emulation import EMULATED, NOT_EMULATED
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", choices=("before", "after"), default="after",
                         help="which entry of bench/results/op_count.json this run replaces")
     parser.add_argument("--variants", action="store_true", help=f"also measure {', '.join(VARIANTS)}")
+    parser.add_argument("--compile", action="store_true", help="also count model.compile_regions' recompilations "
+                        "(minutes: a C++ compiler builds the regions on CPU)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model(tmp)
         result = measure(model_dir)
+        result["cpu_path"] = measure(model_dir, gpu_kernels=False)["train_step"]["per_layer_per_microbatch"]
         result["batch_inputs_by_sequences_per_microbatch"] = batch_scaling()
-        print(f"{args.record}: {summary(result)}; microbatch inputs by sequences: "
-              f"{result['batch_inputs_by_sequences_per_microbatch']}", flush=True)
+        print(f"{args.record}: {summary(result)}; CPU's own kernels: {result['cpu_path']['kernels']:.1f} / layer / "
+              f"microbatch; microbatch inputs by sequences: {result['batch_inputs_by_sequences_per_microbatch']}", flush=True)
+        reference = transformers_column(model_dir)
+        print(f"transformers: train {reference['train_step']['kernels']:.1f} kernels / layer "
+              f"({', '.join(f'{p} {v:.0f}' for p, v in reference['train_step']['by_phase'].items())}), host syncs "
+              f"{reference['train_step']['host_syncs']:.1f}; forward {reference['forward']['kernels']:.1f}", flush=True)
         if args.variants:
             result["variants"] = {}
             for name, settings in VARIANTS.items():
@@ -348,17 +359,31 @@ def main() -> None:
                                             "forward_per_layer_per_microbatch":
                                                 variant["old_policy_forward"]["per_layer_per_microbatch"]}
                 print(f"  {name}: {summary(variant)}", flush=True)
+            for name, shape in SHAPE_VARIANTS.items():
+                variant = measure(tiny_model(tmp, **shape))["train_step"]
+                result["variants"][name] = {"train_per_layer_per_microbatch": variant["per_layer_per_microbatch"],
+                                            "permutation_bytes": variant["permutation_bytes"]}
+                print(f"  {name}: {variant['per_layer_per_microbatch']['kernels']:.1f} kernels / layer / microbatch, "
+                      f"permutation bytes {variant['permutation_bytes']['ratio']:.2f} x minimum", flush=True)
+        if args.compile:
+            result["compile_regions"] = compile_recompilations(model_dir)
+            print(f"  compile_regions=true: {result['compile_regions']}", flush=True)
     previous = json.loads(OUT.read_text()) if OUT.exists() else {}
     out = {
-        "what": "aten ops dispatched per transformer layer per microbatch (kernels = non-view ops) in the actor's "
-                "packed train step and old-policy forward, by phase (bench/op_count.py docstring)",
+        "what": "per transformer layer per microbatch, by phase: aten ops, kernels (ops that launch device work), host "
+                "syncs and the bytes kernels read and write, in the actor's packed train step and old-policy forward "
+                "with the kernels a GPU picks, beside transformers' own layer (bench/op_count.py docstring)",
         "machine": {"platform": platform.platform(), "torch": torch.__version__},
         "model": MODEL,
         "batch": {"lengths": list(LENGTHS), "prompt": PROMPT, "tokens_per_microbatch": TOKENS_PER_MICROBATCH},
+        "gpu_kernels_emulated": list(EMULATED), "not_emulated": list(NOT_EMULATED),
         "before": previous.get("before"),
         "after": previous.get("after"),
     }
     out[args.record] = result
+    out["transformers"] = reference
+    if out["after"]:
+        out["goals"] = goals(out["before"], out["after"], reference)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {OUT}")

@@ -76,6 +76,7 @@ def test_phases_and_kernel_ablations_are_recorded(tiny_run):
     assert phases["phases_s"]["experts"] > 0 and phases["phases_s"]["attention"] > 0
     ours, theirs = speed["megatron_rl"]["train_tokens_per_s"], speed["transformers"]["train_tokens_per_s"]
     assert speed["megatron_rl_over_transformers_train"] == pytest.approx(ours / theirs)
-    assert set(speed["ablations"]) == {"experts_per_expert_gemm", "attention_per_sequence", "fusions_off", "padded_rows"}
+    assert set(speed["ablations"]) == {"experts_per_expert_gemm", "attention_per_sequence", "fusions_off", "megatron_dispatch",
+                                       "padded_rows"}
     for run in speed["ablations"].values():
         assert run["all_on_over_this"] == pytest.approx(ours / run["train_tokens_per_s"])
