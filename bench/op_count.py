@@ -77,8 +77,8 @@ the T x hidden token tensor and writes its k copies; the combine writes, reads a
 while it reads the copies; their gradients do the same: the bytes over the minimum (the copies) fall as 1 + 2 / k."""
 LAYER_PHASES = ("attention", "router", "permutation", "experts", "layer_other")
 PHASES = (*LAYER_PHASES, "logprobs", "loss", "optimizer", "batch", "other")
-GOAL_FRACTION_OF_BEFORE, GOAL_PERMUTATION_BYTES = 0.6, 1.5
-"""Goals of the counts: kernels per layer at most 0.6 x the code before and at most transformers' own; no host
+TARGET_FRACTION_OF_BEFORE, TARGET_PERMUTATION_BYTES = 0.6, 1.5
+"""Targets of the counts: kernels per layer at most 0.6 x the code before and at most transformers' own; no host
 sync in a layer; the permutation's bytes at most 1.5 x its minimum."""
 
 
@@ -299,20 +299,20 @@ def transformers_column(model_dir: str) -> dict:
     return count_transformers(model_dir, LENGTHS, lambda: OpCounter(PHASES), per_layer)
 
 
-def goals(before: dict | None, after: dict, reference: dict) -> dict:
-    """The count's goals (GOAL_*), each with the figures it compares."""
+def targets(before: dict | None, after: dict, reference: dict) -> dict:
+    """The count's targets (TARGET_*), each with the figures it compares."""
     ours = after["train_step"]["per_layer_per_microbatch"]
     theirs = reference["train_step"]["kernels"]
     out = {"kernels_vs_transformers": {"after": ours["kernels"], "transformers": theirs, "ratio": ours["kernels"] / theirs,
                                        "met": ours["kernels"] <= theirs},
            "host_syncs_per_layer": {"after": ours["host_syncs"], "met": ours["host_syncs"] == 0}}
     ratio = after["train_step"].get("permutation_bytes", {}).get("ratio")
-    out["permutation_bytes"] = {"ratio": ratio, "goal": GOAL_PERMUTATION_BYTES,
-                                "met": ratio is not None and ratio <= GOAL_PERMUTATION_BYTES}
+    out["permutation_bytes"] = {"ratio": ratio, "target": TARGET_PERMUTATION_BYTES,
+                                "met": ratio is not None and ratio <= TARGET_PERMUTATION_BYTES}
     if before:
         old = before["train_step"]["per_layer_per_microbatch"]["kernels"]
         out["kernels_vs_before"] = {"before": old, "after": ours["kernels"], "ratio": ours["kernels"] / old,
-                                    "goal": GOAL_FRACTION_OF_BEFORE, "met": ours["kernels"] <= GOAL_FRACTION_OF_BEFORE * old}
+                                    "target": TARGET_FRACTION_OF_BEFORE, "met": ours["kernels"] <= TARGET_FRACTION_OF_BEFORE * old}
     return out
 
 
@@ -383,7 +383,7 @@ def main() -> None:
     out[args.record] = result
     out["transformers"] = reference
     if out["after"]:
-        out["goals"] = goals(out["before"], out["after"], reference)
+        out["targets"] = targets(out["before"], out["after"], reference)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {OUT}")
