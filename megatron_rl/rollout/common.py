@@ -140,6 +140,21 @@ def environment_set(variables: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+@contextmanager
+def stop_warning_blocked() -> Iterator[None]:
+    """SIGUSR1 blocked in this thread while it starts child processes, which keep it blocked (a signal mask survives
+    fork and exec): vLLM's engine core then outlives a stop warning sent to every process of a job (Slurm's srun passes
+    USR1 on to every process of its step; USR1's default action ends a process). This process loses nothing: the
+    warning goes to another of its threads, or waits, pending, until the mask is restored."""
+    import signal
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class SocketDir:
     """A directory of one vLLM engine's own for the ZMQ sockets between its processes (VLLM_RPC_BASE_PATH), and the
     temp directory of the processes the engine starts (TMPDIR), removed with it. vLLM names its sockets by uuid in

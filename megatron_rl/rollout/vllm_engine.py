@@ -72,7 +72,7 @@ from megatron_rl.heap import collect_after_close, heap_kept_frozen, import_long_
 from megatron_rl.rollout import cpu_rope
 from megatron_rl.rollout.common import (
     COMPILE_OFF, WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, compiles_nothing, default_dtype,
-    engine_core_environment, environment_set, make_sample, prefix_caching_off, remove_store_file, sleep_mode_available,
+    engine_core_environment, environment_set, make_sample, stop_warning_blocked, prefix_caching_off, remove_store_file, sleep_mode_available,
     splits_fail_seeded_prefills, store_file_of_this_process, worker_in_engine_core,
 )
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
@@ -228,7 +228,8 @@ class VLLMEngine(ServingEngine):
                     self._compiler_off()
             if not self.multiprocessing:  # the model is built in this process: fix vLLM's CPU kernels first
                 cpu_rope.install()
-            with environment_set(variables):
+            # a core process of its own outlives a job's stop warning (common.stop_warning_blocked)
+            with environment_set(variables), stop_warning_blocked() if self.multiprocessing else nullcontext():
                 self._llm = LLM(**self.engine_args())
         except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"
             self._llm = None

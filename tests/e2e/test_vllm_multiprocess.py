@@ -54,6 +54,12 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         # vLLM's sockets between this process and its core are in a directory of this start's own (common.SocketDir)
         first_sockets = engine._sockets.path
         assert len(socket_files(first_sockets)) >= 2, first_sockets
+        # a job's stop warning reaches every process of it (Slurm's srun passes USR1 on): the core outlives it
+        core = _core_pid(engine)
+        os.kill(core, signal.SIGUSR1)
+        assert engine.generate(PROMPTS, SamplingSpec(n=1, max_new_tokens=2, seed=1)).metrics["restarts"] == 0
+        os.kill(core, 0)  # still there
+        assert engine.restarts == 0
         # a push broken midway by a killed engine core: made again from a fresh export on a restarted engine
         exports = []
 
