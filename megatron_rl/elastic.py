@@ -13,7 +13,7 @@ node's rank), and runs torchrun in this process:
    exits with EXIT_PREEMPTED (3), which launch/slurm.sbatch turns into `scontrol requeue`. A torchrun without that
    option (torch 2.11) closes the ranks 30 s after the signal, whatever is given: there this process's agent waits
    the same --shutdown-timeout (`graceful_agent`);
-4. when the job fails, one line per failed rank whose message differs from rank 0's, then rank 0's line, read from
+4. when torchrun restarts the ranks, and when the job fails, one line per failed rank whose message differs from rank 0's, then rank 0's line, read from
    the ranks' error files (megatron_rl.errors.write_error_file) or named by the signal that killed the rank; the
    exit code is rank 0's (2 bad input, 1 runtime failure).
 """
@@ -103,6 +103,25 @@ def graceful_agent(grace_s: int) -> type:
     return GracefulAgent
 
 
+def restart_naming_agent(base: type) -> type:
+    """`base` (torch's LocalElasticAgent or `graceful_agent`'s), printing each failed rank's line (`failure_lines`: a
+    rank killed by a signal is named with it) when torchrun restarts the ranks: a rank's error file holds nothing
+    when it was killed, and the restarted ranks' resume line can name only the step and phase the others stopped in."""
+
+    class RestartNamingAgent(base):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed() and self._remaining_restarts > 0:
+                restarts = self._worker_group.spec.max_restarts
+                attempt = restarts - self._remaining_restarts + 1
+                for text in failure_lines(result.failures)[0]:
+                    print(f"megatron-rl: {text}; torchrun restarts the ranks (restart {attempt} of {restarts}): they "
+                          "resume from the newest complete checkpoint", file=sys.stderr, flush=True)
+            return result
+
+    return RestartNamingAgent
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed.launcher.api as launcher
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -124,10 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\ntorchrun's arguments (torch.distributed.run), passed on:\n")
     known, torchrun_argv = ours.parse_known_args(argv)
     grace_s = known.shutdown_timeout
+    # the agent torchrun's launch makes (torch.distributed.launcher.api.launch_agent) is this one
     if torchrun_takes("--shutdown-timeout"):
         torchrun_argv = [f"--shutdown-timeout={grace_s}", *torchrun_argv]
-    else:  # the agent torchrun's launch makes (torch.distributed.launcher.api.launch_agent) is this one
-        launcher.LocalElasticAgent = graceful_agent(grace_s)
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        launcher.LocalElasticAgent = restart_naming_agent(LocalElasticAgent)  # torch's own, however often main runs
+    else:
+        launcher.LocalElasticAgent = restart_naming_agent(graceful_agent(grace_s))
     args = parse_args([f"--signals-to-handle={FORWARDED_SIGNALS}", *torchrun_argv])
     log_file = Path(known.log_file.format(node_rank=args.node_rank))  # one file per node (launch/slurm.sbatch)
     handler = _log_to(log_file)

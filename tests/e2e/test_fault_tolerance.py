@@ -109,6 +109,8 @@ def test_dead_rank_and_preemption_end_in_the_weights_of_an_uninterrupted_run(mod
         text = console.read_text()
         assert code == EXIT_PREEMPTED, text[-4000:]
         assert "resumed from" in text and "step_00000002 at step 2" in text, text[-4000:]
+        # the launcher names the killed rank when torchrun restarts the ranks (its error file holds nothing)
+        assert "rank 1 (pid" in text and "was killed by SIGKILL" in text and "restart 1 of 1" in text, text[-4000:]
         assert "stopped by SIGTERM" in text.splitlines()[-1], text[-4000:]
         assert "Traceback" not in text, text[-4000:]
         assert _latest(ckpt) == "step_00000003" and not list(ckpt.glob(".*partial")), sorted(p.name for p in ckpt.iterdir())

@@ -131,6 +131,7 @@ def test_a_dead_rank_and_a_preemption_end_in_the_weights_of_an_uninterrupted_run
     restart = re.search(r"resumed from \S+step_0*(\d+) at step \1 \(torchrun restart 1 of 1; the attempt before stopped: "
                         r".*rank 0: a collective of step (\d+), phase \w+, lost its connection", run.output)
     assert restart and 2 <= int(restart.group(1)) <= int(restart.group(2)), run.output[-4000:]
+    assert re.search(r"rank 1 \(pid \d+ on \S+\) was killed by SIGKILL.*restart 1 of 1", run.output), run.output[-4000:]
     assert "slurm.sbatch: SIGUSR1" in run.output and f"requeueing job {run.job}" in run.output
     _assert_resumed_from_its_save(run, "SIGUSR1")
     assert run.output.splitlines()[-1].startswith(_summary_line_of(run)), run.output[-2000:]
