@@ -173,7 +173,7 @@ def test_bad_eval_sets_are_named_before_any_generation(tokenizer, tmp_path):
 
     with pytest.raises(DatasetError, match=r"row 1: missing field 'answer'"):
         load([{"prompt": "a b", "answer": "a"}, {"prompt": "c d"}])
-    with pytest.raises(EvalSetError, match=r"row 0: the reference answer is empty"):
+    with pytest.raises(DatasetError, match=r"row 0: field 'answer' is empty"):  # refused as the set is read
         load([{"prompt": "a b", "answer": " "}])
     with pytest.raises(EvalSetError, match=r"row 1: the reward 'tests.unit.test_eval_scores:picky_reward' cannot score .*'x'"):
         load([{"prompt": "a b", "answer": "3"}, {"prompt": "c d", "answer": "x"}], reward="tests.unit.test_eval_scores:picky_reward")
