@@ -13,8 +13,8 @@ node's rank), and runs torchrun in this process:
    exits with EXIT_PREEMPTED (3), which launch/slurm.sbatch turns into `scontrol requeue`. A torchrun without that
    option (torch 2.11) closes the ranks 30 s after the signal, whatever is given: there this process's agent waits
    the same --shutdown-timeout (`graceful_agent`);
-4. when torchrun restarts the ranks, and when the job fails, one line per failed rank whose message differs from rank 0's, then rank 0's line, read from
-   the ranks' error files (megatron_rl.errors.write_error_file) or named by the signal that killed the rank; the
+4. when torchrun restarts the ranks, one line per rank killed by a signal; when the job fails, one line per failed
+   rank whose message differs from rank 0's, then rank 0's line, read from the ranks' error files (megatron_rl.errors.write_error_file) or named by the signal that killed the rank; the
    exit code is rank 0's (2 bad input, 1 runtime failure).
 """
 
@@ -104,17 +104,20 @@ def graceful_agent(grace_s: int) -> type:
 
 
 def restart_naming_agent(base: type) -> type:
-    """`base` (torch's LocalElasticAgent or `graceful_agent`'s), printing each failed rank's line (`failure_lines`: a
-    rank killed by a signal is named with it) when torchrun restarts the ranks: a rank's error file holds nothing
-    when it was killed, and the restarted ranks' resume line can name only the step and phase the others stopped in."""
+    """`base` (torch's LocalElasticAgent or `graceful_agent`'s), printing the line of each rank killed by a signal
+    (`failure_lines`) when torchrun restarts the ranks: its error file holds nothing, so the restarted ranks' resume
+    line can name only the step and phase the others stopped in (a rank that failed with a message is named there,
+    and its message is printed once, when the job ends)."""
 
     class RestartNamingAgent(base):
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
-            if result.is_failed() and self._remaining_restarts > 0:
+            killed = {rank: failure for rank, failure in result.failures.items()
+                      if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM}  # not torchrun's own SIGTERM
+            if result.is_failed() and killed and self._remaining_restarts > 0:  # the others' messages: their error files
                 restarts = self._worker_group.spec.max_restarts
                 attempt = restarts - self._remaining_restarts + 1
-                for text in failure_lines(result.failures)[0]:
+                for text in failure_lines(killed)[0]:
                     print(f"megatron-rl: {text}; torchrun restarts the ranks (restart {attempt} of {restarts}): they "
                           "resume from the newest complete checkpoint", file=sys.stderr, flush=True)
             return result
