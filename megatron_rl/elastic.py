@@ -14,8 +14,9 @@ node's rank), and runs torchrun in this process:
    option (torch 2.11) closes the ranks 30 s after the signal, whatever is given: there this process's agent waits
    the same --shutdown-timeout (`graceful_agent`);
 4. when torchrun restarts the ranks, one line per rank killed by a signal; when the job fails, one line per failed
-   rank whose message differs from rank 0's, then rank 0's line, read from the ranks' error files (megatron_rl.errors.write_error_file) or named by the signal that killed the rank; the
-   exit code is rank 0's (2 bad input, 1 runtime failure).
+   rank whose message differs from rank 0's, then rank 0's line, read from the ranks' error files
+   (megatron_rl.errors.write_error_file) or named by the signal that killed the rank; the exit code is rank 0's
+   (2 bad input, 1 runtime failure).
 """
 
 from __future__ import annotations
