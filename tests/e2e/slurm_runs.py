@@ -32,7 +32,6 @@ from pathlib import Path
 
 import psutil
 
-from megatron_rl.ports import free_port
 from tests.e2e.slurm_cluster import SlurmCluster
 from tests.e2e.train_runs import PARITY, REPO, train_env
 
@@ -96,6 +95,31 @@ class JobRun:
         return path.read_text().strip() if path.is_file() else ""
 
 
+MASTER_PORTS = range(16384, 24576)
+"""Where the jobs' rendezvous ports are drawn: below megatron_rl.ports.free_port's draws (the 8192 ports under the
+kernel's ephemeral range), which the running jobs make for their own groups and engines; a port drawn here at
+submission is bound only when the job starts, and a job's draw there could otherwise take it in between."""
+_drawn: set[int] = set()
+
+
+def master_port() -> int:
+    """A port of MASTER_PORTS free now and given to no other job of this module (each job's torchrun binds it)."""
+    import random
+    import socket
+
+    for port in random.SystemRandom().sample(MASTER_PORTS, 64):
+        if port in _drawn:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        _drawn.add(port)
+        return port
+    raise OSError(f"no free port in {MASTER_PORTS}")
+
+
 class Driver:
     """Submits one job and waits for points in it, timing each from the sbatch."""
 
@@ -106,7 +130,7 @@ class Driver:
         self._start = 0.0
 
     def submit(self, sbatch_args: list[str], args: list[str], python: str = sys.executable) -> JobRun:
-        env = {**train_env(), "PYTHON": python, "MASTER_PORT": str(free_port()), "VLLM_LOGGING_LEVEL": "WARNING"}
+        env = {**train_env(), "PYTHON": python, "MASTER_PORT": str(master_port()), "VLLM_LOGGING_LEVEL": "WARNING"}
         self._start = time.monotonic()
         self.run.job = self.cluster.sbatch([*sbatch_args, str(SCRIPT), *args], cwd=self.run.work, env=env)
         return self.run
