@@ -73,6 +73,8 @@ def run_summary(cfg, *, wall_s: float, load_start: float) -> dict[str, Any]:
         "train_s": round(sum(step_s), 1), "s_per_step": round(sum(step_s) / max(len(step_s), 1), 2), "wall_s": round(wall_s, 1),
         "before": eval_scores(reports[0]), "after": eval_scores(reports[-1]),
         "reward_curve": [round(r["reward/mean"], 4) for r in rows],
+        # |log pi_trainer - log pi_engine| per step, token mean: flat when every push reaches the engine whole
+        "engine_gap_curve": [r.get("mismatch/abs_logprob_diff") for r in rows],
         "machine": machine(load_start), "date": time.strftime("%Y-%m-%d"),
     }
 
@@ -90,6 +92,10 @@ def results_markdown(summary: dict[str, Any]) -> str:
     ]
     for key in ("pass@1", f"pass@{k}", f"maj@{k}", "length_mean", "truncated_fraction"):
         lines.append(f"| {key} | {before[key]:.3f} | {after[key]:.3f} | {after[key] - before[key]:+.3f} |")
+    gap = [g for g in summary.get("engine_gap_curve", []) if g is not None]
+    if gap:
+        lines += ["", f"trainer vs engine log-probs (token mean of the absolute difference): {gap[0]:.2e} at the first step, "
+                  f"{max(gap):.2e} at most, {gap[-1]:.2e} at the last"]
     m = summary["machine"]
     lines += ["", f"training {summary['train_s'] / 60:.1f} min ({summary['s_per_step']:.1f} s/step), {summary['wall_s'] / 60:.1f} min "
               f"in all with both evaluations, on {m['cpus']} CPUs (load average {m['load_start']} at the start, "
