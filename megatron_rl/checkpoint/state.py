@@ -253,7 +253,15 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
 
 
 def resolve_checkpoint(spec: str, root: str | os.PathLike) -> Path | None:
-    """checkpoint.resume -> the directory to load, or None to start fresh.
+    """checkpoint.resume -> the directory to load, checked complete (check_complete), or None to start fresh."""
+    path = checkpoint_path(spec, root)
+    if path is not None:
+        check_complete(path)
+    return path
+
+
+def checkpoint_path(spec: str, root: str | os.PathLike) -> Path | None:
+    """checkpoint.resume -> the directory it names, not yet checked complete, or None to start fresh.
 
     'none': None. 'auto': what `root/latest` names, or None when there is no
     `latest` yet. Anything else: a step_XXXXXXXX directory, or a run's
@@ -276,8 +284,7 @@ def resolve_checkpoint(spec: str, root: str | os.PathLike) -> Path | None:
     else:
         path = Path(spec)
         if not STEP_DIR.match(path.name) and (path / LATEST).is_file():  # a run's checkpoint.dir: its newest
-            return resolve_checkpoint("auto", path)
-    check_complete(path)
+            return checkpoint_path("auto", path)
     return path
 
 
@@ -333,7 +340,13 @@ def read_trainer_state(path: Path, *, resume: bool = False) -> dict[str, Any]:
     RESUME_FIELDS (a trainer's save), each of the type a save writes; CheckpointError naming the field otherwise."""
     check_complete(path)
     state = _parse_trainer_state(path / TRAINER_STATE)
-    for key, types in RESUME_FIELDS.items() if resume else ():
+    return check_resume_fields(path, state) if resume else state
+
+
+def check_resume_fields(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """`state`, the trainer state of checkpoint `path`, when it holds RESUME_FIELDS (a trainer's save), each of the
+    type a save writes; CheckpointError naming the field otherwise."""
+    for key, types in RESUME_FIELDS.items():
         if key not in state or type(state[key]) not in types:
             what = f"has {key}={state[key]!r}" if key in state else f"has no {key!r}"
             raise CheckpointError(f"{path / TRAINER_STATE} {what}: not the trainer state a training run saves (it is "
