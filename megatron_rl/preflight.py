@@ -1,13 +1,14 @@
 """Checks of a run's inputs before any work: what is known at start is refused at start.
 
-    check_before_start(cfg)   # in trainer.run, before the parallel context, the engine or a step
+    check_before_start(cfg, resume)   # in trainer.run, before the parallel context, the engine or a step
 
 1. the model directory: config.json readable, a supported family (models.hf_config);
 2. output, checkpoint and log directories: created if missing, writable, free space said;
 3. lengths: rollout.max_prompt_tokens + rollout.max_new_tokens fit the model's positions
    (and rollout.max_model_len when set);
-4. the resume checkpoint: complete, and saved from a model of the same architecture
-   (trainer_state.json records it, `model_architecture` below; compared key by key);
+4. the checkpoint the run resumes from (`resume`, chosen and checked complete by checkpoint.resume.decide_resume, the
+   one the trainer loads): saved from a model of the same architecture (trainer_state.json records it,
+   `model_architecture` below; compared key by key);
 5. rollout.agent: the class it names imports and is an Environment (before any directory is made).
 
 Each failure is a ConfigError or CheckpointError naming the key, the value and the fix
@@ -24,9 +25,12 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import ConfigError, RLConfig
+
+if TYPE_CHECKING:
+    from megatron_rl.checkpoint.resume import ResumeDecision
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +38,8 @@ LOW_FREE_SPACE_BYTES = 1 << 30
 """Below this much free space in a run directory, start-up warns (a checkpoint of even a small model may not fit)."""
 
 
-def check_before_start(cfg: RLConfig) -> None:
-    """Every check of the module docstring; the first failure raises."""
+def check_before_start(cfg: RLConfig, resume: ResumeDecision) -> None:
+    """Every check of the module docstring; the first failure raises. resume: the checkpoint the run starts from."""
     from megatron_rl.models import load_hf_config
 
     hf_config = load_hf_config(cfg.model.path)
@@ -43,7 +47,7 @@ def check_before_start(cfg: RLConfig) -> None:
     check_agent(cfg)
     check_writable_dirs(cfg)
     check_lengths(cfg, hf_config)
-    check_resume_matches(cfg, architecture)
+    check_resume_matches(cfg, resume, architecture)
 
 
 def check_agent(cfg: RLConfig) -> None:
@@ -105,14 +109,14 @@ def check_lengths(cfg: RLConfig, hf_config: dict) -> None:
         )
 
 
-def check_resume_matches(cfg: RLConfig, architecture: dict[str, Any]) -> None:
-    """checkpoint.resume names a complete checkpoint of this model (or none is asked for)."""
-    from megatron_rl.checkpoint.state import RESUME_ADVICE, TRAINER_STATE, CheckpointError, read_trainer_state, resolve_checkpoint
+def check_resume_matches(cfg: RLConfig, resume: ResumeDecision, architecture: dict[str, Any]) -> None:
+    """The checkpoint the run resumes from (if any) was saved from a model of this architecture."""
+    from megatron_rl.checkpoint.state import RESUME_ADVICE, TRAINER_STATE, CheckpointError
 
-    path = resolve_checkpoint(cfg.checkpoint.resume, cfg.checkpoint.dir)
+    path = resume.path
     if path is None:
         return
-    saved = read_trainer_state(path).get("model_architecture")
+    saved = resume.trainer_state.get("model_architecture")
     if saved is not None and not isinstance(saved, dict):
         raise CheckpointError(f"{path / TRAINER_STATE} has model_architecture={saved!r:.80}, not the object a save "
                               f"writes: it is damaged; {RESUME_ADVICE}")

@@ -50,10 +50,13 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from megatron_rl.config import RLConfig, load_config, to_dict
 from megatron_rl.console import LibraryLogs, library_logs
+
+if TYPE_CHECKING:
+    from megatron_rl.checkpoint.resume import ResumeDecision
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,7 @@ def run(cfg: RLConfig, engine=None, *, stop=None) -> dict[str, float]:
     engine: a rollout engine already started on cfg.model.path (one process only), which the run
     uses instead of starting its own and leaves running: several runs in one process share it.
     """
+    from megatron_rl.checkpoint.resume import decide_resume
     from megatron_rl.heap import TRAINER_PACKAGES, ends_after_close, import_long_lived
     from megatron_rl.models import load_hf_config, model_shape
     from megatron_rl.models.tiny import ensure_tiny_model_dir, tiny_family_to_build
@@ -114,7 +118,8 @@ def run(cfg: RLConfig, engine=None, *, stop=None) -> dict[str, float]:
         ensure_tiny_model_dir(cfg.model.path, tiny_family, seed=cfg.model.init_seed)
     load_hf_config(cfg.model.path)  # a missing or broken model directory: one error naming it, first
     require_fit(cfg)  # GPU clusters: a layout that does not fit its GPUs stops here, before any device is touched
-    check_before_start(cfg)  # writable directories, lengths, resume checkpoint: before any work
+    resume = decide_resume(cfg.checkpoint)  # the checkpoint this process starts from, chosen once: checked, then loaded
+    check_before_start(cfg, resume)  # writable directories, lengths, the resume checkpoint's model: before any work
     with library_logs(cfg.logging.dir) as logs:
         if ends_after_close():  # the process's own run: what it imports lives as long as the process
             import_long_lived(*TRAINER_PACKAGES)
@@ -122,7 +127,7 @@ def run(cfg: RLConfig, engine=None, *, stop=None) -> dict[str, float]:
         ctx = init_parallel(cfg.parallel, shape=shape, seed=cfg.train.seed)
         trainer = None
         try:
-            trainer = Trainer(cfg, ctx, logs=logs, engine=engine, stop=stop)
+            trainer = Trainer(cfg, ctx, resume, logs=logs, engine=engine, stop=stop)
             return trainer.fit()
         finally:
             if trainer is not None:
@@ -159,8 +164,10 @@ def read_prompt_sets(cfg: RLConfig, ctx):
 class Trainer:
     """State of one run on this rank: data, actor, engine (rank 0), logger, step counters."""
 
-    def __init__(self, cfg: RLConfig, ctx, logs: LibraryLogs | None = None, engine=None, stop=None):
-        """logs: where vLLM's start-up output goes (megatron_rl.console); None leaves it on the console.
+    def __init__(self, cfg: RLConfig, ctx, resume: ResumeDecision, logs: LibraryLogs | None = None, engine=None,
+                 stop=None):
+        """resume: the checkpoint the run starts from (checkpoint.resume.decide_resume, as the start-up checks saw it).
+        logs: where vLLM's start-up output goes (megatron_rl.console); None leaves it on the console.
         engine: an engine already started on cfg.model.path, used and left running (see `run`).
         stop: StopSignals installed by the caller (kept after the run); None: the trainer's own, removed by close()."""
         from megatron_rl.actor import Actor
@@ -183,9 +190,10 @@ class Trainer:
             from megatron_rl.rollout.agents import EpisodeRunner, load_agent
 
             self.agent = EpisodeRunner(load_agent(cfg.rollout.agent), self.tokenizer, self.reward_fn, cfg.rollout)
-        resume = self._resume_point()
+        if resume.path is None and resume.kind == "restart" and ctx.rank == 0:
+            logger.warning("no complete checkpoint in %s yet: starting again from step 0%s", cfg.checkpoint.dir, resume.why)
         # a resume overwrites every weight the policy has: its HF weights are not read (the reference model's are)
-        self.actor = Actor.from_config(cfg, ctx, load_weights=resume is None)
+        self.actor = Actor.from_config(cfg, ctx, load_weights=resume.path is None)
         from megatron_rl.parallel.watch import PhaseWatch, StopSignals
 
         self._watch = PhaseWatch(ctx.rank, ctx.world_size, cfg.parallel.timeout_s)
@@ -194,8 +202,8 @@ class Trainer:
         self._stop.install()  # a stop asked while the engine starts is acted on at the first step boundary
         self._offload = ActorOffload(self.actor.model, self.actor.optimizer, cfg.train.offload)
         self.step, self.weight_version = 0, 0
-        if resume is not None:
-            self._resume(*resume)
+        if resume.path is not None:
+            self._resume(resume)
         self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
         self._placement = None  # the engines' placement (None for an engine started beforehand)
         self._own_engine = engine is None
@@ -216,7 +224,7 @@ class Trainer:
             use_tensorboard=cfg.logging.tensorboard,
             progress_total=(cfg.train.steps - self.step) if cfg.logging.progress_bar else None,
             config=to_dict(cfg),
-            resume=resume is not None,
+            resume=resume.path is not None,
             summary_every=cfg.logging.summary_every,
         )
         if ctx.rank == 0 and self.dataset.num_dropped_long:
@@ -533,36 +541,18 @@ class Trainer:
         return {"tensor_parallel": ctx.tp_size, "pipeline_parallel": ctx.pp_size, "expert_parallel": ctx.ep_size,
                 "expert_tensor_parallel": ctx.expert_tp_size, "context_parallel": ctx.cp_size, "data_parallel": ctx.dp_size}
 
-    def _resume_point(self) -> tuple | None:
-        """(checkpoint directory, why) to resume from: checkpoint.resume; in an attempt torchrun restarted, always the
-        newest complete checkpoint (`latest`). None: the run starts from the model's weights."""
-        from megatron_rl.checkpoint.state import resolve_checkpoint
-        from megatron_rl.errors import restart_resume
-
-        spec, restart, why = restart_resume(self.cfg.checkpoint.resume, self.cfg.checkpoint.dir)
-        path = resolve_checkpoint(spec, self.cfg.checkpoint.dir)
-        if path is None:
-            if restart and self.ctx.rank == 0:
-                logger.warning("no complete checkpoint in %s yet: starting again from step 0%s", self.cfg.checkpoint.dir, why)
-            return None
-        return path, why
-
-    def _resume(self, path, why: str) -> None:
-        """The actor's state, the schedule, the data position and the counters of the checkpoint at `path`."""
+    def _resume(self, resume: ResumeDecision) -> None:
+        """The actor's state, the schedule, the data position and the counters of the checkpoint `resume` chose."""
         from megatron_rl.actor.distribute import on_rank0
-        from megatron_rl.checkpoint.state import load_checkpoint, optimizer_format_to_load, read_trainer_state
 
-        saved = read_trainer_state(path, resume=True)  # every field the resume reads, checked before any is used
-        optimizer_format = optimizer_format_to_load(path, saved, self._layout())
-        state, trainer_state, _ = load_checkpoint(path, self.actor.state_dict(is_loading=True, optimizer_format=optimizer_format),
-                                                  trainer_state=saved)
+        state, trainer_state = resume.load(partial(self.actor.state_dict, is_loading=True), self._layout())
         self.actor.load_state_dict(state)
         self.actor.load_schedule_state(trainer_state)
         # the data position is rank 0's; a prompt set that does not match it stops every rank
         on_rank0(lambda: self.dataset.load_state_dict(trainer_state["data"]), self.ctx)
         self.step, self.weight_version = trainer_state["step"], trainer_state["weight_version"]
         if self.ctx.rank == 0:
-            logger.warning("resumed from %s at step %d%s", path, self.step, why)
+            logger.warning("resumed from %s at step %d%s", resume.path, self.step, resume.why)
 
     def close(self) -> None:
         if self._stream is not None:
