@@ -7,7 +7,7 @@ Takes torchrun's own arguments (torch.distributed.run) plus `--log-file` (`{node
 node's rank), and runs torchrun in this process:
 1. torchrun's log (rendezvous, "sending SIGTERM", restarts, its failure summary) goes to the file, not the console;
 2. a rank that dies or fails is restarted by torchrun itself (--max-restarts); the restarted ranks resume from the
-   newest complete checkpoint and say why they restarted (megatron_rl.trainer);
+   newest complete checkpoint and say why they restarted (megatron_rl.checkpoint.resume);
 3. SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 are passed on to the ranks (torchrun's --signals-to-handle), which
    save at the next step boundary; torchrun waits --shutdown-timeout seconds (600 unless given) for them, then this
    exits with EXIT_PREEMPTED (3), which launch/slurm.sbatch turns into `scontrol requeue`. A torchrun without that

@@ -23,10 +23,12 @@ to the console too with `--debug`.
 
 Under torchrun each rank also writes its one line into torchrun's error file
 (TORCHELASTIC_ERROR_FILE), so torchrun's summary shows the line instead of a
-traceback; under the launch scripts' torchrun (megatron_rl.elastic) the ranks
-print nothing themselves and the launcher prints each failed rank's line at the
-end, rank 0's last. Bad input ends a job that torchrun would restart: the ranks
-of a restarted attempt find the first attempt's verdict and exit with it at once.
+traceback, and a restarted attempt's resume line names it
+(megatron_rl.checkpoint.resume); under the launch scripts' torchrun
+(megatron_rl.elastic) the ranks print nothing themselves and the launcher prints
+each failed rank's line at the end, rank 0's last. Bad input ends a job that
+torchrun would restart: the ranks of a restarted attempt find the first
+attempt's verdict and exit with it at once.
 
 Exception types are matched by qualified name, so this module imports nothing heavy.
 """
@@ -171,32 +173,3 @@ def replay_bad_input() -> int | None:
     if not os.environ.get(LAUNCHER_ENV) and is_rank0():
         print(message, file=sys.stderr)
     return exitcode
-
-
-def restart_resume(resume: str, checkpoint_dir: str) -> tuple[str, int, str]:
-    """(checkpoint.resume to use, torchrun's restart count, why, for the resume line): an attempt torchrun restarted
-    resumes from the newest complete checkpoint (`auto`) when one exists, whatever checkpoint.resume says."""
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if not restart:
-        return resume, 0, ""
-    failures = previous_attempt_failures() or ["a rank ended without a message (killed by a signal: out of memory, "
-                                               "a lost node, a kill; torchrun's log names its exit)"]
-    why = (f" (torchrun restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}; the attempt "
-           f"before stopped: {'; '.join(failures)})")
-    return ("auto" if (Path(checkpoint_dir) / "latest").is_file() else resume), restart, why
-
-
-def previous_attempt_failures() -> list[str]:
-    """Under torchrun after a restart: the one-line messages the ranks of this node left in the attempt before."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if not path or attempt == 0:
-        return []
-    before = Path(path).parents[2] / f"attempt_{attempt - 1}"
-    found = []
-    for error_file in sorted(before.glob("*/error.json")):
-        try:
-            found.append(f"local rank {error_file.parent.name}: {json.loads(error_file.read_text())['message']}")
-        except (OSError, ValueError, KeyError):
-            continue
-    return found

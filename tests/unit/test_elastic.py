@@ -13,6 +13,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from megatron_rl import errors
+from megatron_rl.checkpoint.resume import previous_attempt_failures
 from megatron_rl.elastic import failure_lines
 from megatron_rl.parallel.watch import StopSignals
 
@@ -60,7 +61,7 @@ def test_error_files_the_launcher_lines_and_a_replayed_bad_input(monkeypatch, tm
     replay = _attempt(monkeypatch, tmp_path, 1, 1)
     assert errors.replay_bad_input() == 2
     assert json.loads(replay.read_text())["message"] == first["message"] and capsys.readouterr().err == ""
-    reasons = errors.previous_attempt_failures()
+    reasons = previous_attempt_failures()
     assert reasons == [f"local rank 0: {first['message']}", f"local rank 1: {second['message']}"]
     monkeypatch.delenv(errors.LAUNCHER_ENV)
     _attempt(monkeypatch, tmp_path, 1, 0)
@@ -70,9 +71,9 @@ def test_error_files_the_launcher_lines_and_a_replayed_bad_input(monkeypatch, tm
 
 def test_no_verdict_outside_torchrun_or_in_a_first_attempt(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
-    assert errors.replay_bad_input() is None and errors.previous_attempt_failures() == []
+    assert errors.replay_bad_input() is None and previous_attempt_failures() == []
     _attempt(monkeypatch, tmp_path, 0, 0)
-    assert errors.replay_bad_input() is None and errors.previous_attempt_failures() == []
+    assert errors.replay_bad_input() is None and previous_attempt_failures() == []
 
 
 def test_stop_signals_are_held_until_asked_for_and_then_restored():
