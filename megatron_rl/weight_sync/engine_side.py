@@ -6,20 +6,23 @@
 broken push marked, lost weights recovered (re-exported, or WeightsLostError).
 rollout's engines subclass it through rollout.serving.ServingEngine, which adds
 generation and sleep mode around the same lock; this module imports nothing of
-rollout.
+rollout. `WeightReceiver` declares what the trainer's side of a push
+(weight_sync.pusher, weight_sync.push) uses of an engine; rollout's
+RolloutEngine protocol (rollout.engine_protocol) extends it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.delta import DeltaEncoder
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.owner_ipc import owner_ipc_push
-from megatron_rl.weight_sync.parallel import owner_parallel_push
+from megatron_rl.weight_sync.owner_ipc import OwnerIpcRelay, owner_ipc_push
+from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
 from megatron_rl.weight_sync.protocol import PushResult, PushTarget, stream_push
 from megatron_rl.weight_sync.push import PushStats
 from megatron_rl.weight_sync.stream import PushBrokenError, WeightStream, as_weight_stream
@@ -28,6 +31,31 @@ from megatron_rl.weight_sync.stream import PushBrokenError, WeightStream, as_wei
 class WeightsLostError(RuntimeError):
     """The engine restarted on its model directory's weights and has no way to get the trainer's alone:
     push the current weights again (weight_sync.pusher.WeightPusher.push on every trainer rank), then generate."""
+
+
+class WeightReceiver(Protocol):
+    """What the trainer's side of a push (weight_sync.pusher, weight_sync.push) uses of rank 0's engine."""
+
+    manifest: WeightManifest
+    """Every tensor the engines load, with its shape and dtype: a push is checked against it before any tensor moves."""
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> PushStats:
+        """Push a full set of HF-named weights as `version`, streamed; refused whole (engines untouched) if a tensor is wrong."""
+        ...
+
+    def owner_push(self, export: Any, version: int, *, senders: OwnerSenders | None = None,
+                   delta: DeltaEncoder | None = None, group: Any, rank: int, relay: OwnerIpcRelay | None = None) -> dict:
+        """Rank 0's part of a push where every rank sends the weights it owns (rollout.weight_senders=owners; `export`:
+        models.export_owners.OwnedExport)."""
+        ...
+
+    def vllm_push(self, send: Callable[[int], None], version: int) -> None:
+        """Rank 0's part of a push by vLLM's own weight-transfer engines: `send(version)` between the engines' checks."""
+        ...
+
+    def weight_sync_clients(self) -> list[Any]:
+        """vLLM's weight-sync client of each engine (rollout.weight_transport=vllm_*)."""
+        ...
 
 
 class WeightSyncedEngine:
@@ -91,7 +119,8 @@ class WeightSyncedEngine:
         self.weights_lost = False
         return result
 
-    def owner_push(self, export, version: int, *, senders=None, delta=None, group, rank: int, relay=None) -> dict:
+    def owner_push(self, export: Any, version: int, *, senders: OwnerSenders | None = None,
+                   delta: DeltaEncoder | None = None, group: Any, rank: int, relay: OwnerIpcRelay | None = None) -> dict:
         """Rank 0's part of a push without a funnel (rollout.weight_senders=owners): every rank calls
         weight_sync.parallel.owner_parallel_push at once (by broadcast, `senders`), or with `relay` (colocated
         servers by memory handle) weight_sync.owner_ipc.owner_ipc_push, the others with no engine."""

@@ -41,7 +41,7 @@ from megatron_rl.models.export import export_hf_weights, funnel_plan, plan_is_cu
 from megatron_rl.models.export_owners import export_owned_weights, owner_plan
 from megatron_rl.weight_sync.broadcast import default_host
 from megatron_rl.weight_sync.delta import DeltaEncoder
-from megatron_rl.weight_sync.engine_side import WeightSyncedEngine
+from megatron_rl.weight_sync.engine_side import WeightReceiver
 from megatron_rl.weight_sync.ipc_reference import allow_by_reference
 from megatron_rl.weight_sync.manifest import WeightPushError
 from megatron_rl.weight_sync.owner_ipc import owner_ipc_push
@@ -61,7 +61,7 @@ class WeightPusher:
         rollout: RolloutConfig,
         ctx,
         model_chunks: list,
-        engine: WeightSyncedEngine | None = None,
+        engine: WeightReceiver | None = None,
         *,
         placement: Placement | None = None,
         cluster: ClusterConfig | None = None,
