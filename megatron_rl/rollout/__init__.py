@@ -4,7 +4,8 @@
     engine = VLLMEngine(model_dir, cfg.rollout)
     rollouts = engine.generate(prompt_ids, SamplingSpec.from_config(cfg.rollout, seed=step))
 
-engine.py: protocol, errors, bounded restart-and-retry; vllm_engine.py:
+engine_protocol.py: every member callers use of an engine (RolloutEngine and its capabilities);
+engine.py: errors, bounded restart-and-retry; vllm_engine.py:
 in-process vllm.LLM; server_engine.py: OpenAI-compatible vLLM servers;
 colocated.py: servers hosted by trainer ranks (rollout.engines > 1);
 config/placement.py: which of the four placements a config asks for (the one place
@@ -21,10 +22,10 @@ from megatron_rl.config.placement import Placement, resolve_placement
 from megatron_rl.rollout.engine import (
     EngineStartError,
     PromptError,
-    RolloutEngine,
     RolloutError,
     RolloutFailedError,
 )
+from megatron_rl.rollout.engine_protocol import RolloutEngine
 from megatron_rl.rollout.routing import RoutedExpertsError
 from megatron_rl.rollout.sampling import SamplingSpec
 from megatron_rl.rollout.server_engine import VLLMServerEngine

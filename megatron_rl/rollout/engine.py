@@ -1,22 +1,20 @@
-"""The RolloutEngine protocol, its errors, and the bounded restart-and-retry loop engines share.
+"""Rollout engines' errors, and the bounded restart-and-retry loop engines share.
 
     engine.generate(prompts, SamplingSpec(n=4, seed=step)) -> Rollouts
     engine.update_weights(buckets, version)    # or weight_sync.push_weights on every rank
     engine.shutdown()
 
 Prompts are token ids (list[list[int]]); tokenising is the data layer's job.
+Every member callers use of an engine is declared in rollout.engine_protocol (RolloutEngine).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Protocol, TypeVar, runtime_checkable
-
-import torch
+from typing import Callable, TypeVar
 
 from megatron_rl.data.batch import Rollouts
-from megatron_rl.rollout.sampling import SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -37,26 +35,6 @@ class PromptError(RolloutError, ValueError):
 
 class RolloutFailedError(RolloutError):
     """The engine kept dying: the batch failed after every allowed restart. No partial batch is returned."""
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine."""
-
-    weight_version: int
-    """Version of the weights the engine serves (the last push's; 0 = the model directory's)."""
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> Rollouts:
-        """n samples per prompt, prompt-major; all of them or an exception, never a partial batch."""
-        ...
-
-    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
-        """Load a full set of HF-named weights; refused as a whole (engine untouched) if any tensor is wrong."""
-        ...
-
-    def shutdown(self) -> None:
-        """Stop the engine and free its memory."""
-        ...
 
 
 def run_with_restarts(

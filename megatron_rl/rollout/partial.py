@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Protocol, Sequence
+from typing import Callable, ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -71,8 +71,10 @@ class SegmentOutput:
     stop_reason: int | str | None = None
 
 
+@runtime_checkable
 class SegmentEngine(Protocol):
-    """An engine that runs requests step by step and stops when a push waits (VLLMEngine, VLLMServerEngine)."""
+    """An engine that runs requests step by step and stops when a push waits (VLLMEngine: an engine in this process;
+    rollout.engine_protocol.SteppedEngine)."""
 
     def generate_segment(
         self, requests: list[SegmentRequest], spec: SamplingSpec, push_waiting: Callable[[], bool]
@@ -146,7 +148,7 @@ def generate_partial(
     ``engine_turn()`` is entered around every segment; ``push_waiting()`` is asked after every engine step.
     """
     check_partial_spec(spec)
-    if not callable(getattr(engine, "generate_segment", None)):
+    if not isinstance(engine, SegmentEngine):
         raise TypeError(f"{type(engine).__name__} cannot interrupt a generation (no generate_segment): set train.partial_rollouts=false")
     start = time.perf_counter()
     samples = [

@@ -62,7 +62,7 @@ from megatron_rl.rollout.common import (
     make_sample,
 )
 from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError
-from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
+from megatron_rl.rollout.routing import CaptureIndex, RequestCapture, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
 from megatron_rl.rollout.server_auth import (
     auth_headers, check_refused, token_of, weight_sync_client,
@@ -450,7 +450,7 @@ class VLLMServerEngine(ServingEngine):
             for url in self.urls:
                 self._rpc(url, "mrl_capture_start")
 
-    def collect_route_capture(self) -> list:
+    def collect_route_capture(self) -> list[RequestCapture]:
         """The routing.RequestCapture of every request the servers computed since start_route_capture."""
         with self._lock:
             self._route_capture = False

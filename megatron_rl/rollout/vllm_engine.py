@@ -78,7 +78,7 @@ from megatron_rl.rollout.common import (
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest, check_partial_spec
-from megatron_rl.rollout.routing import CaptureIndex, RoutedExpertsError, decode_captures
+from megatron_rl.rollout.routing import CaptureIndex, RequestCapture, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
 from megatron_rl.rollout.serving import ServingEngine
 from megatron_rl.weight_sync.broadcast import BroadcastSender
@@ -492,7 +492,7 @@ class VLLMEngine(ServingEngine):
             self._route_capture = True
             self._rpc("mrl_capture_start")
 
-    def collect_route_capture(self) -> list:
+    def collect_route_capture(self) -> list[RequestCapture]:
         """The routing.RequestCapture of every request computed since start_route_capture; recording stops."""
         with self._lock:
             self._route_capture = False
