@@ -43,6 +43,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from megatron_rl.rollout.engine_protocol import RolloutEngine
 from megatron_rl.rollout.routing import CaptureIndex, RequestCapture, RoutedExpertsError, compact_routes
 
 
@@ -125,27 +126,21 @@ class EpisodeCapture:
 
 
 @contextmanager
-def capture_routes(engine: Any, on: bool) -> Iterator[EpisodeCapture]:
+def capture_routes(engine: RolloutEngine, on: bool) -> Iterator[EpisodeCapture]:
     """Record the routes of every engine request made inside the block (every turn of a batch of episodes).
 
-    The engine provides start_route_capture() and collect_route_capture() -> list[RequestCapture] (VLLMEngine,
-    VLLMServerEngine). Collected on the way out, also when the block raises (the engine stops recording).
+    By the engine's start_route_capture() and collect_route_capture() (rollout.engine_protocol.RolloutEngine).
+    Collected on the way out, also when the block raises (the engine stops recording).
     """
     result = EpisodeCapture(on=on)
     if not on:
         yield result
         return
-    start = getattr(engine, "start_route_capture", None)
-    if not callable(start):
-        raise RoutedExpertsError(
-            f"rollout.return_routed_experts=true with rollout.agent: {type(engine).__name__} cannot record routes over "
-            "several requests; use rollout.engine=vllm or vllm_server"
-        )
-    info = getattr(engine, "model_info", {}) or {}
+    info = engine.model_info
     result.layers, result.top_k = int(info.get("num_moe_layers", 0)), int(info.get("top_k", 0))
     if not result.layers:
         raise RoutedExpertsError("rollout.return_routed_experts=true, but the engine's model has no MoE layers: turn it off")
-    start()
+    engine.start_route_capture()
     try:
         yield result
     except BaseException:

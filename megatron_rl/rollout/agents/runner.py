@@ -63,6 +63,7 @@ from megatron_rl.rollout.agents.render import ObservationRenderer
 from megatron_rl.rollout.agents.routes import EpisodeCapture, capture_routes
 from megatron_rl.rollout.agents.stats import EpisodeStats
 from megatron_rl.rollout.agents.turns import make_turns
+from megatron_rl.rollout.engine_protocol import RolloutEngine
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
 from megatron_rl.rollout.sampling import SamplingSpec, prompt_seed
 
@@ -189,11 +190,10 @@ class EpisodeRunner:
     # -- the loop ------------------------------------------------------------------------------------
 
     def run(
-        self, engine: Any, prompts: list, spec: SamplingSpec,
+        self, engine: RolloutEngine, prompts: list, spec: SamplingSpec,
         engine_turn: Callable[[], ContextManager] | None = None, push_waiting: Callable[[], bool] = lambda: False,
     ) -> EpisodeBatch:
-        budget = int(self.config.agent_max_tokens) or int(getattr(engine, "max_model_len", 0) or 1 << 30)
-        budget = min(budget, int(getattr(engine, "max_model_len", budget) or budget))
+        budget = min(int(self.config.agent_max_tokens) or int(engine.max_model_len), int(engine.max_model_len))
         episodes = [
             Episode(i, j, p, None if spec.seed is None else prompt_seed(spec.seed, i) + j)
             for i, p in enumerate(prompts) for j in range(spec.n)

@@ -45,6 +45,7 @@ from typing import Any, Callable, ContextManager, Hashable
 
 from megatron_rl.rollout.common import check_prompts
 from megatron_rl.rollout.engine import RolloutFailedError
+from megatron_rl.rollout.engine_protocol import RolloutEngine, ServerPoolEngine, SteppedEngine
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
 from megatron_rl.rollout.sampling import SamplingSpec
 
@@ -55,13 +56,14 @@ Finished = tuple[Hashable, SegmentOutput, int]
 class _Turns:
     """What the three shapes share: holding the engine while turns are in flight, restarts after failures."""
 
-    def __init__(self, engine: Any, spec: SamplingSpec, engine_turn: Callable[[], ContextManager], push_waiting: Callable[[], bool]):
+    def __init__(self, engine: RolloutEngine, spec: SamplingSpec, engine_turn: Callable[[], ContextManager],
+                 push_waiting: Callable[[], bool]):
         self.engine, self.spec = engine, replace(spec, n=1, return_routed_experts=False)
         self.engine_turn, self.push_waiting = engine_turn, push_waiting
         self._held: contextlib.ExitStack | None = None
         self.restarts = 0
         self.requests = 0
-        self.max_restarts = int(getattr(getattr(engine, "config", None), "max_restarts", 0) or 0)
+        self.max_restarts = int(engine.config.max_restarts)
 
     @property
     def in_flight(self) -> int:
@@ -104,15 +106,12 @@ class _Turns:
     def _restart(self, error: BaseException) -> None:
         """Restart the engine after `error` (re-raised when it is not an engine failure or restarts ran out)."""
         self.close()
-        restart = getattr(self.engine, "restart_after", None)
-        if restart is None:
-            raise error
         if self.restarts >= self.max_restarts:
             raise RolloutFailedError(
                 f"episodes' turns failed after {self.restarts} engine restart(s) (rollout.max_restarts={self.max_restarts}); "
                 f"last error: {type(error).__name__}: {error}"
             ) from error
-        if not restart(error):
+        if not self.engine.restart_after(error):
             raise error
         self.restarts += 1
 
@@ -322,15 +321,15 @@ class _GenerateTurns(_Turns):
         return finished
 
 
-def make_turns(engine: Any, spec: SamplingSpec, engine_turn: Callable[[], ContextManager] | None = None,
+def make_turns(engine: RolloutEngine, spec: SamplingSpec, engine_turn: Callable[[], ContextManager] | None = None,
                push_waiting: Callable[[], bool] = lambda: False) -> _Turns:
     """The turn scheduler for `engine` (module docstring)."""
     args = (engine, spec, engine_turn or contextlib.nullcontext, push_waiting)
     if spec.stop:
         return _GenerateTurns(*args)
-    if callable(getattr(engine, "step_session", None)):
+    if isinstance(engine, SteppedEngine):
         return _SteppedTurns(*args)
-    if callable(getattr(engine, "complete_turn", None)):
+    if isinstance(engine, ServerPoolEngine):
         return _ServerTurns(*args)
     return _GenerateTurns(*args)
 
