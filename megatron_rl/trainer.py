@@ -338,10 +338,8 @@ class Trainer:
 
     def _engine_restarts_so_far(self) -> int | None:
         """The engine's restarts since it started (a failed batch or push, a dead engine process or server; at most
-        rollout.max_restarts in a row); None where there is no engine here (ranks other than 0) or it does not count."""
-        from megatron_rl.rollout.serving import ServingEngine
-
-        return self.engine.restarts if isinstance(self.engine, ServingEngine) else None
+        rollout.max_restarts in a row); None where there is no engine here (ranks other than 0)."""
+        return self.engine.restarts if self.engine is not None else None
 
     def _engine_restarts(self) -> dict[str, float]:
         """rollout/engine_restarts_total: the engine restarts in this run so far (rank 0)."""
@@ -485,11 +483,12 @@ class Trainer:
         return HFExport(export.entries, buckets())
 
     def _adopt(self, engine):
-        """An engine started beforehand: its recovery re-exports this run's weights (its first push follows)."""
-        from megatron_rl.rollout import VLLMEngine
+        """An engine started beforehand (one with every member of rollout.engine_protocol.RolloutEngine, else
+        TypeError): its recovery re-exports this run's weights (its first push follows)."""
+        from megatron_rl.rollout.engine_protocol import check_engine
 
-        if isinstance(engine, VLLMEngine):
-            engine.reexport_fn = partial(self._reexport, int(self.cfg.rollout.weight_bucket_mb * (1 << 20)))
+        engine = check_engine(engine)
+        engine.reexport_fn = partial(self._reexport, int(self.cfg.rollout.weight_bucket_mb * (1 << 20)))
         return engine
 
     def evaluate(self) -> dict[str, float]:
