@@ -152,12 +152,34 @@ def validate_batch(
 
     complete_routes: the route fields that will be replayed, which must hold an expert
     for every real token (elsewhere -1 marks a position the engine did not capture).
+
+    1. tokens and response_mask: shapes, dtypes, no response token at position 0;
+    2. sequence lengths: within the model's positions and the padded width, the mask inside them;
+    3. token ids of the real tokens inside the vocabulary;
+    4. advantages: shape and finiteness;
+    5. the per-token fields (logprobs, token versions): shapes, versions not newer than the policy, finite;
+    6. routed experts: recorded on this batch and model, or valid expert ids.
     """
+    _check_tokens_and_mask(batch)
+    lengths = batch.lengths()
+    _check_lengths(batch, lengths, max_positions)
+    _check_token_ids(batch, lengths, vocab_size)
+    _check_advantages(batch)
+    _check_per_token_fields(batch)
+    for name in ("routed_experts", "old_routed_experts"):
+        routes = getattr(batch, name)
+        if routes is not None and not isinstance(routes, (torch.Tensor, PackedRoutes)):  # routing.RankRoutes of this rank
+            _check_rank_routes(routes, name, batch, num_moe_layers=num_moe_layers, topk=topk)
+        elif routes is not None:
+            check_routes(routes, name, lengths, num_moe_layers=num_moe_layers, topk=topk, num_experts=num_experts,
+                         batch_shape=(batch.batch_size, batch.seq_len), complete=name in complete_routes)
+
+
+def _check_tokens_and_mask(batch: TrainBatch) -> None:
     tokens, mask = batch.tokens, batch.response_mask
     if tokens.dim() != 2 or tokens.dtype != torch.int64:
         raise BatchError(f"tokens must be a [B, T] int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}")
-    B, T = tokens.shape
-    if B == 0:
+    if tokens.shape[0] == 0:
         raise BatchError("the batch has no samples")
     if mask.shape != tokens.shape or mask.dtype != torch.bool:
         raise BatchError(f"response_mask must be [B, T] = {tuple(tokens.shape)} bool, got {tuple(mask.shape)} {mask.dtype}")
@@ -167,7 +189,10 @@ def validate_batch(
             f"response_mask[{b}, 0] is True (sample {b}): position 0 has no logprob (nothing predicts the first token); "
             "the mask marks target tokens aligned with `tokens` (prompts must be at least one token long)"
         )
-    lengths = batch.lengths()
+
+
+def _check_lengths(batch: TrainBatch, lengths: torch.Tensor, max_positions: int) -> None:
+    B, T = batch.tokens.shape
     if lengths.shape != (B,):
         raise BatchError(f"sequence_lengths must be [B] = [{B}], got {tuple(lengths.shape)}")
     too_long = torch.nonzero(lengths > max_positions).flatten().tolist()
@@ -181,11 +206,15 @@ def validate_batch(
     if bool((lengths > T).any()) or bool((lengths < 1).any()):
         b = int(torch.nonzero((lengths > T) | (lengths < 1))[0])
         raise BatchError(f"sample {b}: sequence length {int(lengths[b])} outside [1, T={T}]")
-    beyond = mask & (torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1))
+    beyond = batch.response_mask & (torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1))
     if bool(beyond.any()):
         b = int(torch.nonzero(beyond.any(dim=1))[0])
         raise BatchError(f"sample {b}: response_mask is True past its sequence length {int(lengths[b])}")
-    real = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def _check_token_ids(batch: TrainBatch, lengths: torch.Tensor, vocab_size: int) -> None:
+    tokens = batch.tokens
+    real = torch.arange(batch.seq_len).unsqueeze(0) < lengths.unsqueeze(1)
     bad_ids = real & ((tokens < 0) | (tokens >= vocab_size))
     if bool(bad_ids.any()):
         b, t = (int(i) for i in torch.nonzero(bad_ids)[0])
@@ -193,19 +222,27 @@ def validate_batch(
             f"tokens[{b}, {t}] = {int(tokens[b, t])} ({_name_position(batch, b, t)}) is outside the model's vocabulary "
             f"[0, {vocab_size}): the tokenizer does not match the model"
         )
+
+
+def _check_advantages(batch: TrainBatch) -> None:
+    B, T = batch.tokens.shape
     adv = batch.advantages
     if tuple(adv.shape) not in ((B,), (B, T)):
         raise BatchError(f"advantages must be [B] = [{B}] or [B, T] = [{B}, {T}], got {tuple(adv.shape)}")
-    bad_adv = ~torch.isfinite(adv) if adv.dim() == 1 else (mask & ~torch.isfinite(adv)).any(dim=1)
+    bad_adv = ~torch.isfinite(adv) if adv.dim() == 1 else (batch.response_mask & ~torch.isfinite(adv)).any(dim=1)
     if bool(bad_adv.any()):
         b = int(torch.nonzero(bad_adv.reshape(B, -1).any(dim=1))[0])
         raise BatchError(f"advantages of sample {b} are not finite: check the rewards and the advantage estimator's std")
+
+
+def _check_per_token_fields(batch: TrainBatch) -> None:
+    tokens = batch.tokens
     for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "token_versions"):
         values = getattr(batch, name)
         if values is not None and values.shape != tokens.shape:
             raise BatchError(f"{name} has shape {tuple(values.shape)}, tokens has {tuple(tokens.shape)}")
     if batch.token_versions is not None and batch.policy_version is not None:
-        newer = mask & (batch.token_versions > batch.policy_version)
+        newer = batch.response_mask & (batch.token_versions > batch.policy_version)
         if bool(newer.any()):
             b, t = (int(i) for i in torch.nonzero(newer)[0])
             raise BatchError(
@@ -219,18 +256,17 @@ def validate_batch(
                  fix="the old-policy forward diverged (check the weights for NaN) or the batch was corrupted")
     check_finite(batch, "ref_logprobs", batch.ref_logprobs,
                  fix="the reference model's forward diverged (check its weights for NaN)")
-    for name in ("routed_experts", "old_routed_experts"):
-        routes = getattr(batch, name)
-        if routes is not None and not isinstance(routes, (torch.Tensor, PackedRoutes)):  # routing.RankRoutes of this rank
-            if tuple(routes.batch_shape) != (B, T) or routes.num_moe_layers != num_moe_layers or routes.topk != topk:
-                raise BatchError(
-                    f"batch.{name} was recorded on a [B, T] = {tuple(routes.batch_shape)} batch with {routes.num_moe_layers} MoE "
-                    f"layers x top-{routes.topk}; this batch is {(B, T)} and the model {num_moe_layers} x top-{topk}: record "
-                    "the routes on this batch with actor.prepare_batch(batch)"
-                )
-        elif routes is not None:
-            check_routes(routes, name, lengths, num_moe_layers=num_moe_layers, topk=topk, num_experts=num_experts,
-                         batch_shape=(B, T), complete=name in complete_routes)
+
+
+def _check_rank_routes(routes: "RankRoutes", name: str, batch: TrainBatch, *, num_moe_layers: int, topk: int) -> None:
+    """A rank's recorded routes (`routing.RankRoutes`) belong to this batch's shape and this model's MoE layers."""
+    shape = (batch.batch_size, batch.seq_len)
+    if tuple(routes.batch_shape) != shape or routes.num_moe_layers != num_moe_layers or routes.topk != topk:
+        raise BatchError(
+            f"batch.{name} was recorded on a [B, T] = {tuple(routes.batch_shape)} batch with {routes.num_moe_layers} MoE "
+            f"layers x top-{routes.topk}; this batch is {shape} and the model {num_moe_layers} x top-{topk}: record "
+            "the routes on this batch with actor.prepare_batch(batch)"
+        )
 
 
 def check_routes(

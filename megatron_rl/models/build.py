@@ -272,12 +272,9 @@ def build_model(
     With a half-precision dtype each chunk is wrapped in megatron's Float16Module (fp32
     logits out of the last stage). Each chunk carries `.hf_info` (ModelInfo).
     """
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_rl.models.families import get_family
     from megatron_rl.models.kernels import use_megatron_jit
     from megatron_rl.models.loading import load_hf_weights
-    from megatron_rl.parallel import apply_compat, seed_all
+    from megatron_rl.parallel import apply_compat
 
     apply_compat()  # idempotent; init_parallel applied it already unless the caller set up megatron itself
     announce_spec(model_cfg)
@@ -291,13 +288,37 @@ def build_model(
     use_te = use_transformer_engine(model_cfg)
     announce(choice.describe())
     info = ModelInfo(arch=arch, hf_config=hf_config, padded_vocab_size=padded_vocab_size(arch.vocab_size, ctx.tp_size), use_te=use_te)
-    family = get_family(arch.family)
+    model = _build_gpt_model(model_cfg, ctx, config, info, choice)
+    if load_weights is None:
+        load_weights = bool(model_cfg.load_weights and model_cfg.path)
+    if load_weights:
+        load_hf_weights([model], model_cfg.path, ctx)
+    chunks = [model] if dtype == torch.float32 else [_half_precision_chunk(model, config, info)]
+    if wrap_ddp:
+        if ddp_config is None:
+            from megatron.core.distributed import DistributedDataParallelConfig
 
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
+            )
+        chunks = _wrap_ddp(chunks, config, ddp_config)
+    return chunks
+
+
+def _build_gpt_model(model_cfg: ModelConfig, ctx, config, info: ModelInfo, choice):
+    """This rank's GPTModel from model_cfg.init_seed, with the chosen attention and MoE dispatch, on ctx.device."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_rl.models.families import get_family
+    from megatron_rl.parallel import seed_all
+
+    arch = info.arch
+    family = get_family(arch.family)
     seed_all(model_cfg.init_seed)  # same draws on every rank: CPU init makes TP shards of one full tensor
-    with _te_attention_environment(use_te):
+    with _te_attention_environment(info.use_te):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_layer_spec(family, config, use_te, choice),
+            transformer_layer_spec=_layer_spec(family, config, info.use_te, choice),
             vocab_size=info.padded_vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=ctx.is_pipeline_first_stage(),
@@ -314,30 +335,20 @@ def build_model(
         use_sorted_dispatch(model)
     if ctx.device.type == "cuda":
         model.cuda(ctx.device)
-    if load_weights is None:
-        load_weights = bool(model_cfg.load_weights and model_cfg.path)
-    if load_weights:
-        load_hf_weights([model], model_cfg.path, ctx)
-    chunks = [model]
-    if dtype != torch.float32:
-        # As megatron's training loop does: half-precision inputs in, fp32 logits out of the last stage.
-        from megatron.core.transformer.module import Float16Module
+    return model
 
-        chunks = [Float16Module(config, model)]
-        chunks[0].hf_info = info
-        for module in model.modules():  # megatron turns a router's expert bias back to fp32 at its first forward:
-            keep_fp32 = getattr(module, "_maintain_float32_expert_bias", None)  # from the start here, so that every
-            if keep_fp32 is not None:  # export of the model (a weight push) sees the same dtype
-                keep_fp32()
-    if wrap_ddp:
-        if ddp_config is None:
-            from megatron.core.distributed import DistributedDataParallelConfig
 
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
-            )
-        chunks = _wrap_ddp(chunks, config, ddp_config)
-    return chunks
+def _half_precision_chunk(model, config, info: ModelInfo):
+    """As megatron's training loop does: half-precision inputs in, fp32 logits out of the last stage (Float16Module)."""
+    from megatron.core.transformer.module import Float16Module
+
+    chunk = Float16Module(config, model)
+    chunk.hf_info = info
+    for module in model.modules():  # megatron turns a router's expert bias back to fp32 at its first forward:
+        keep_fp32 = getattr(module, "_maintain_float32_expert_bias", None)  # from the start here, so that every
+        if keep_fp32 is not None:  # export of the model (a weight push) sees the same dtype
+            keep_fp32()
+    return chunk
 
 
 def _layer_spec(family, config, use_te: bool, choice):
