@@ -1,25 +1,22 @@
-"""The process's long-lived heap and Python's cyclic garbage collector.
+"""Keeping Python's cyclic garbage collector off a process's long-lived heap.
 
-A training or evaluation process holds 450-650k Python objects made by importing torch, megatron-core,
-transformers and vLLM. They live until the process ends, yet every full collection scans them all: 0.4 s a
-collection on a 2-core machine. A run makes many: the interpreter's own while those packages import (the heap
-grows by a quarter again and again), and explicit ones (megatron's optimizer state dict, vLLM's model loader and
-start-up, Actor.close). Measured on a one-process run of the tiny preset: 5.4 s of 17 s in full collections.
+A training or evaluation process holds hundreds of thousands of objects made by importing torch, megatron-core,
+transformers and vLLM. They live until the process ends, yet every full collection scans them all, and a run makes
+many (the interpreter's own while those packages import, and explicit ones: megatron's optimizer state dict, vLLM's
+loader and start-up, Actor.close): 5.4 s of a 17 s one-process run of the tiny preset went to full collections.
 
-`import_long_lived` imports a process's long-lived packages with the collector paused and then freezes the heap
-(gc.freeze): collections from then on scan only what the run itself makes. trainer.run does it where the run is
-its process's command (the CLI says so: process_ends_after_close), after its bad-input checks and once library
-warnings go to the run's log. vLLM freezes the heap itself once its
-engine is up (vllm.utils.gc_utils.freeze_gc_heap) and unfreezes it at shutdown; freezing before it starts makes its
-start-up collections cheap too. The closes of a process's last run skip their collections
-(process_ends_after_close); cli.finished freezes the heap again at its end.
-
-vLLM's engine shutdown unfreezes the heap (EngineCore.shutdown, Worker.shutdown), so that an engine deleted in a
-process that goes on can be collected, and then collects it in full twice (the model runner's cleanup,
-cleanup_dist_env_and_memory): 0.9 s each over a trainer's heap on 2 cores. Where the process ends next, the heap
-stays frozen through it (heap_kept_frozen: an in-process engine's last shutdown; keep_frozen_until_exit: vLLM's own
-engine-core and worker processes on the CPU, which end after their shutdown), and those collections scan only what the
-run made.
+* `import_long_lived` imports a process's long-lived packages with the collector paused, then freezes the heap
+  (gc.freeze), so that later collections scan only what the run makes. trainer.run calls it where the run is its
+  process's command, after its bad-input checks and once library warnings go to the run's log; done before vLLM
+  starts, it makes vLLM's start-up collections cheap too (vLLM freezes the heap itself once its engine is up,
+  vllm.utils.gc_utils.freeze_gc_heap).
+* `process_ends_after_close` (the CLI's train and eval commands) says the process ends after its run's closes:
+  `collect_after_close` then skips their collections, which the exit makes pointless; cli.finished freezes the
+  heap again at the command's end.
+* vLLM's engine shutdown (EngineCore.shutdown, Worker.shutdown) unfreezes the heap and collects it in full, so that
+  an engine deleted in a process that goes on can be freed. Where the process ends next, the heap stays frozen
+  through it: `heap_kept_frozen` around an in-process engine's last shutdown, `keep_frozen_until_exit` in vLLM's own
+  engine-core and worker processes on the CPU, which end after their shutdown.
 """
 
 from __future__ import annotations
@@ -116,7 +113,7 @@ def collect_after_close() -> None:
     """gc.collect(): free the Python objects a close dropped (their storage is freed by the close itself).
 
     Skipped where the process ends after its closes (process_ends_after_close): the exit frees everything, and a
-    full collection there scans the heap vLLM's shutdown unfroze, 0.6 s each on 2 cores."""
+    full collection there would scan the whole heap that vLLM's shutdown unfroze."""
     if not _ENDS_AFTER_CLOSE:
         gc.collect()
 

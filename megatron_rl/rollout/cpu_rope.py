@@ -6,12 +6,10 @@
 attention (DeepSeek-V3 and its kin with plain RoPE: vLLM's `MultiHeadLatentAttentionWrapper`)
 passes the query's rotary part as a [tokens, heads, 32] slice of the [tokens, heads, 64]
 query, and the key's as an unsqueezed [tokens, 1, 32] slice of the latent: stride(-2) is
-then the head stride, and the kernel rotates the wrong elements at the wrong positions.
-Measured on an Intel Xeon with AMX (whose MLA backend runs): every query's rotary part from
-the third token on left unrotated, the first two tokens' parts mixed across heads, no key
-rotated; the engine's logprobs 0.1 nats from transformers' on average and up to 0.52, where
-bf16 itself moves them 0.009 on average. A yarn-scaled RoPE (DeepSeek-V3's published
-config) goes through torch code there and is unaffected; GPUs use another kernel.
+then the head stride, and the kernel rotates the wrong elements at the wrong positions
+(on a Xeon with AMX the engine's logprobs moved 0.1 nats from transformers' on average, bf16
+itself 0.009). A yarn-scaled RoPE (DeepSeek-V3's published config) goes through torch code
+there and is unaffected; GPUs use another kernel.
 
 `install()` decides once per process, by a tiny call of the installed kernel on both
 layouts against vLLM's own torch implementation (`RotaryEmbedding.forward_static`), never

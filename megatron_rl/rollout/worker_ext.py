@@ -88,9 +88,9 @@ from megatron_rl.weight_sync.streaming_load import StreamingLoad
 logger = logging.getLogger(__name__)
 
 # The process that hosts the worker (vLLM's engine core wherever its one worker runs inside it: on the CPU, and on one
-# GPU) ends in the interpreter's finalization, whose full collection over vLLM's and torch's objects took 3 s of every
-# engine's shutdown on a 2-core machine (the trainer's own processes do the same in cli.finished). Frozen, the objects
-# alive at exit are passed by: the process is ending, and the OS takes its memory back whole.
+# GPU) ends in the interpreter's finalization, whose full collection scans every vLLM and torch object. Frozen, the
+# objects alive at exit are passed by: the process is ending, and the OS takes its memory back whole (the trainer's
+# own processes do the same in cli.finished; megatron_rl.heap).
 atexit.register(gc.freeze)
 
 
@@ -107,8 +107,8 @@ def _in_vllm_cpu_process() -> bool:
     return current_platform.is_cpu()
 
 
-# Their shutdown unfreezes the heap vLLM froze once it was up and collects it in full twice (megatron_rl.heap): 1.0 s
-# of a 1.4 s shutdown on a 2-core machine. Kept frozen, those collections scan only what was made since.
+# Their shutdown unfreezes the heap vLLM froze once it was up and collects it in full twice (megatron_rl.heap), most
+# of the shutdown's time. Kept frozen, those collections scan only what was made since.
 # A worker builds its model after vLLM imports this module: its CPU rotary kernel is fixed first (rollout.cpu_rope;
 # an in-process engine's start does it in the trainer's process). Only in vLLM's own processes: the probe call runs
 # OpenMP threads, and a process that others are forked from (the test harness's forkserver imports this module) must
