@@ -12,9 +12,10 @@ What is chosen here, once, instead of `if cuda:` branches elsewhere:
     GEMMs where a grouped kernel runs on the GPU: TEGroupedMLP, or megatron's GroupedMLP
     on grouped_gemm or torch._grouped_mm; SequentialMLP on CPU), packed attention
     (flash varlen on GPU) and each fusion whose kernel imports;
-  * the settings megatron-core needs on a CPU build (see
-    shared/notes/megatron-core-on-cpu.md): fp32, no dropout, no linear biases
-    except q/k/v, use_cpu_initialization, no fusions.
+  * the settings megatron-core needs on a CPU build (the patched sites are in
+    megatron_rl.parallel.cpu_compat): fp32, no dropout, no linear biases except
+    q/k/v (with biases SequentialMLP fails on an in-place write to a view),
+    use_cpu_initialization, no fusions.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ bias-dropout-add when a compiler for them exists (CUDA with triton); RoPE, route
 permute fusion with TE; persistent layer norm and gradient-accumulation fusion with apex's
 kernels or TE; overlap of the DP gradient reduce with backward on GPUs with DP > 1 (the
 parameter all-gather is not overlapped: the weight export reads parameters right after
-the optimizer step). On CPU all are off (megatron-core on CPU, shared/notes).
+the optimizer step). On CPU all are off: none of their kernels runs there.
 
 megatron's own @jit_fuser functions (the MoE experts' activation times probabilities, the
 router's expert bias, the L2 norm, the output gate, the dispatcher's preprocessing) are

@@ -4,7 +4,7 @@ Each applies when CUDA is absent (availability's ``cuda-absent``). Most are
 ``cuda-shim`` sites: the module's global ``torch`` is rebound to the CPU
 stand-in of megatron_rl.parallel.cpu_compat, whose ``torch.cuda`` answers on
 the CPU; the few whose code must change are functions or methods replaced
-outright. The numbered groups are those of shared/notes/megatron-core-on-cpu.md:
+outright. The numbered groups are those of megatron_rl.parallel.cpu_compat:
 
 1. the RNG tracker's CUDA generator, redirected to the CPU generator;
 2. the alltoall token dispatcher's side stream and its device-to-host copies;

@@ -1,7 +1,7 @@
 """The sites where megatron-core needs collectives gloo lacks: list all_gather / reduce_scatter of uneven sizes.
 
 Without CUDA the backend is gloo, so these apply when CUDA is absent (group 7.
-of shared/notes/megatron-core-on-cpu.md: the alltoall dispatcher with expert
+of megatron_rl.parallel.cpu_compat: the alltoall dispatcher with expert
 tensor parallelism > 1 gathers and scatters uneven splits). Each function is
 wrapped so that uneven sizes go through even collectives instead.
 """

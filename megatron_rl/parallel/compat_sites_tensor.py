@@ -4,7 +4,7 @@ Each applies when CUDA is absent. megatron_rl.parallel.cpu_compat wraps
 ``Tensor.cuda`` and ``Tensor.type`` once for the whole process, but only callers
 inside the modules these sites name see the CPU behaviour: ``tensor-cuda``
 sites get a no-op ``.cuda()``, ``tensor-type`` sites a ``.type()`` that reports
-``torch.cuda.*Tensor`` (groups 8. and 9. of shared/notes/megatron-core-on-cpu.md);
+``torch.cuda.*Tensor`` (groups 8. and 9. of megatron_rl.parallel.cpu_compat);
 every other caller gets torch's own method.
 """
 

@@ -4,10 +4,22 @@ megatron-core hard-codes CUDA in a few dozen places: the RNG tracker uses the
 CUDA generator, buffers are allocated on ``torch.cuda.current_device()``, the
 alltoall dispatcher creates CUDA streams, optimizers check
 ``param.type() == 'torch.cuda.FloatTensor'``, and so on. Every site that fails
-on a CPU build is listed in ``shared/notes/megatron-core-on-cpu.md``; each gets
-one patch below, described by a :class:`PatchSite` that names the megatron-core
-module, the object, the 0.16.1 line numbers and the source expression the patch
-relies on.
+on a CPU build gets one patch, described by a :class:`PatchSite` (in the
+compat_sites_* modules) that names the megatron-core module, the object, the
+0.16.1 line numbers and the source expression the patch relies on. The sites
+fall in numbered groups, which the compat_sites_* modules use as headings:
+
+1. the RNG tracker's CUDA generator (tensor_parallel.random);
+2. the alltoall token dispatcher's side stream and its device-to-host copies;
+3. hard-coded ``torch.cuda.current_device()``, ``torch.cuda.synchronize()``, streams;
+4. ``te_general_gemm`` read where only Transformer Engine binds it (moe_utils: a NameError);
+5. literal ``device="cuda"`` in tensor factories (schedules, optimizer, clip_grads, utils);
+6. torch norms under sequence parallelism (their gradients must be all-reduced);
+7. list all_gather / reduce_scatter of uneven sizes, which gloo refuses (mappings);
+8. gradient clipping's ``grad.type() == 'torch.cuda.FloatTensor'`` check;
+9. the distributed and fp16 optimizers' cuda tensor-type checks;
+10. the static inference engine's CUDA events (an optional module);
+11. resharding's CUDA streams in its gloo copy service (an optional module).
 
 Patch kinds, narrowest first:
 

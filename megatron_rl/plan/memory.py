@@ -63,8 +63,9 @@ CPU_RUNTIME_OVERHEAD_GIB = 1.0
 """Python, torch and megatron-core loaded in one process."""
 ENGINE_OVERHEAD_GIB = {"gpu": 2.0, "cpu": 0.7}
 """vLLM's own memory beside weights and KV cache, kept while it sleeps: CUDA context, NCCL communicators,
-sampler and logits buffers (0.7 GiB measured on CPU, notes/vllm-on-cpu.md; about 0.9 GiB left asleep on one
-80 GB GPU at TP 1, vLLM PR #11743, and NCCL about 0.5-1 GiB more per rank at TP 4-8, vLLM PR #51485)."""
+sampler and logits buffers (on CPU an in-process engine of a tiny model held 1.7 GiB with a 1 GiB KV cache: 0.7 GiB;
+about 0.9 GiB left asleep on one 80 GB GPU at TP 1, vLLM PR #11743, and NCCL about 0.5-1 GiB more per rank at
+TP 4-8, vLLM PR #51485)."""
 ENGINE_CUDA_GRAPH_GIB = 2.0
 """CUDA graphs' memory pool (rollout.enforce_eager=false), on top: it is not under vLLM's sleep allocator, so it
 stays while the engine sleeps (vLLM PRs #11743, #56373); vLLM estimates 2.22 GiB for a 35B-A3B MoE at TP 4
