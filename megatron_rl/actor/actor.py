@@ -122,7 +122,7 @@ class Actor:
         self.old_logprobs_from, self.old_logprobs_why = old_logprobs_source(train, algorithm)
         """"training_forward", "forward" or "rollout" (config.schema.old_logprobs_source), and why."""
         announce(f"old-policy logprobs: {self.old_logprobs_why}")
-        self.ctx, self.model_cfg, self.optimizer_cfg, self.train_cfg, self.algorithm = ctx, model, optimizer, train, algorithm
+        self.ctx, self.model_cfg, self.train_cfg, self.algorithm = ctx, model, train, algorithm
         self.hf_config = hf_config if hf_config is not None else load_hf_config(model.path)
         self.arch = parse_hf_config(self.hf_config)
         self.dtype = resolve_dtype(model)

@@ -136,8 +136,6 @@ class ActorOffload:
         # id(tensor) -> (the tensor, its storage's bytes on the host); host buffers are kept between offloads
         self._host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._offloaded: dict[OffloadPart, list[int]] = {}
-        self.last_offloaded_bytes = 0
-        """Bytes on the host after the last to_host (all parts)."""
 
     @property
     def on_host(self) -> bool:
@@ -181,7 +179,6 @@ class ActorOffload:
             self._offloaded[part] = [id(t) for t in tensors]
         if pinned:
             torch.cuda.empty_cache()  # freed blocks back to the device, for the engine
-        self.last_offloaded_bytes = sum(self._host[key][1].numel() for keys in self._offloaded.values() for key in keys)
         return moved
 
     def to_device(self, parts: Iterable[OffloadPart] | None = None) -> None:

@@ -38,7 +38,6 @@ EXPERT_MODULES = ("SequentialMLP", "GroupedMLP", "TEGroupedMLP")
 ATTENTION_MODULES = ("LocalCoreAttention", "DotProductAttention", "TEDotProductAttention")
 ROUTER_MODULES = ("TopKRouter", "SortedTopKRouter")
 MOE_MODULES = ("MoELayer",)
-OUTPUT_MODULES = ("ColumnParallelLinear",)  # the output layer (matched by name below)
 PHASES = ("experts", "attention", "router", "permutation", "logprobs", "optimizer", "other")
 
 

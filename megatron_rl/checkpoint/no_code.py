@@ -201,12 +201,6 @@ def read_dcp_metadata(ckpt_dir: str | os.PathLike):
     return metadata
 
 
-def check_dcp_metadata(ckpt_dir: str | os.PathLike) -> None:
-    """Refuse a dist checkpoint whose .metadata pickle names anything but metadata classes (nothing runs), is
-    damaged, or points outside the directory (read_dcp_metadata)."""
-    read_dcp_metadata(ckpt_dir)
-
-
 def numpy_state_to_tensors(state: tuple) -> dict[str, Any]:
     """np.random.get_state() as weights_only-loadable values (the key array as an int64 tensor)."""
     kind, keys, pos, has_gauss, cached_gaussian = state

@@ -152,7 +152,6 @@ class ShardedSafetensorsWriter:
         self._order = [(f, spec) for f in self.files for spec in f.tensors]
         self._next = 0
         self._handle = None
-        self.bytes_written = 0
 
     def __enter__(self) -> "ShardedSafetensorsWriter":
         return self
@@ -174,7 +173,6 @@ class ShardedSafetensorsWriter:
             self._open(shard)
         if spec.nbytes:
             self._handle.write(_tensor_bytes(tensor))
-        self.bytes_written += spec.nbytes
         self._next += 1
         if spec is shard.tensors[-1]:
             self._close_file()

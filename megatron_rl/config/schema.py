@@ -56,11 +56,6 @@ class ParallelConfig:
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s}: must be > 0 seconds")
 
-    @property
-    def model_parallel_size(self) -> int:
-        """Ranks holding one copy of the dense weights: TP x PP."""
-        return self.tensor_parallel * self.pipeline_parallel
-
     def use_sequence_parallel(self) -> bool:
         return self.tensor_parallel > 1 if self.sequence_parallel is None else self.sequence_parallel
 

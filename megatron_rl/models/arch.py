@@ -79,11 +79,6 @@ class HFArch:
     shared_expert_gate: bool = False
     """The shared expert's output is scaled by sigmoid(x . w) (Qwen2-MoE)."""
 
-    @property
-    def multi_latent(self) -> bool:
-        """Multi-latent attention (DeepSeek-V2/V3)."""
-        return self.kv_lora_rank > 0
-
 
 def fail(source: str, message: str) -> UnsupportedModelError:
     """The error for an unsupported or malformed config value, naming where it came from."""

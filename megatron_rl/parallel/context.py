@@ -141,16 +141,6 @@ class ParallelContext:
         """Global rank of the last stage in this rank's pipeline (where losses live)."""
         return self.pp_ranks[-1]
 
-    @property
-    def pp_first_rank(self) -> int:
-        """Global rank of the first stage in this rank's pipeline."""
-        return self.pp_ranks[0]
-
-    @property
-    def is_main(self) -> bool:
-        """Global rank 0 (logging, checkpoint metadata)."""
-        return self.rank == 0
-
     def pg_collection(self) -> Any:
         """megatron-core's ProcessGroupCollection for these groups (for model constructors that take one)."""
         from megatron.core.process_groups_config import ProcessGroupCollection

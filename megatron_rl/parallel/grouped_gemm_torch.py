@@ -37,8 +37,6 @@ import torch
 
 from megatron_rl.parallel.devices import host_to_device
 
-PROVIDERS = ("torch_grouped_mm", "per_expert_loop")
-
 
 def grouped_mm_supported(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, *, has_op: bool) -> bool:
     """Whether torch._grouped_mm has a kernel: CUDA bf16 on compute capability >= 9.0, or CPU in fp32 / bf16 / fp16."""

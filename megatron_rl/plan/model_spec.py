@@ -182,10 +182,6 @@ class ModelSpec:
         layers = sum(self.layer_params(moe, active=True) for moe in self.moe_layers)
         return self.embedding_params() + layers + self.hidden_size
 
-    def routed_expert_params(self) -> int:
-        """All routed experts of all layers (what expert parallelism splits)."""
-        return self.num_moe_layers * self.num_experts * self.expert_params()
-
 
 def spec_from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelSpec:
     """Parse a Hugging Face config.json dict; unsupported families and features are ConfigErrors."""

@@ -66,16 +66,6 @@ class WeightManifest:
             optional={k: tuple(v) for k, v in data.get("optional", {}).items()},
         )
 
-    @property
-    def num_bytes_fp32(self) -> int:
-        total = 0
-        for shape in self.shapes.values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += 4 * n
-        return total
-
     def shape_of(self, name: str) -> tuple[int, ...] | None:
         return self.shapes.get(name, self.optional.get(name))
 

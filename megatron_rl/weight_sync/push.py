@@ -42,10 +42,6 @@ class PushStats:
     load_seconds: float = 0.0
     """Time the engine spent loading (reload + re-pack), inside `seconds`."""
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
 
 class SupportsWeightPush(Protocol):
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> PushStats: ...
