@@ -4,7 +4,8 @@
     # -> train.jsonl, heldout.jsonl: {"prompt": ..., "answer": "17", "data_source": "arithmetic-2step"}
 
 Each problem chains `steps` operations (add, take away, multiply into groups, share out
-evenly) on small whole numbers, in one of several story templates, e.g.
+evenly) on small whole numbers (at most MAX_VALUE at every step: a 135M-parameter model
+solves about one in ten at that size, and few with numbers up to 100), in one of several story templates, e.g.
 
     "Mia has 7 marbles. Mia buys 5 more marbles. Then Mia gives away 3 marbles. How many
      marbles does Mia have now?"  -> 9
@@ -24,8 +25,12 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_VALUE = 100
+MAX_VALUE = 20
 """Largest value any problem holds at any step."""
+MAX_START = 10
+"""Largest starting amount."""
+MAX_CHANGE = 5
+"""Most items bought, given or lost in one step."""
 
 ANSWER_INSTRUCTION = "Give the final answer as a number in \\boxed{}."
 """Appended to every problem: the `math` reward reads the last \\boxed{...} of a response."""
@@ -65,10 +70,10 @@ def _operation(rng: random.Random, value: int, name: str, item: str) -> tuple[st
         choices.append("share")
     kind = rng.choice(choices)
     if kind == "add" and value < MAX_VALUE:
-        n = rng.randint(1, min(20, MAX_VALUE - value))
+        n = rng.randint(1, min(MAX_CHANGE, MAX_VALUE - value))
         return rng.choice([f"{name} buys {n} more {item}.", f"A friend gives {name} {n} more {item}."]), value + n
     if kind in ("add", "take") and value > 0:
-        n = rng.randint(1, min(20, value))
+        n = rng.randint(1, min(MAX_CHANGE, value))
         return rng.choice([f"{name} gives away {n} {item}.", f"{name} loses {n} {item}."]), value - n
     if kind == "times":
         n = rng.randint(2, max(2, min(5, MAX_VALUE // value)))
@@ -76,14 +81,14 @@ def _operation(rng: random.Random, value: int, name: str, item: str) -> tuple[st
     if kind == "share":
         n = rng.choice(divisors)
         return f"{name} shares the {item} equally among {n} friends and keeps one friend's share.", value // n
-    n = rng.randint(1, 20)  # value 0, kind take: nothing to take, so add
+    n = rng.randint(1, MAX_CHANGE)  # value 0, kind take: nothing to take, so add
     return f"{name} buys {n} more {item}.", value + n
 
 
 def make_problem(rng: random.Random, steps: int) -> Problem:
     """A problem of `steps` operations after the starting amount."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    value = rng.randint(2, 30)
+    value = rng.randint(2, MAX_START)
     sentences = [f"{name} has {value} {item}."]
     for i in range(steps):
         sentence, value = _operation(rng, value, name, item)
