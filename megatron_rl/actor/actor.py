@@ -433,8 +433,8 @@ class Actor:
                 batch = batch.replace(ref_logprobs=self.compute_ref_logprobs(batch))
             metrics["time/old_logprobs_s"] = time.perf_counter() - t0
             return batch, metrics
-        own_first = self.old_logprobs_from == "training_forward"
-        if own_first and self.train_cfg.mini_batches_per_step == 1:
+        first_old_from_training = self.old_logprobs_from == "training_forward"
+        if first_old_from_training and self.train_cfg.mini_batches_per_step == 1:
             self.validate(batch)
             batch = batch.replace(old_logprobs=None, old_routed_experts=None, old_logprobs_first_from_training=True)
             if self.reference is not None:
@@ -444,13 +444,13 @@ class Actor:
         record = self.routing.num_moe_layers > 0 and (
             self.algorithm.routing_replay == "R2" or self.train_cfg.routing_drift_metrics or batch.routed_experts is not None
         )
-        result = self.compute_logprobs(batch, record_routes=record, skip_first_mini_batch=own_first)
+        result = self.compute_logprobs(batch, record_routes=record, skip_first_mini_batch=first_old_from_training)
         if record:
             batch = batch.replace(old_logprobs=result.logprobs, old_routed_experts=result.routed_experts)
             metrics.update(result.metrics)
         else:
             batch = batch.replace(old_logprobs=result)
-        batch = batch.replace(old_logprobs_first_from_training=own_first)
+        batch = batch.replace(old_logprobs_first_from_training=first_old_from_training)
         if self.reference is not None:
             batch = batch.replace(ref_logprobs=self.compute_ref_logprobs(batch))
         metrics["time/old_logprobs_s"] = time.perf_counter() - t0
@@ -474,26 +474,27 @@ class Actor:
         more than `max_staleness` versions old, which leave the loss and its denominators.
         """
         t0 = time.perf_counter()
-        own_first = batch.old_logprobs_first_from_training  # the first mini-batch's old logprobs: its own (prepare_batch)
-        if own_first and self.old_logprobs_from != "training_forward":
+        first_old_from_training = batch.old_logprobs_first_from_training  # the first mini-batch's old logprobs: its own (prepare_batch)
+        if first_old_from_training and self.old_logprobs_from != "training_forward":
             raise BatchError(f"the batch leaves the first mini-batch's old logprobs to its training forward, but this actor takes "
                              f"them from {self.old_logprobs_why}: prepare the batch with this actor")
-        if batch.old_logprobs is None and not (own_first and self.train_cfg.mini_batches_per_step == 1):
+        if batch.old_logprobs is None and not (first_old_from_training and self.train_cfg.mini_batches_per_step == 1):
             raise BatchError("batch.old_logprobs is missing: compute them with actor.compute_logprobs(batch) (actor.prepare_batch)")
         if self.algorithm.beta > 0 and batch.ref_logprobs is None:
             raise BatchError(f"algorithm.beta={self.algorithm.beta} needs batch.ref_logprobs: use actor.prepare_batch(batch)")
         lengths = self.validate(batch)
-        r2_own = own_first and self.algorithm.routing_replay == "R2" and batch.old_routed_experts is None
-        replay = None if r2_own else self._replay_source(batch)
+        r2_without_old_routes = first_old_from_training and self.algorithm.routing_replay == "R2" and batch.old_routed_experts is None
+        replay = None if r2_without_old_routes else self._replay_source(batch)
         drift_reference = batch.old_routed_experts if batch.old_routed_experts is not None else batch.routed_experts
         loss_metrics, step_metrics = [], {"grad_norm": [], "lr": [], "microbatches": []}
         for index, microbatches in enumerate(self._my_microbatches(batch)):
-            own = own_first and index == 0
+            old_from_training = first_old_from_training and index == 0
             # the training forward at the old policy's weights routes as the old policy did: nothing to replay under
             # R2, and no drift from the old routes (none were recorded for these rows)
-            mb_replay = None if own and self.algorithm.routing_replay == "R2" else replay
-            mb_reference = None if own and batch.old_routed_experts is not None else drift_reference
-            metrics, grad_norm = self._optimizer_step(batch, lengths, microbatches, mb_replay, mb_reference, own)
+            mini_batch_replay = None if old_from_training and self.algorithm.routing_replay == "R2" else replay
+            mini_batch_drift_reference = None if old_from_training and batch.old_routed_experts is not None else drift_reference
+            metrics, grad_norm = self._optimizer_step(batch, lengths, microbatches, mini_batch_replay, mini_batch_drift_reference,
+                                                      old_from_training)
             loss_metrics.append(metrics)
             step_metrics["grad_norm"].append(grad_norm)
             step_metrics["lr"].append(self.optimizer.param_groups[0]["lr"])
@@ -512,19 +513,19 @@ class Actor:
         out["time/train_step_s"] = time.perf_counter() - t0
         return out
 
-    def _optimizer_step(self, batch, lengths, microbatches, replay, drift_reference, own_old=False) -> tuple[dict, float]:
+    def _optimizer_step(self, batch, lengths, microbatches, replay, drift_reference, old_from_training=False) -> tuple[dict, float]:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         ctx = self.ctx
         items = [self._inputs(batch, mb, lengths, with_loss_inputs=True) for mb in microbatches]
-        if own_old:  # the old policy is this forward's own (policy_loss): the batch holds none for these rows
+        if old_from_training:  # the old policy is this forward's own (policy_loss): the batch holds none for these rows
             for item in items:
                 item.old_logprobs = None
         # The step's global counts: one all-reduce over DP x CP, before the first microbatch.
         algo = self.algorithm
         # Whole rows' masks (under CP every CP rank holds the same rows), summed over DP: each sequence once.
         masks = [
-            item.sequence_mask if algo.tis_mode == "none" or own_old  # own_old: the correction drops nothing
+            item.sequence_mask if algo.tis_mode == "none" or old_from_training  # old_from_training: the correction drops nothing
             else rejection_response_mask(algo, item.old_logprobs, item.rollout_logprobs, item.sequence_mask)
             for item in items
         ]
@@ -541,7 +542,7 @@ class Actor:
             routing.end_microbatch()
             return output, policy_loss(
                 inputs, self.settings, loss_fn=self.loss_fn, algorithm_cfg=self.algorithm, denom=denom, scale=scale,
-                compute_entropy=self.train_cfg.compute_entropy, count_nonfinite=own_old,
+                compute_entropy=self.train_cfg.compute_entropy, count_nonfinite=old_from_training,
             )
 
         for chunk in self.model:
@@ -553,7 +554,7 @@ class Actor:
         finally:
             routing.reset()
             clear_aux_losses_tracker()
-        if own_old:
+        if old_from_training:
             refuse_nonfinite_own_logprobs(outputs, self.ctx.device)
         self.scheduler.step(increment=1)  # optimizer step k runs at the schedule's rate for k
         ok, grad_norm, _ = self.optimizer.step()

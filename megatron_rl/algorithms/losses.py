@@ -209,7 +209,7 @@ class _SanitisedLogRatio(torch.autograd.Function):
 
 
 @dataclass
-class _Batch:
+class _SanitisedMicrobatch:
     """Sanitised inputs of one microbatch: every tensor finite, every per-token term 0 where not valid."""
 
     valid: torch.Tensor  # [B, T] bool: response token with finite inputs
@@ -261,7 +261,7 @@ def _check_options(name, cfg, denom, ref_logprobs, rollout_logprobs, entropy) ->
 
 
 def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom, ref_logprobs, rollout_logprobs, entropy,
-             *, token_advantages: bool = False) -> _Batch:
+             *, token_advantages: bool = False) -> _SanitisedMicrobatch:
     """Check, sanitise and compute everything the losses share (no host synchronisation).
 
     1. valid = response token whose logprob, old logprob (and the ref/rollout/entropy
@@ -330,24 +330,24 @@ def _prepare(name, logprobs, old_logprobs, advantages, response_mask, cfg, denom
     elif entropy is not None:  # metric only
         entropy_valid = valid & finite(entropy)
         metrics["entropy"] = mean_metric(torch.where(entropy_valid, entropy.detach(), 0.0), entropy_valid)
-    return _Batch(valid, valid_weight, num_valid, log_ratio, token_adv, sequence_advantages, lengths, has_tokens, row_tokens, is_weight,
+    return _SanitisedMicrobatch(valid, valid_weight, num_valid, log_ratio, token_adv, sequence_advantages, lengths, has_tokens, row_tokens, is_weight,
                   kl, entropy_s, metrics)
 
 
-Aggregate = Callable[[torch.Tensor, _Batch, LossDenominators], torch.Tensor]
+Aggregate = Callable[[torch.Tensor, _SanitisedMicrobatch, LossDenominators], torch.Tensor]
 
 
-def _token_mean(terms: torch.Tensor, b: _Batch, denom: LossDenominators) -> torch.Tensor:
+def _token_mean(terms: torch.Tensor, b: _SanitisedMicrobatch, denom: LossDenominators) -> torch.Tensor:
     """sum_{i,t} x_it / N_tok (DAPO Eq. 8: the mean over every response token of the step)."""
     return terms.sum() / denom.tokens
 
 
-def _sequence_mean_token_mean(terms: torch.Tensor, b: _Batch, denom: LossDenominators) -> torch.Tensor:
+def _sequence_mean_token_mean(terms: torch.Tensor, b: _SanitisedMicrobatch, denom: LossDenominators) -> torch.Tensor:
     """sum_i (1/|y_i|) sum_t x_it / N_seq (DeepSeekMath Eq. 3: sample-level mean)."""
     return (terms.sum(dim=-1) / b.lengths).sum() / denom.sequences
 
 
-def _constant_denominator(terms: torch.Tensor, b: _Batch, denom: LossDenominators) -> torch.Tensor:
+def _constant_denominator(terms: torch.Tensor, b: _SanitisedMicrobatch, denom: LossDenominators) -> torch.Tensor:
     """sum_{i,t} x_it / (N_seq * MAX_TOKENS) (Dr. GRPO, arXiv 2503.20783 Sec. 3: no 1/|y_i| length bias)."""
     if denom.max_response_tokens < 1:
         raise ValueError(
@@ -358,7 +358,7 @@ def _constant_denominator(terms: torch.Tensor, b: _Batch, denom: LossDenominator
     return terms.sum() / (denom.sequences * denom.max_response_tokens)
 
 
-def _option_terms(b: _Batch, cfg: Any, aggregate: Aggregate, denom: LossDenominators) -> tuple[torch.Tensor | None, Metrics]:
+def _option_terms(b: _SanitisedMicrobatch, cfg: Any, aggregate: Aggregate, denom: LossDenominators) -> tuple[torch.Tensor | None, Metrics]:
     """beta * agg(KL) - entropy_coeff * agg(H), or None when both are off (terms are 0 where not valid)."""
     total = None
     metrics: Metrics = {}
@@ -373,7 +373,7 @@ def _option_terms(b: _Batch, cfg: Any, aggregate: Aggregate, denom: LossDenomina
     return total, metrics
 
 
-def _clip_metrics(b: _Batch, low: torch.Tensor, high: torch.Tensor, dual: torch.Tensor | None) -> Metrics:
+def _clip_metrics(b: _SanitisedMicrobatch, low: torch.Tensor, high: torch.Tensor, dual: torch.Tensor | None) -> Metrics:
     """Token-weighted fractions of valid response tokens whose objective is clipped.
 
     Per-token flags ([B, T]) count where valid; per-sequence flags ([B], GSPO)
@@ -397,7 +397,7 @@ def _ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor
     }
 
 
-def _finish(b: _Batch, pg_loss: torch.Tensor, extra: torch.Tensor | None, metrics: Metrics) -> tuple[torch.Tensor, Metrics]:
+def _finish(b: _SanitisedMicrobatch, pg_loss: torch.Tensor, extra: torch.Tensor | None, metrics: Metrics) -> tuple[torch.Tensor, Metrics]:
     loss = pg_loss if extra is None else pg_loss + extra
     out = dict(b.metrics)
     out.update(metrics)
@@ -471,7 +471,7 @@ def dr_grpo_loss(logprobs, old_logprobs, advantages, response_mask, cfg, denom, 
 # Sequence-ratio losses: gspo, gspo_token.
 
 
-def _sequence_log_ratio(b: _Batch, denom: LossDenominators) -> torch.Tensor:
+def _sequence_log_ratio(b: _SanitisedMicrobatch, denom: LossDenominators) -> torch.Tensor:
     """log s_i = (1/|y_i|) sum_t d_it  [B] (GSPO Eq. 7: s_i is the geometric mean of the token ratios),
     the sum over the whole sequence (all its CP ranks' tokens)."""
     return (context_parallel_row_sum(b.log_ratio, denom) / b.lengths).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
