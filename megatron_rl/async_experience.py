@@ -5,8 +5,8 @@ thread that never waits for the trainer except to respect the bound:
 
 1. draw train.prompts_per_step prompts, generate rollout.n_samples each (with
    train.partial_rollouts, interruptible by pushes: `rollout.partial`), score
-   them, drop groups of equal rewards when dynamic sampling is on (it filters
-   the stream), and queue each group tagged with its weight version (the
+   them, drop the groups algorithm.group_filter drops when dynamic sampling is
+   on (it filters the stream), and queue each group tagged with its weight version (the
    oldest version any of its tokens was sampled with);
 2. repeat while fewer than S x prompts_per_step groups wait in the queue.
 
@@ -45,8 +45,9 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_rl.algorithms import DynamicSamplingExhausted
+from megatron_rl.algorithms import DynamicSamplingExhausted, kept_samples
 from megatron_rl.experience import Experience, agent_metrics, assemble_experience, generate_and_score, score_rollouts, step_seed
+from megatron_rl.rollout.function import rollout_batch
 from megatron_rl.rollout.partial import generate_partial
 from megatron_rl.rollout.sampling import SamplingSpec
 
@@ -156,16 +157,18 @@ class AsyncExperienceStream:
                 rollouts = generate_partial(self.engine, token_ids, spec, self.engine_turn, self.push_waiting)
             else:
                 with self.engine_turn():
-                    rollouts = self.engine.generate(token_ids, spec)
+                    rollouts = rollout_batch(self.engine, prompts, spec, self.tokenizer, cfg)
             rewards, shaped, truncated, scored = score_rollouts(rollouts, prompts, self.tokenizer, self.reward_fn, cfg.rollout.max_new_tokens, algo)
             errors = scored.num_errors
         self.counters["reward_errors"] += errors
         n = cfg.rollout.n_samples
+        group_ids = torch.arange(len(prompts), dtype=torch.int64).repeat_interleave(n)
+        keep = kept_samples(algo.group_filter, rewards, group_ids).tolist() if algo.dynamic_sampling else None
         groups = []
         for i in range(len(prompts)):
             rows = slice(i * n, (i + 1) * n)
             group_rewards = rewards[rows]
-            if algo.dynamic_sampling and bool((group_rewards == group_rewards[0]).all()):
+            if keep is not None and not keep[i * n]:
                 self.counters["filtered_groups"] += 1
                 groups.append(Group([], group_rewards, shaped[rows], truncated[rows], -1, positions[i]))  # consumed, never trained
                 continue
@@ -220,7 +223,8 @@ class AsyncExperienceStream:
         limit = self.cfg.algorithm.max_num_gen_batches * self.groups_per_step
         if filtered >= limit:
             raise DynamicSamplingExhausted(
-                f"dynamic sampling filtered {filtered} groups in a row for one step (all rewards equal in each) and kept "
+                f"dynamic sampling filtered {filtered} groups in a row for one step (algorithm.group_filter="
+                f"{self.cfg.algorithm.group_filter}: by default those whose rewards are all equal) and kept "
                 f"{kept} of train.prompts_per_step={self.groups_per_step}: raise algorithm.max_num_gen_batches "
                 f"(now {self.cfg.algorithm.max_num_gen_batches}), use a reward that tells samples apart, or turn "
                 "algorithm.dynamic_sampling off"

@@ -3,12 +3,14 @@
 Runs on the rank that holds the rollout engine; the result is broadcast to
 every trainer rank. The stages, in order:
 
-1. take `train.prompts_per_step` prompts and generate `rollout.n_samples` each;
+1. take `train.prompts_per_step` prompts and generate `rollout.n_samples` each
+   (rollout.function, or rollout.agent's episodes);
 2. score every sample (reward function, failures isolated and counted) and add
    DAPO's soft overlong punishment (algorithm.overlong_buffer > 0);
-3. with dynamic sampling, drop groups whose rewards are all equal and generate
-   again until the step holds `prompts_per_step` groups (or fail, saying what
-   to change, after algorithm.max_num_gen_batches);
+3. with dynamic sampling, drop the groups algorithm.group_filter drops (by
+   default those whose rewards are all equal) and generate again until the step
+   holds `prompts_per_step` groups (or fail, saying what to change, after
+   algorithm.max_num_gen_batches);
 4. advantages per group (algorithm.advantage), and overlong filtering
    (responses cut at the length limit leave the loss).
 """
@@ -25,6 +27,7 @@ from megatron_rl.algorithms import DynamicSamplingAccumulator, compute_advantage
 from megatron_rl.data.batch import PaddedRollouts, Rollouts
 from megatron_rl.data.dataset import PromptDataset
 from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.rollout.function import rollout_batch
 from megatron_rl.rollout.rewards import compute_rewards
 from megatron_rl.rollout.sampling import SamplingSpec
 
@@ -73,7 +76,8 @@ def generate_and_score(engine, prompts: list, spec: SamplingSpec, tokenizer: Tok
     """(rollouts, task rewards, shaped rewards, truncated, reward errors): one engine call, or episodes with `agent`.
 
     agent: a rollout.agents.EpisodeRunner (rollout.agent set): every sample is one episode, possibly of several
-    turns; overlong shaping counts its model tokens. None: engine.generate, one completion per sample.
+    turns; overlong shaping counts its model tokens. None: the rollout function (rollout.function; the built-in is
+    one engine.generate call), one completion per sample.
     """
     if agent is not None:
         batch = agent.run(engine, prompts, spec, engine_turn, push_waiting or (lambda: False))
@@ -82,7 +86,7 @@ def generate_and_score(engine, prompts: list, spec: SamplingSpec, tokenizer: Tok
             algo = cfg.algorithm
             shaped = batch.rewards + soft_overlong_punishment(batch.model_tokens, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
         return batch.rollouts, batch.rewards, shaped, batch.truncated, batch.num_errors
-    rollouts = engine.generate([p.token_ids for p in prompts], spec)
+    rollouts = rollout_batch(engine, prompts, spec, tokenizer, cfg)
     rewards, shaped, truncated, scored = score_rollouts(rollouts, prompts, tokenizer, reward_fn, cfg.rollout.max_new_tokens, cfg.algorithm)
     return rollouts, rewards, shaped, truncated, scored.num_errors
 
@@ -116,7 +120,8 @@ def collect_experience(
 
     agent: a rollout.agents.EpisodeRunner when rollout.agent is set (samples are episodes)."""
     algo, num_groups = cfg.algorithm, cfg.train.prompts_per_step
-    accumulator = DynamicSamplingAccumulator(num_groups, algo.max_num_gen_batches) if algo.dynamic_sampling else None
+    accumulator = (DynamicSamplingAccumulator(num_groups, algo.max_num_gen_batches, group_filter=algo.group_filter)
+                   if algo.dynamic_sampling else None)
     all_rewards, samples, rewards, shaped, truncated = [], [], None, None, None
     num_errors, gen_batch, generate_s, weight_version = 0, 0, 0.0, 0
     while True:

@@ -9,7 +9,9 @@
 4. the checkpoint the run resumes from (`resume`, chosen and checked complete by checkpoint.resume.decide_resume, the
    one the trainer loads): saved from a model of the same architecture (trainer_state.json records it,
    `model_architecture` below; compared key by key);
-5. rollout.agent: the class it names imports and is an Environment (before any directory is made).
+5. plug-ins: every import path among algorithm.loss / advantage / tis_mode / group_filter, data.reward,
+   rollout.agent and rollout.function imports and takes the call its key makes (megatron_rl.plugins;
+   before any directory is made).
 
 Each failure is a ConfigError or CheckpointError naming the key, the value and the fix
 (megatron_rl.errors turns it into one line and exit code 2).
@@ -44,18 +46,18 @@ def check_before_start(cfg: RLConfig, resume: ResumeDecision) -> None:
 
     hf_config = load_hf_config(cfg.model.path)
     architecture = model_architecture(hf_config)
-    check_agent(cfg)
+    check_plugins(cfg)
     check_writable_dirs(cfg)
     check_lengths(cfg, hf_config)
     check_resume_matches(cfg, resume, architecture)
 
 
-def check_agent(cfg: RLConfig) -> None:
-    """rollout.agent names a class that imports (AgentError, a ConfigError, naming the key), on every rank."""
-    if cfg.rollout.agent:
-        from megatron_rl.rollout.agents.base import load_agent
+def check_plugins(cfg: RLConfig) -> None:
+    """Each plug-in's import path imports and fits its key's call (a ConfigError naming the key), on every rank; the
+    algorithm ones are added to their registries for the run (megatron_rl.plugins.load_plugins)."""
+    from megatron_rl.plugins import load_plugins
 
-        load_agent(cfg.rollout.agent)
+    load_plugins(cfg)
 
 
 def model_architecture(hf_config: dict) -> dict[str, Any]:

@@ -17,14 +17,20 @@ One step, as the trainer and actor use it::
     step_metrics = finalize_metrics(all_reduce_metrics(merge_metrics(all_metrics), dp_cp_group))
 """
 
-from megatron_rl.algorithms.advantages import ADVANTAGES, compute_advantages, group_index
+from megatron_rl.algorithms.advantages import ADVANTAGES, AdvantageEstimator, compute_advantages, group_index
 from megatron_rl.algorithms.dynamic_sampling import (
+    GROUP_FILTERS,
     DynamicSamplingAccumulator,
     DynamicSamplingExhausted,
+    GroupFilter,
     groups_with_reward_variance,
+    kept_samples,
 )
 from megatron_rl.algorithms.importance import (
     IS_CORRECTIONS,
+    ISCorrection,
+    ISParams,
+    as_is_correction,
     get_is_correction,
     importance_weights,
     rejection_response_mask,
@@ -35,6 +41,7 @@ from megatron_rl.algorithms.losses import (
     DEFAULT_CLIP_RANGE,
     POLICY_LOSSES,
     SEQUENCE_LEVEL_LOSSES,
+    PolicyLoss,
     clip_range,
     clipped_surrogate,
     clipped_surrogate_from_log_ratio,
@@ -54,7 +61,13 @@ from megatron_rl.algorithms.validation import NonFiniteLogprobsError, check_fini
 __all__ = [
     "ADVANTAGES",
     "DEFAULT_CLIP_RANGE",
+    "GROUP_FILTERS",
     "IS_CORRECTIONS",
+    "AdvantageEstimator",
+    "GroupFilter",
+    "ISCorrection",
+    "ISParams",
+    "PolicyLoss",
     "DynamicSamplingAccumulator",
     "DynamicSamplingExhausted",
     "KL_ESTIMATORS",
@@ -63,6 +76,7 @@ __all__ = [
     "POLICY_LOSSES",
     "SEQUENCE_LEVEL_LOSSES",
     "all_reduce_metrics",
+    "as_is_correction",
     "check_finite_logprobs",
     "check_step_metrics",
     "clip_range",
@@ -78,6 +92,7 @@ __all__ = [
     "group_index",
     "importance_weights",
     "groups_with_reward_variance",
+    "kept_samples",
     "kl_estimate",
     "kl_penalty",
     "merge_metrics",

@@ -6,7 +6,8 @@ e.g. prompt indices). Every group must be complete on the process that calls
 `compute_advantages` (gather it first): a group with fewer than G members
 would give a silently wrong mean, so it is an error.
 
-Estimators (registry ``ADVANTAGES``, config key ``algorithm.advantage``):
+Estimators (registry ``ADVANTAGES``, config key ``algorithm.advantage``, which also takes a user's function
+of the `AdvantageEstimator` call by import path: megatron_rl.plugins):
 
 * ``grpo``: DeepSeekMath (Shao et al. 2024, arXiv 2402.03300) Sec. 4.1.2,
   outcome supervision: A_i = (r_i - mean_j r_j) / (std_j r_j + eps).
@@ -23,16 +24,21 @@ Estimators (registry ``ADVANTAGES``, config key ``algorithm.advantage``):
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import torch
 
 from megatron_rl.algorithms._registry import Registry
 
-# fn(rewards [N] float64, group_index [N] int64 in [0, num_groups), group_size G, cfg) -> [N] float64
-AdvantageFn = Callable[[torch.Tensor, torch.Tensor, int, Any], torch.Tensor]
 
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator", "algorithm.advantage")
+class AdvantageEstimator(Protocol):
+    """The call every estimator takes (compute_advantages'): rewards [N] float64, index [N] int64 (each sample's
+    group, 0 .. groups-1; every group complete), group_size G, cfg -> advantages [N]."""
+
+    def __call__(self, rewards, index, group_size, cfg) -> torch.Tensor: ...
+
+
+ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.advantage", AdvantageEstimator)
 
 
 def group_index(group_ids: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, int, int]:
@@ -125,7 +131,12 @@ def compute_advantages(
     if rewards.numel() == 0:
         return rewards.to(out_dtype)
     index, _, size = group_index(group_ids, group_size)
-    return estimator(rewards.to(torch.float64), index.to(rewards.device), size, cfg).to(out_dtype)
+    advantages = estimator(rewards.to(torch.float64), index.to(rewards.device), size, cfg)
+    if not isinstance(advantages, torch.Tensor) or advantages.shape != rewards.shape:
+        found = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"advantage estimator {name if name is not None else cfg.advantage!r} (algorithm.advantage) "
+                         f"returned {found}: it must return one advantage per sample, a tensor of shape {tuple(rewards.shape)}")
+    return advantages.to(out_dtype)
 
 
 __all__ = ["ADVANTAGES", "compute_advantages", "dr_grpo_advantages", "group_index", "grpo_advantages", "rloo_advantages"]

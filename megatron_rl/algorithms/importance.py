@@ -44,14 +44,16 @@ k = pi_train / pi_infer, alpha = 0.5, beta = 5).
 
 A sequence-level weight works with every loss; a token-level one does not
 apply to GSPO's per-sequence term (use gspo_token, or a sequence-level option).
-Adding a correction is one `register_is_correction` entry in this file.
+Adding a correction is one `register_is_correction` entry in this file, or, without a change to the
+package, an `ISCorrection` (or a token-level weight function) named by its import path in
+algorithm.tis_mode (megatron_rl.plugins).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 
@@ -84,16 +86,22 @@ class ISWeights:
     """[B, T] or [B, 1] bool: the weight was cut at the cap."""
 
 
-WeightFn = Callable[[torch.Tensor, torch.Tensor, ISParams], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+class WeightFn(Protocol):
+    """The call a correction's weight function takes: log_rho [B, T] (token level) or [B, 1] (sequence level),
+    finite; params (ISParams) -> (weight, keep bool, truncated bool), each of log_rho's shape."""
+
+    def __call__(self, log_rho, params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
 class ISCorrection:
-    """One registered correction: `weights(log_rho, rows_keep_or_tokens, params)` at `level`, and its defaults."""
+    """One registered correction: `weights(log_rho, params)` at `level`, and its defaults."""
 
     name: str
     level: Level
-    defaults: ISParams
+    defaults: ISParams | None
+    """cap / lower / upper where the config leaves them None; a number the correction does not use is None (the
+    config's value is then ignored). None: the config's tis_cap, is_lower, is_upper as given (a plug-in function)."""
     weights: WeightFn
     """(log_rho [B, T] token or [B, 1] sequence log ratio, finite; params) -> (weight, keep, truncated), same shape."""
     drops: bool = True
@@ -101,7 +109,16 @@ class ISCorrection:
     training forward, from the old logprobs (so they need a forward of their own: train.old_logprobs)."""
 
 
-IS_CORRECTIONS: Registry[ISCorrection] = Registry("importance-sampling correction", "algorithm.tis_mode")
+IS_CORRECTIONS: Registry[ISCorrection] = Registry("importance-sampling correction", "algorithm.tis_mode", WeightFn)
+"""Entries are ISCorrection; the registry's call is their weight function's."""
+
+
+def as_is_correction(entry: Any, path: str) -> ISCorrection:
+    """A plug-in given as algorithm.tis_mode=path: an ISCorrection as it is, or a weight function as a token-level
+    correction that may drop tokens and reads the config's tis_cap, is_lower and is_upper as given."""
+    if isinstance(entry, ISCorrection):
+        return entry
+    return ISCorrection(name=path, level="token", defaults=None, weights=entry)
 
 
 def register_is_correction(name: str, *, level: Level, drops: bool = True, **defaults: float) -> Callable[[WeightFn], WeightFn]:
@@ -163,12 +180,13 @@ def get_is_correction(name: str) -> ISCorrection:
 def is_correction_params(cfg: Any) -> ISParams:
     """The config's tis_cap / is_lower / is_upper where set, else the correction's defaults; checked."""
     entry = get_is_correction(cfg.tis_mode)
-    d = entry.defaults
+    given = ISParams(cap=cfg.tis_cap, lower=cfg.is_lower, upper=cfg.is_upper)
+    d = entry.defaults if entry.defaults is not None else given  # None: a plug-in function, the numbers as given
 
     def pick(value, default):
         return default if value is None or default is None else float(value)
 
-    params = ISParams(cap=pick(cfg.tis_cap, d.cap), lower=pick(cfg.is_lower, d.lower), upper=pick(cfg.is_upper, d.upper))
+    params = ISParams(cap=pick(given.cap, d.cap), lower=pick(given.lower, d.lower), upper=pick(given.upper, d.upper))
     if params.cap is not None and not params.cap > 0:
         raise ValueError(f"algorithm.tis_cap={params.cap}: must be > 0 (tis_mode={cfg.tis_mode!r})")
     if params.upper is not None and not (params.upper > 0 and params.upper >= (params.lower or 0.0)):
@@ -288,6 +306,8 @@ __all__ = [
     "ISCorrection",
     "ISParams",
     "ISWeights",
+    "WeightFn",
+    "as_is_correction",
     "get_is_correction",
     "importance_metrics",
     "importance_weights",

@@ -1,4 +1,5 @@
-"""Policy losses, a registry by name (``POLICY_LOSSES``, config key ``algorithm.loss``).
+"""Policy losses, a registry by name (``POLICY_LOSSES``, config key ``algorithm.loss``; a user's function, of the
+`PolicyLoss` call below, by import path: megatron_rl.plugins).
 
 Every loss has one signature::
 
@@ -62,7 +63,7 @@ Log ratios are clamped to [-20, 20] before exp (`kl.MAX_LOG_RATIO`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -73,9 +74,15 @@ from megatron_rl.algorithms.kl import MAX_LOG_RATIO, kl_estimate
 from megatron_rl.algorithms.metrics import Metrics, fraction_metric, max_metric, mean_metric, min_metric, sum_metric
 from megatron_rl.algorithms.normalization import LossDenominators, context_parallel_row_sum, count_once, require_whole_sequences
 
-PolicyLossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "algorithm.loss")
+class PolicyLoss(Protocol):
+    """The call every policy loss takes (the actor's, actor.step.policy_loss); see the module docstring."""
+
+    def __call__(self, logprobs, old_logprobs, advantages, response_mask, cfg, denom, *, ref_logprobs,
+                 rollout_logprobs, entropy) -> tuple[torch.Tensor, Metrics]: ...
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "algorithm.loss", PolicyLoss)
 
 DEFAULT_CLIP_RANGE: dict[str, tuple[float, float]] = {
     "grpo": (0.2, 0.2),  # DeepSeekMath / PPO epsilon
@@ -90,7 +97,7 @@ SEQUENCE_LEVEL_LOSSES = frozenset({"grpo", "gspo", "gspo_token"})
 """Losses that need each sequence whole in one row (see `normalization`)."""
 
 
-def get_policy_loss(name: str) -> PolicyLossFn:
+def get_policy_loss(name: str) -> PolicyLoss:
     """The registered loss function; an unknown name raises ValueError listing the valid ones."""
     return POLICY_LOSSES.get(name)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_rl.config.core import ConfigError
+from megatron_rl.config.core import ConfigError, check_name_or_import_path
 
 POLICY_LOSS_NAMES = ("dapo", "dr_grpo", "grpo", "gspo", "gspo_token")
 """The names megatron_rl.algorithms.POLICY_LOSSES registers (a test keeps the two in step)."""
@@ -17,6 +17,8 @@ ADVANTAGE_NAMES = ("dr_grpo", "grpo", "rloo")
 """The names megatron_rl.algorithms.ADVANTAGES registers."""
 IS_CORRECTION_NAMES = ("icepop", "sequence", "sequence_mask", "sequence_mask_tis", "token", "token_mask")
 """The names megatron_rl.algorithms.IS_CORRECTIONS registers (a test keeps the two in step)."""
+GROUP_FILTER_NAMES = ("reward_variance",)
+"""The names megatron_rl.algorithms.GROUP_FILTERS registers."""
 TOKEN_LEVEL_IS_CORRECTIONS = ("icepop", "token", "token_mask")
 """Those whose weight is per token (gspo applies them in its token form, as gspo_token)."""
 TRUNCATING_IS_CORRECTIONS = ("sequence", "token")
@@ -29,9 +31,12 @@ class AlgorithmConfig:
     """Advantage estimator, policy loss and their options (see notes in megatron_rl/algorithms)."""
 
     loss: str = "gspo"
-    """Policy loss, by registered name: gspo, gspo_token, dapo, dr_grpo, grpo."""
+    """Policy loss: gspo, gspo_token, dapo, dr_grpo, grpo, or a function's import path `package.module:function`
+    called as fn(logprobs, old_logprobs, advantages, response_mask, cfg, denom, *, ref_logprobs, rollout_logprobs,
+    entropy) -> (loss_sum, metrics) (megatron_rl.algorithms.losses)."""
     advantage: str = "grpo"
-    """Advantage estimator, by registered name: grpo, dr_grpo, rloo."""
+    """Advantage estimator: grpo, dr_grpo, rloo, or an import path called as fn(rewards, index, group_size, cfg) ->
+    advantages [N] (megatron_rl.algorithms.advantages)."""
     std_type: Literal["population", "sample"] = "sample"
     """Std used by GRPO advantages: sample (squared deviations divided by G-1, torch.std's default, as in
     verl and TRL) or population (divided by G). Computed over each complete group, so it is the same
@@ -61,7 +66,8 @@ class AlgorithmConfig:
     icepop (token masking outside a two-sided band), sequence_mask_tis (sequence masking, truncated
     sequence weight), or none. Sequence ratios are geometric means of token ratios; gspo applies a
     token-level one in its token form (each token's gradient term carries its own weight). Asynchronous
-    training (train.max_staleness > 0) needs one: token is AReaL's decoupled objective there."""
+    training (train.max_staleness > 0) needs one: token is AReaL's decoupled objective there. Or an import path
+    naming an ISCorrection, or a function fn(log_rho, params) -> (weight, keep, truncated) applied per token."""
     tis_cap: float | None = None
     """Cap C of truncated weights min(rho, C); None = the correction's default (2)."""
     is_lower: float | None = None
@@ -74,7 +80,12 @@ class AlgorithmConfig:
     less per step; the PPO ratio then also corrects the engine/trainer mismatch). Excludes tis_mode and
     routing_replay=R2, which need the trainer's old logprobs / routes."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal and generate more until the batch is full (DAPO)."""
+    """Drop groups whose rewards are all equal (or those group_filter drops) and generate more until the batch is
+    full (DAPO)."""
+    group_filter: str = "reward_variance"
+    """Which groups dynamic sampling keeps: reward_variance (DAPO: those whose task rewards are not all equal), or an
+    import path called as fn(rewards, group_ids) -> keep [N] bool, the same for every sample of a group
+    (megatron_rl.algorithms.dynamic_sampling)."""
     max_num_gen_batches: int = 10
     """Generation batches tried per step by dynamic sampling before giving up."""
     overlong_filter: bool = False
@@ -87,12 +98,9 @@ class AlgorithmConfig:
     """MoE routing replay: R2 from the old-policy forward, R3 from the rollout engine."""
 
     def validate(self) -> None:
-        if self.loss not in POLICY_LOSS_NAMES:
-            raise ConfigError(f"algorithm.loss={self.loss!r} is not a policy loss; valid names: {', '.join(POLICY_LOSS_NAMES)}")
-        if self.advantage not in ADVANTAGE_NAMES:
-            raise ConfigError(
-                f"algorithm.advantage={self.advantage!r} is not an advantage estimator; valid names: {', '.join(ADVANTAGE_NAMES)}"
-            )
+        check_name_or_import_path("algorithm.loss", self.loss, POLICY_LOSS_NAMES, "a policy loss")
+        check_name_or_import_path("algorithm.advantage", self.advantage, ADVANTAGE_NAMES, "an advantage estimator")
+        check_name_or_import_path("algorithm.group_filter", self.group_filter, GROUP_FILTER_NAMES, "a group filter")
         if (self.eps_low is not None and self.eps_low < 0) or (self.eps_high is not None and self.eps_high < 0):
             raise ConfigError(f"algorithm.eps_low={self.eps_low}, algorithm.eps_high={self.eps_high}: clip ranges must be >= 0")
         if self.eps_low is not None and self.eps_low >= 1:
@@ -118,11 +126,8 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.max_num_gen_batches={self.max_num_gen_batches}: must be >= 1")
 
     def _validate_importance_sampling(self) -> None:
-        if self.tis_mode != "none" and self.tis_mode not in IS_CORRECTION_NAMES:
-            raise ConfigError(
-                f"algorithm.tis_mode={self.tis_mode!r} is not an importance-sampling correction; "
-                f"valid names: none, {', '.join(IS_CORRECTION_NAMES)}"
-            )
+        check_name_or_import_path("algorithm.tis_mode", self.tis_mode, ("none", *IS_CORRECTION_NAMES),
+                                  "an importance-sampling correction")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError(f"algorithm.tis_cap={self.tis_cap}: must be > 0")
         lower, upper = self.is_lower, self.is_upper

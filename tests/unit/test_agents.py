@@ -227,17 +227,18 @@ def test_unknown_parser_and_agents_that_cannot_be_used():
         agent.step(_turn("x"))
     with pytest.raises(AgentError, match="cannot import module 'no_such_pkg.mod'"):
         load_agent("no_such_pkg.mod:Agent")
-    with pytest.raises(AgentError, match="not a subclass of megatron_rl.rollout.agents.Environment"):
+    with pytest.raises(AgentError, match=r"a subclass of megatron_rl.rollout.agents.Environment \(or ToolsAgent\) expected; "
+                                         "got class ModelTurn"):
         load_agent("megatron_rl.rollout.agents.base:ModelTurn")
     with pytest.raises(AgentError, match=r"rollout.agent=.nonsense.: use a built-in \(lookup, single_turn\) or an import path"):
         load_agent("nonsense")
     from megatron_rl.config import RLConfig, load_config
     from megatron_rl.config.core import from_dict
-    from megatron_rl.preflight import check_agent
+    from megatron_rl.preflight import check_plugins
 
     cfg = load_config(RLConfig, None, ["rollout.agent=no_such_pkg:X"])  # the config layer imports no user code
     with pytest.raises(ConfigError, match="rollout.agent='no_such_pkg:X'"):
-        check_agent(cfg)  # the start-up check, on every rank, before any work
+        check_plugins(cfg)  # the start-up check, on every rank, before any work
     RolloutConfig(agent="single_turn", return_routed_experts=True).validate()  # R3 covers episodes
     with pytest.raises(ConfigError, match="routes would not be those its tokens were sampled with"):
         from_dict(RLConfig, {"train": {"max_staleness": 1, "partial_rollouts": True},

@@ -61,5 +61,5 @@ def test_rows_written_out_by_hand():
     assert type_name(Literal[0, 1, 2]) == "int"
     assert allowed_values(Literal[0, 1, 2], "x") == "0, 1, 2"
     assert allowed_values(bool | None, "x") == "true, false, null"
-    assert allowed_values(str, "algorithm.loss") == "dapo, dr_grpo, grpo, gspo, gspo_token"
+    assert allowed_values(str, "algorithm.loss") == "dapo, dr_grpo, grpo, gspo, gspo_token, or package.module:function"
     assert yaml_value("") == '""' and yaml_value({"a": [1, None]}) == "{a: [1, null]}"

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from megatron_rl.config.core import ConfigError
-from megatron_rl.rollout.import_path import import_path
+from megatron_rl.rollout.import_path import load_object
 
 Observation = Union[str, list, None]
 """A text (one message of the environment's observation_role), chat messages [{'role', 'content'}, ...],
@@ -121,11 +121,9 @@ def load_agent(name: str) -> type[Environment]:
     path = BUILTIN_AGENTS.get(name, name)
     if ":" not in path:
         raise AgentError(f"rollout.agent={name!r}: use a built-in ({', '.join(sorted(BUILTIN_AGENTS))}) or an import path 'package.module:Class'")
-    module_name, attr, cls = import_path("rollout.agent", name, path, AgentError)
+    expected = "a subclass of megatron_rl.rollout.agents.Environment (or ToolsAgent)"
+    cls = load_object("rollout.agent", path, expected, AgentError)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        found = "nothing" if cls is None else type(cls).__name__ if not isinstance(cls, type) else f"class {cls.__name__}"
-        raise AgentError(
-            f"rollout.agent={name!r}: {module_name}.{attr} is {found}, not a subclass of "
-            "megatron_rl.rollout.agents.Environment (or ToolsAgent)"
-        )
+        found = f"class {cls.__name__}" if isinstance(cls, type) else f"{type(cls).__name__} {getattr(cls, '__name__', repr(cls))}"
+        raise AgentError(f"rollout.agent={name!r}: {expected} expected; got {found}")
     return cls
