@@ -1,5 +1,6 @@
 """A policy loss (docs/extending.md): CISPO (MiniMax-M1, arXiv
-2506.13585, its CISPO objective), registered as "cispo":
+2506.13585, its CISPO objective), with this folder on PYTHONPATH:
+algorithm.loss=cispo_loss:cispo_loss
 
     J = 1 / (sum_i |y_i|) sum_i sum_t
             sg[clip(r_it, 1 - eps_low, 1 + eps_high)] A_i log pi(y_it)
@@ -10,7 +11,6 @@ a clipped one a bounded weight (PPO's clip drops clipped tokens').
 
 from __future__ import annotations
 
-from megatron_rl.algorithms import POLICY_LOSSES
 from megatron_rl.algorithms.metrics import sum_metric
 
 DEFAULT_EPS = (1.0, 0.28)
@@ -18,7 +18,6 @@ DEFAULT_EPS = (1.0, 0.28)
 the upper one as in the paper."""
 
 
-@POLICY_LOSSES.register("cispo")
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, cfg,
                denom, *, ref_logprobs=None, rollout_logprobs=None,
                entropy=None):

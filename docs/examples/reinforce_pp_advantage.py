@@ -1,6 +1,8 @@
 """An advantage estimator (docs/extending.md): REINFORCE++-baseline
-(Hu et al., arXiv 2501.03262), registered as "reinforce_pp_baseline":
-the group's mean is subtracted, then the whole step's std divides.
+(Hu et al., arXiv 2501.03262), with this folder on PYTHONPATH:
+algorithm.advantage=reinforce_pp_advantage:reinforce_pp_baseline
+
+The group's mean is subtracted, then the whole step's std divides:
 
     A_i = (R_i - mean of i's group) / (std over the step + eps)
 """
@@ -9,10 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.algorithms import ADVANTAGES
 
-
-@ADVANTAGES.register("reinforce_pp_baseline")
 def reinforce_pp_baseline(rewards, index, group_size, cfg):
     """rewards [N] float64; index [N]: each sample's group, 0 .. groups-1;
     every group has group_size samples."""

@@ -1,7 +1,8 @@
 """The examples of the data, rewards and extending pages (docs/examples/) run, and give the numbers worked out
-here by hand. A module that registers a family, a loss, an advantage estimator or an importance-sampling
-correction runs in a process of its own, as a user's run would import it: this process's registries stay
-the package's own (other tests compare them with the config's names)."""
+here by hand. The plug-ins (a loss, an advantage estimator, an importance-sampling correction, a group filter, a
+rollout function) are loaded by their import path as a run loads them (megatron_rl.plugins). A module that
+registers a model family runs in a process of its own, as a user's run would import it: this process's registry
+stays the package's own."""
 
 from __future__ import annotations
 
@@ -154,67 +155,105 @@ def test_the_mistral_family_builds_a_model_whose_logits_are_transformers(tmp_pat
     assert "sliding_window=32 is not supported" in out["refused"], out
 
 
-def test_the_cispo_loss_and_its_gradient_are_the_formulas():
+@pytest.fixture
+def plugins(monkeypatch):
+    """load(**sections): load_plugins on a config of `sections` with docs/examples importable, as a run with that
+    folder on PYTHONPATH does; the plug-ins go to registries of this test's own."""
+    from megatron_rl.algorithms import ADVANTAGES, GROUP_FILTERS, IS_CORRECTIONS, POLICY_LOSSES
+    from megatron_rl.config import RLConfig, from_dict
+    from megatron_rl.plugins import load_plugins
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    for registry in (POLICY_LOSSES, ADVANTAGES, IS_CORRECTIONS, GROUP_FILTERS):
+        monkeypatch.setattr(registry, "_plugins", {})
+
+    def load(**sections):
+        cfg = from_dict(RLConfig, {"data": {"reward": "exact"}, **sections})
+        load_plugins(cfg)
+        return cfg
+
+    return load
+
+
+def test_the_cispo_loss_and_its_gradient_are_the_formulas(plugins):
+    import torch
+
+    from megatron_rl.algorithms import compute_loss_denominators, get_policy_loss
+
     # Two sequences of 3 tokens (the last token of the second is padding); eps_high 0.28, no lower bound.
     logprobs = [[-1.0, -0.5, -2.0], [-0.2, -1.5, 0.0]]
     old = [[-1.5, -0.5, -1.0], [-0.1, -1.4, 0.0]]
     mask = [[1, 1, 1], [1, 1, 0]]
     advantages = [1.0, -0.5]
-    out = run_example(f"""
-        import json, torch
-        import cispo_loss
-        from megatron_rl.algorithms import compute_loss_denominators, get_policy_loss
-        from megatron_rl.config import AlgorithmConfig
-        logprobs = torch.tensor({logprobs}, dtype=torch.float64, requires_grad=True)
-        mask = torch.tensor({mask}, dtype=torch.bool)
-        denom = compute_loss_denominators([mask])
-        loss, metrics = get_policy_loss("cispo")(logprobs, torch.tensor({old}, dtype=torch.float64),
-                                                 torch.tensor({advantages}, dtype=torch.float64), mask, AlgorithmConfig(), denom)
-        loss.backward()
-        print(json.dumps({{"loss": loss.item(), "grad": logprobs.grad.tolist(), "tokens": denom.global_num_tokens}}))
-    """)
+    cfg = plugins(algorithm={"loss": "cispo_loss:cispo_loss"})
+    lp = torch.tensor(logprobs, dtype=torch.float64, requires_grad=True)
+    denom = compute_loss_denominators([torch.tensor(mask, dtype=torch.bool)])
+    loss, _ = get_policy_loss(cfg.algorithm.loss)(lp, torch.tensor(old, dtype=torch.float64),
+                                                  torch.tensor(advantages, dtype=torch.float64),
+                                                  torch.tensor(mask, dtype=torch.bool), cfg.algorithm, denom,
+                                                  ref_logprobs=None, rollout_logprobs=None, entropy=None)
+    loss.backward()
     # by hand: weight_t = min(exp(lp - old), 1.28) (no lower bound), loss = -sum w A lp / 5, d loss / d lp = -w A / 5
-    weights = [[min(math.exp(lp - o), 1.28) for lp, o in zip(lr, orow)] for lr, orow in zip(logprobs, old)]
-    loss = -sum(weights[i][t] * advantages[i] * logprobs[i][t] * mask[i][t] for i in range(2) for t in range(3)) / 5
+    weights = [[min(math.exp(a - o), 1.28) for a, o in zip(lr, orow)] for lr, orow in zip(logprobs, old)]
+    expected = -sum(weights[i][t] * advantages[i] * logprobs[i][t] * mask[i][t] for i in range(2) for t in range(3)) / 5
     grad = [[-weights[i][t] * advantages[i] * mask[i][t] / 5 for t in range(3)] for i in range(2)]
-    assert out["tokens"] == 5
-    assert out["loss"] == pytest.approx(loss, abs=1e-12)
-    assert out["grad"] == [pytest.approx(row, abs=1e-12) for row in grad]
+    assert denom.global_num_tokens == 5
+    assert float(loss) == pytest.approx(expected, abs=1e-12)
+    assert lp.grad.tolist() == [pytest.approx(row, abs=1e-12) for row in grad]
     assert weights[0][0] == 1.28  # exp(0.5) = 1.65 is cut at 1 + eps_high, yet that token keeps its gradient
 
 
-def test_the_reinforce_pp_baseline_advantages_are_the_formula():
+def test_the_reinforce_pp_baseline_advantages_are_the_formula(plugins):
+    import torch
+
+    from megatron_rl.algorithms import compute_advantages
+
     rewards, groups = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0], [7, 7, 7, 7, 3, 3, 3, 3]
-    out = run_example(f"""
-        import json, torch
-        import reinforce_pp_advantage
-        from megatron_rl.algorithms import compute_advantages
-        from megatron_rl.config import AlgorithmConfig
-        adv = compute_advantages(torch.tensor({rewards}), torch.tensor({groups}), AlgorithmConfig(), group_size=4,
-                                 name="reinforce_pp_baseline")
-        print(json.dumps(adv.tolist()))
-    """)
+    cfg = plugins(algorithm={"advantage": "reinforce_pp_advantage:reinforce_pp_baseline"})
+    out = compute_advantages(torch.tensor(rewards), torch.tensor(groups), cfg.algorithm, group_size=4).tolist()
     means = {7: 0.75, 3: 0.25}  # each group's mean reward, by hand
     centred = [r - means[g] for r, g in zip(rewards, groups)]
     expected = [c / (statistics.stdev(centred) + 1e-6) for c in centred]
     assert out == pytest.approx(expected, abs=1e-6)
 
 
-def test_the_two_sided_correction_truncates_both_ways_and_drops_nothing():
-    out = run_example("""
-        import json, math, types, torch
-        import two_sided_correction
-        from megatron_rl.algorithms import importance_weights
-        cfg = types.SimpleNamespace(tis_mode="token_two_sided", tis_cap=None, is_lower=None, is_upper=None)
-        rollout = torch.zeros(1, 4, dtype=torch.float64)
-        old = torch.tensor([[math.log(3.0), math.log(1.5), math.log(0.25), math.log(0.8)]], dtype=torch.float64)
-        w = importance_weights(cfg, old, rollout, torch.tensor([[True, True, True, False]]))
-        print(json.dumps({"weight": w.weight.tolist(), "keep": w.keep.tolist(), "truncated": w.truncated.tolist()}))
-    """)
+def test_the_two_sided_correction_truncates_both_ways_and_drops_nothing(plugins):
+    import torch
+
+    from megatron_rl.algorithms import importance_weights
+
+    cfg = plugins(algorithm={"tis_mode": "two_sided_correction:TWO_SIDED"})
+    rollout = torch.zeros(1, 4, dtype=torch.float64)
+    old = torch.tensor([[math.log(3.0), math.log(1.5), math.log(0.25), math.log(0.8)]], dtype=torch.float64)
+    w = importance_weights(cfg.algorithm, old, rollout, torch.tensor([[True, True, True, False]]))
     # rho = 3, 1.5, 0.25 on the valid tokens, cut to [1/2, 2]: 2, 1.5, 0.5; the invalid token's log ratio is 0
-    assert out["weight"] == [pytest.approx([2.0, 1.5, 0.5, 1.0])]
-    assert out["keep"] == [[True, True, True, False]]
-    assert out["truncated"] == [[True, False, True, False]]
+    assert w.weight.tolist() == [pytest.approx([2.0, 1.5, 0.5, 1.0])]
+    assert w.keep.tolist() == [[True, True, True, False]]
+    assert w.truncated.tolist() == [[True, False, True, False]]
+
+
+def test_the_difficulty_filter_keeps_the_groups_of_its_table(plugins):
+    import torch
+
+    from megatron_rl.algorithms import DynamicSamplingAccumulator
+
+    cfg = plugins(algorithm={"dynamic_sampling": True, "group_filter": "difficulty_filter:mid_difficulty"})
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0])
+    groups = torch.arange(4).repeat_interleave(4)
+    accumulator = DynamicSamplingAccumulator(2, 1, group_filter=cfg.algorithm.group_filter)
+    accumulator.add(rewards, groups, rows=list(range(16)))
+    # the page's table: means 0.25, 1.0, 0.75, 0.0; the first and the third group are kept
+    assert accumulator.take()["rows"] == [0, 1, 2, 3, 8, 9, 10, 11]
+
+
+def test_the_instruction_rollout_function_takes_the_trainers_call(plugins):
+    """Loaded and checked as a run loads it; generating through it needs an engine (the e2e tests)."""
+    from megatron_rl.rollout.function import get_rollout_function
+
+    cfg = plugins(rollout={"function": "instruction_rollout:with_instruction"})
+    import instruction_rollout
+
+    assert get_rollout_function(cfg.rollout.function) is instruction_rollout.with_instruction
 
 
 def test_the_guess_environment_by_import_path_answers_each_turn(monkeypatch):
