@@ -15,7 +15,7 @@ train_step, per mini-batch (one optimizer step):
   2. the step's global token / sequence counts: ONE all-reduce over DP x CP
      (algorithms.compute_loss_denominators), before the first microbatch,
      without the tokens an importance-sampling correction drops;
-  3. megatron's forward_backward_func over the M microbatches: forward (with
+  3. megatron's forward_backward_func over the M microbatches (actor.schedule): forward (with
      routing replay set per microbatch), vocab-parallel logprobs, the loss from
      the algorithms registry times M x D (see actor.step for why), backward;
      finalize_model_grads reduces gradients over DP;
@@ -42,17 +42,16 @@ import time
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.actor.batch import BatchError, PackedRoutes, TrainBatch, check_finite, validate_batch
 from megatron_rl.actor.distribute import scatter_shares
-from megatron_rl.actor.packing import layout_metrics, write_rows
+from megatron_rl.actor.packing import layout_metrics
 from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, load_sharded_state, sharded_state
 from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
+from megatron_rl.actor.schedule import forward_logprobs, run_schedule
 from megatron_rl.actor.step import (
     LogprobSettings,
-    inference_loss,
     loss_scale,
     microbatch_inputs,
     policy_loss,
@@ -273,20 +272,6 @@ class Actor:
         except PlanMismatch as exc:
             raise BatchError(str(exc)) from None
 
-    def _assemble(self, batch: TrainBatch, values: torch.Tensor) -> torch.Tensor:
-        """Values of this rank's rows, written on one rank of its model-parallel group (and, with CP, each
-        position on the CP rank that computed it), on every rank that needs them: summed over TP x PP and
-        CP (the share's rows, O(B/D)); for a whole batch also over DP."""
-        ctx = self.ctx
-        values = values.to(ctx.device)
-        if ctx.tp_size * ctx.pp_size > 1:
-            dist.all_reduce(values, group=ctx.model_parallel_group)
-        if ctx.cp_size > 1:  # each CP rank wrote the positions of its chunks
-            dist.all_reduce(values, group=ctx.cp_group)
-        if batch.row_ids is None and ctx.dp_size > 1:
-            dist.all_reduce(values, group=ctx.dp_group)
-        return values.cpu()
-
     def _replay_source(self, batch: TrainBatch) -> torch.Tensor | None:
         mode = self.algorithm.routing_replay
         if mode == "R2":
@@ -307,57 +292,20 @@ class Actor:
 
     # -- forwards -------------------------------------------------------------------------------------
 
-    def _run_schedule(self, chunks: list, items: list, forward_step, *, forward_only: bool) -> list:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(items),
-            model=chunks,
-            num_microbatches=len(items),
-            seq_length=items[0].mb.width,
-            micro_batch_size=items[0].tokens.shape[0],
-            forward_only=forward_only,
-        )
-
-    def _is_logprob_owner(self) -> bool:
-        return self.ctx.is_pipeline_last_stage() and self.ctx.tp_rank == 0
-
     @torch.no_grad()
     def _forward_logprobs(self, batch: TrainBatch, *, reference_model: bool, record: bool, replay, drift_reference,
                           first_mini_batch: int = 0):
-        """Forward-only pass over this rank's rows; (logprobs [B, T], recorded routes or None) aligned with `batch`."""
-        chunks = self.reference if reference_model else self.model
-        lengths = batch.lengths()
+        """Forward-only pass over this rank's rows (`schedule.forward_logprobs`); (logprobs [B, T], recorded routes
+        or None) aligned with `batch`."""
         routing = None if reference_model else self.routing
         recorded = None
         if record and routing is not None and routing.num_moe_layers:  # kept on this rank: no collective
             recorded = RouteRecorder((batch.batch_size, batch.seq_len), routing.num_moe_layers, self.arch.moe_topk, self.arch.num_experts)
-
-        def forward_step(data_iterator, model):
-            inputs = next(data_iterator)
-            if routing is not None:
-                routing.begin_microbatch(inputs.layout, lengths, replay=replay, reference=drift_reference, record=record)
-            output = model(inputs.tokens, inputs.position_ids, attention_mask=None, packed_seq_params=inputs.layout.packed_seq_params)
-            if routing is not None:
-                routing.end_microbatch(inputs.layout, recorded)
-            return output, inference_loss(inputs, self.settings)
-
-        for chunk in chunks:
-            chunk.eval()
-        logprobs = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
-        for microbatches in self._my_microbatches(batch)[first_mini_batch:]:  # one schedule per mini-batch: shapes agree within one
-            items = [self._inputs(batch, mb, lengths, with_loss_inputs=False) for mb in microbatches]
-            try:
-                outputs = self._run_schedule(chunks, items, forward_step, forward_only=True)
-            finally:
-                if routing is not None:
-                    routing.reset()
-            if self._is_logprob_owner():
-                for inputs, out in zip(items, outputs):
-                    write_rows(logprobs, out["logprobs"].float().cpu(), inputs.mb.rows, lengths)
-        # Each row was written on one rank of its model-parallel group (last stage, TP rank 0).
-        logprobs = self._assemble(batch, logprobs)
+        logprobs = forward_logprobs(
+            self.reference if reference_model else self.model, batch, self._my_microbatches(batch)[first_mini_batch:],
+            lambda mb, lengths: self._inputs(batch, mb, lengths, with_loss_inputs=False), self.settings, self.ctx,
+            routing=routing, record=record, recorder=recorded, replay=replay, drift_reference=drift_reference,
+        )
         routes = recorded.finish(routing.layer_ids) if recorded is not None else None
         return logprobs, routes
 
@@ -550,7 +498,7 @@ class Actor:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         try:
-            outputs = self._run_schedule(self.model, items, forward_step, forward_only=False)
+            outputs = run_schedule(self.model, items, forward_step, forward_only=False)
         finally:
             routing.reset()
             clear_aux_losses_tracker()
