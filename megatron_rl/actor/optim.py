@@ -11,6 +11,9 @@ import torch
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.schema import OptimizerConfig
 
+SAME_NAMED_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad",
+                     "use_distributed_optimizer")
+"""OptimizerConfig fields that megatron's OptimizerConfig names alike and takes as they are."""
 
 def build_optimizer(cfg: OptimizerConfig, model_chunks: list, *, dtype: torch.dtype):
     """megatron.core.optimizer.get_megatron_optimizer for the chunks (Adam or SGD, clipping, weight decay).
@@ -31,17 +34,9 @@ def build_optimizer(cfg: OptimizerConfig, model_chunks: list, *, dtype: torch.dt
         raise ConfigError("model.dtype=float16 needs dynamic loss scaling, which the actor does not do: use bfloat16 or float32")
     megatron_cfg = MegatronOptimizerConfig(
         optimizer=cfg.name,
-        lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2,
-        adam_eps=cfg.adam_eps,
-        sgd_momentum=cfg.sgd_momentum,
-        clip_grad=cfg.clip_grad,
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
-        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        **{name: getattr(cfg, name) for name in SAME_NAMED_FIELDS},
     )
     optimizer = get_megatron_optimizer(megatron_cfg, model_chunks, use_gloo_process_groups=False)
     _, why = fuse_torch_adam(optimizer)

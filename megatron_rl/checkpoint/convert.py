@@ -58,6 +58,7 @@ from megatron_rl.checkpoint.dist_format import (
     PieceReader,
     build_meta_model,
     checkpoint_layout,
+    dcp_cause,
     load_mcore_checkpoint,
     match_stored_tensors,
     piece_data,
@@ -111,17 +112,6 @@ def _check_output(final: Path, overwrite: bool, *sources: Path) -> None:
         raise ConversionError(f"output {str(final)!r} already exists: pass --overwrite (overwrite=True) to replace it")
 
 
-def _root_cause(err: BaseException) -> BaseException:
-    """The exception inside torch DCP's CheckpointException (it wraps each rank's failure)."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) else first
-        if isinstance(inner, BaseException):
-            return _root_cause(inner)
-    return err
-
-
 @contextmanager
 def atomic_output_dir(final: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `final` to fill; rename it to `final` only if the block completes.
@@ -156,7 +146,7 @@ def atomic_output_dir(final: str | os.PathLike, *, overwrite: bool = False) -> I
             shutil.rmtree(old, ignore_errors=True)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        cause = _root_cause(err)
+        cause = dcp_cause(err)
         if isinstance(cause, OSError):
             what = "no space left on device" if cause.errno == errno.ENOSPC else (os.strerror(cause.errno) if cause.errno else str(cause))
             kept = "the existing output there is unchanged" if existed else "nothing was written under that name"

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 from collections import defaultdict
 from contextlib import contextmanager
@@ -121,10 +122,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.size:
-            n *= d
-        return n
+        return math.prod(self.size)
 
 
 @dataclass
@@ -272,9 +270,7 @@ def _ordered_file_writer(path: Path, file_bytes: int):
     def item_bytes(item) -> int:
         if item.type == WriteItemType.BYTE_IO:
             return 0
-        numel = 1
-        for d in item.tensor_data.chunk.sizes:
-            numel *= d
+        numel = math.prod(item.tensor_data.chunk.sizes)
         return numel * item.tensor_data.properties.dtype.itemsize
 
     class OrderedFileWriter(FileSystemWriter):
@@ -384,13 +380,10 @@ def match_stored_tensors(layout: CheckpointLayout, stored: dict[str, StoredTenso
     missing = sorted(set(layout.pieces) - set(matched))
     extra = sorted(k for k in stored if k.startswith(MODEL_KEY_PREFIXES) and k not in used)
     if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing (e.g. {missing[:4]})")
-        if extra:
-            parts.append(f"{len(extra)} unexpected (e.g. {extra[:4]})")
+        from megatron_rl.models.loading import names_mismatch
+
         raise ConversionError(
-            f"megatron checkpoint {where!r} does not match its config.json: " + "; ".join(parts)
+            f"megatron checkpoint {where!r} does not match its config.json: " + names_mismatch(missing, extra)
             + ". Was it saved from another model? Pass the matching HF config directory (--hf-dir)"
         )
     for key, pieces in layout.pieces.items():
@@ -476,7 +469,7 @@ class PieceReader:
         except BaseException as err:  # torch DCP's CheckpointException derives from BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
-            cause = _dcp_cause(err)
+            cause = dcp_cause(err)
             if isinstance(cause, CheckpointFileError):  # a refused or unreadable item, named
                 raise ConversionError(f"{cause}; use another checkpoint (a step_XXXXXXXX directory this project "
                                       "wrote)") from None
@@ -540,7 +533,7 @@ def load_mcore_checkpoint(model_chunks: list, ckpt_dir: str | os.PathLike) -> No
         try:  # every bytes item and common.pt read as plain data (checkpoint.plain_load)
             loaded = load_dist_checkpoint(request, ckpt_dir)
         except BaseException as err:  # torch DCP's CheckpointException derives from BaseException
-            cause = _dcp_cause(err)
+            cause = dcp_cause(err)
             if isinstance(cause, CheckpointFileError):
                 raise ConversionError(f"{cause}; use another checkpoint (a step_XXXXXXXX directory this project "
                                       "wrote)") from None
@@ -551,12 +544,12 @@ def load_mcore_checkpoint(model_chunks: list, ckpt_dir: str | os.PathLike) -> No
             raise ConversionError(f"loading {str(ckpt_dir)!r} left parameters unset: {not_loaded[:4]}")
 
 
-def _dcp_cause(err: BaseException) -> BaseException:
+def dcp_cause(err: BaseException) -> BaseException:
     """The exception inside torch DCP's CheckpointException (it wraps each rank's failure)."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
         inner = first[0] if isinstance(first, tuple) else first
         if isinstance(inner, BaseException):
-            return _dcp_cause(inner)
+            return dcp_cause(inner)
     return err

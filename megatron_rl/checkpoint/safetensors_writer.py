@@ -21,6 +21,7 @@ spaces to a multiple of 8, then the tensors' bytes back to back.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -79,9 +80,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
+        numel = math.prod(self.shape)
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 

@@ -27,6 +27,7 @@ How one bucket travels:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -39,26 +40,30 @@ from megatron_rl.models.mapping import GlobalNamer, named_weights, VocabPadded, 
 
 
 @dataclass
-class _Unit:
-    """One megatron parameter (global name) and where its TP shards are."""
+class ParamShards:
+    """One megatron parameter: its global name, its TP shard count, and one shard's shape and dtype (torch's name)."""
 
     name: str
     count: int
     shape: tuple[int, ...]
     dtype: str
-    holders: dict[int, int] = field(default_factory=dict)
-    """shard index -> global rank."""
 
     @property
     def nbytes(self) -> int:
         return shards_nbytes(self.shape, self.count, self.dtype)
 
 
+@dataclass
+class _Unit(ParamShards):
+    """One megatron parameter and where its TP shards are."""
+
+    holders: dict[int, int] = field(default_factory=dict)
+    """shard index -> global rank."""
+
+
 def shards_nbytes(shape: tuple[int, ...], count: int, dtype: str) -> int:
     """Bytes of `count` shards of `shape` in torch dtype `dtype` (its name, e.g. "bfloat16")."""
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     return numel * count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
@@ -183,7 +188,7 @@ def funnel_plan(model_chunks: list, ctx, *, dst_rank: int = 0) -> FunnelPlan:
     info = model_info(model_chunks)
     held = _holder_shards(model_chunks, ctx, info.arch, info.padded_vocab_size)
     units = _plan(held, ctx)
-    entries = _announced_entries(units, info.arch, info.padded_vocab_size) if ctx.rank == dst_rank else []
+    entries = hf_entries(units, info.arch, info.padded_vocab_size) if ctx.rank == dst_rank else []
     return FunnelPlan(held, units, entries, dst_rank, held_signature(held))
 
 
@@ -211,12 +216,12 @@ def export_hf_weights(model_chunks: list, ctx, *, bucket_bytes: int, dst_rank: i
     return HFExport(plan.entries, _export_buckets(plan.units, plan.held, ctx, arch, padded, bucket_bytes, dst_rank, fresh))
 
 
-def _announced_entries(units: list[_Unit], arch, padded: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """HF names, shapes and dtypes the export will yield, from the mapping run on meta tensors (no data)."""
+def hf_entries(params: list[ParamShards], arch, padded: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """HF names, shapes and dtypes that exporting `params` yields, from the mapping run on meta tensors (no data)."""
     entries = []
-    for unit in units:
-        shards = [torch.empty(unit.shape, dtype=getattr(torch, unit.dtype), device="meta")] * unit.count
-        for name, tensor in mapping_for(arch, unit.name, padded).export(shards):
+    for param in params:
+        shards = [torch.empty(param.shape, dtype=getattr(torch, param.dtype), device="meta")] * param.count
+        for name, tensor in mapping_for(arch, param.name, padded).export(shards):
             entries.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
     return entries
 

@@ -40,28 +40,20 @@ import torch.distributed as dist
 
 from megatron_rl.config.rollout import sender_ranks
 from megatron_rl.models.info import model_info
-from megatron_rl.models.export import _buckets, _order_key, _replica_shards, held_signature, shards_nbytes
+from megatron_rl.models.export import ParamShards, _buckets, _order_key, _replica_shards, held_signature, hf_entries
 from megatron_rl.models.mapping import mapping_for
 
 Entry = tuple[str, tuple[int, ...], str]
 
 
 @dataclass
-class _Param:
-    """One megatron parameter (global name) and its complete replicas: replica id -> {shard index: rank}."""
+class _Param(ParamShards):
+    """One megatron parameter and its complete replicas: replica id -> {shard index: rank}."""
 
-    name: str
-    count: int
-    shape: tuple[int, ...]
-    dtype: str
     rows: dict[int, dict[int, int]] = field(default_factory=dict)
     owner: int = -1
     sources: dict[int, int] = field(default_factory=dict)
     """shard index -> the rank that gives it to the owner (the owner's own replica)."""
-
-    @property
-    def nbytes(self) -> int:
-        return shards_nbytes(self.shape, self.count, self.dtype)
 
 
 @dataclass
@@ -193,16 +185,6 @@ def owner_rounds(params: list[_Param], bucket_bytes: int) -> list[list[tuple[int
     return plan
 
 
-def _entries(params: list[_Param], arch, padded: int) -> list[Entry]:
-    """HF names, shapes and dtypes of `params` exported, from the mapping on meta tensors (no data)."""
-    entries = []
-    for param in params:
-        shards = [torch.empty(param.shape, dtype=getattr(torch, param.dtype), device="meta")] * param.count
-        for name, tensor in mapping_for(arch, param.name, padded).export(shards):
-            entries.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
-    return entries
-
-
 @dataclass
 class OwnerPlan:
     """What every push of one model on one layout shares: this rank's shards (the parameters themselves, read at
@@ -230,7 +212,7 @@ def owner_plan(model_chunks: list, ctx, *, bucket_bytes: int, max_senders: int =
     params = _gather_params(held, ctx)
     assign_owners(params, ctx.world_size, sender_ranks(ctx.world_size, max_senders))
     plan = owner_rounds(params, bucket_bytes)
-    rounds = [[(owner, _entries(bucket, arch, padded)) for owner, bucket in parts] for parts in plan]
+    rounds = [[(owner, hf_entries(bucket, arch, padded)) for owner, bucket in parts] for parts in plan]
     return OwnerPlan(held, plan, rounds, arch, padded, bucket_bytes, held_signature(held))
 
 

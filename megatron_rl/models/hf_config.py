@@ -16,6 +16,7 @@ machines without either.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -79,14 +80,7 @@ def refuse_quantized(hf_config: dict, source: str) -> None:
 def model_shape(hf_config: dict) -> ModelShape:
     """The numbers a parallel layout must divide (for megatron_rl.config.check_layout)."""
     arch = parse_hf_config(hf_config)
-    return ModelShape(
-        num_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_query_groups,
-        num_experts=arch.num_experts,
-        hidden_size=arch.hidden_size,
-        vocab_size=arch.vocab_size,
-    )
+    return ModelShape(**{field.name: getattr(arch, field.name) for field in dataclasses.fields(ModelShape)})  # named alike
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:

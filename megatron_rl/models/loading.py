@@ -106,15 +106,20 @@ def check_checkpoint_names(arch, names: list[str], where: str) -> None:
         present.discard("lm_head.weight")
     missing, extra = sorted(expected - present), sorted(present - expected)
     if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing (e.g. {missing[:4]})")
-        if extra:
-            parts.append(f"{len(extra)} unexpected (e.g. {extra[:4]})")
         raise UnsupportedModelError(
             f"checkpoint in {where!r} does not match its config.json ({arch.family}, {arch.num_layers} layers, "
-            f"{arch.num_experts} experts): " + "; ".join(parts)
+            f"{arch.num_experts} experts): " + names_mismatch(missing, extra)
         )
+
+
+def names_mismatch(missing: list[str], extra: list[str]) -> str:
+    """'N missing (e.g. [...]); M unexpected (e.g. [...])': a checkpoint's tensor names against the expected ones."""
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing (e.g. {missing[:4]})")
+    if extra:
+        parts.append(f"{len(extra)} unexpected (e.g. {extra[:4]})")
+    return "; ".join(parts)
 
 
 WRONG_SHAPE_FIX = ("the safetensors do not match config.json (a damaged or edited file, or weights of another model): "

@@ -25,7 +25,7 @@ from typing import Any
 from megatron_rl.config.core import ConfigError
 from megatron_rl.config.layout import ModelShape
 from megatron_rl.models.families import get_family
-from megatron_rl.models.hf_config import HFArch, load_hf_config, parse_hf_config
+from megatron_rl.models.hf_config import HFArch, load_hf_config, padded_vocab_size, parse_hf_config
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -111,8 +111,7 @@ class ModelSpec:
 
     def padded_vocab(self, tensor_parallel: int) -> int:
         """Megatron pads the vocabulary to a multiple of 128 x TP (make_vocab_size_divisible_by=128)."""
-        multiple = 128 * tensor_parallel
-        return -(-self.vocab_size // multiple) * multiple
+        return padded_vocab_size(self.vocab_size, tensor_parallel)
 
     def shape(self) -> ModelShape:
         """The numbers megatron_rl.config.layout.check_layout divides."""

@@ -28,6 +28,7 @@ failed) leaves the group unusable: it is closed and the error is the engine's
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -95,9 +96,7 @@ def check_layout(layout: dict) -> None:
         if int(entry["offset"]) != offset:
             raise WeightPushError(f"weight push refused: tensor {name!r} starts at byte {entry['offset']} of its packed "
                                   f"bucket, where the tensors before it end at {offset}. Nothing was loaded.")
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         offset = _aligned(offset + numel * torch.empty(0, dtype=dtype).element_size())
     if int(layout["nbytes"]) != offset:
         raise WeightPushError(f"weight push refused: a packed bucket says {layout['nbytes']} bytes, its tensors take "
@@ -134,9 +133,7 @@ def unpack_bucket(layout: dict, flat: torch.Tensor) -> Bucket:
     for entry in layout["tensors"]:
         dtype = getattr(torch, entry["dtype"])
         shape = [int(d) for d in entry["shape"]]
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         start = int(entry["offset"])
         bucket.append((entry["name"], flat[start : start + nbytes].view(dtype).view(shape)))

@@ -20,6 +20,7 @@ references to tensors that already exist, not copies.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -65,9 +66,7 @@ class WeightStream:
     def num_bytes(self) -> int:
         total = 0
         for _, shape, dtype in self.entries:
-            numel = 1
-            for d in shape:
-                numel *= d
+            numel = math.prod(shape)
             total += numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
         return total
 
@@ -157,10 +156,7 @@ class _Described:
     dtype_text: str
 
     def numel(self) -> int:
-        total = 1
-        for d in self.shape:
-            total *= d
-        return total
+        return math.prod(self.shape)
 
     @property
     def dtype(self) -> torch.dtype:

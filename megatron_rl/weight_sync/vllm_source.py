@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models.build import model_info
-from megatron_rl.models.export import _replica_shards
-from megatron_rl.models.export_owners import _entries, _gather_params, assign_owners
+from megatron_rl.models.export import _replica_shards, hf_entries
+from megatron_rl.models.export_owners import _gather_params, assign_owners
 from megatron_rl.models.mapping import mapping_for
 
 
@@ -52,7 +52,7 @@ def make_megatron_source(model_chunks: list, ctx, *, wire_dtype: torch.dtype | N
             self._of_name: dict[str, object] = {}
             entries = []
             for param in self._params:
-                for name, shape, dtype in _entries([param], self._arch, self._padded):
+                for name, shape, dtype in hf_entries([param], self._arch, self._padded):
                     self._of_name[name] = param
                     entries.append((name, shape, dtype))
             order = [n for group in base.layerwise_groups([n for n, _, _ in entries]) for n in group]
