@@ -60,6 +60,7 @@ from megatron_rl.actor.step import (
 )
 from megatron_rl.algorithms import (
     compute_loss_denominators,
+    get_is_correction,
     get_policy_loss,
     merge_metrics,
     rejection_response_mask,
@@ -109,7 +110,7 @@ class Actor:
             raise ConfigError(
                 f"parallel.context_parallel={ctx.cp_size} splits packed sequences over CP ranks: set train.pack_sequences=true"
             )
-        if ctx.cp_size > 1 and algorithm.tis_mode.startswith("sequence"):
+        if ctx.cp_size > 1 and algorithm.tis_mode != "none" and get_is_correction(algorithm.tis_mode).level == "sequence":
             raise ConfigError(
                 f"algorithm.tis_mode={algorithm.tis_mode} weighs whole sequences, which parallel.context_parallel="
                 f"{ctx.cp_size} splits over ranks: use a token-level tis_mode, or context_parallel=1"
