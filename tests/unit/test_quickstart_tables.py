@@ -50,3 +50,19 @@ def test_quickstart_results_table():
     assert "| pass@1 | 0.250 | 0.375 | +0.125 |" in text
     assert "| pass@4 | 0.500 | 0.625 | +0.125 |" in text
     assert "training 20.0 min (30.0 s/step), 25.0 min in all" in text
+
+
+def test_a_before_report_of_another_held_out_set_is_refused(tmp_path):
+    import pytest
+
+    from megatron_rl.quickstart import EVAL_SET, check_before_report
+
+    metrics = {"samples_per_prompt": 4, "pass@1": 0.1, "pass@4": 0.2, "maj@4": 0.1, "length_mean": 90.0,
+               "truncated_fraction": 0.3, "num_prompts": 100}
+    report = tmp_path / "step_0.json"
+    report.write_text(json.dumps({"sets": {EVAL_SET: {"metrics": metrics}}}))
+    check_before_report(report, 100, 4)  # the same set: accepted
+    with pytest.raises(SystemExit, match="scored 100 prompts x 4 samples, this run's held-out set is 50 x 4"):
+        check_before_report(report, 50, 4)
+    with pytest.raises(SystemExit, match="not an evaluation report"):
+        check_before_report(tmp_path / "absent.json", 100, 4)
