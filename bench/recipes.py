@@ -57,17 +57,20 @@ def run_recipe(algorithm: str, steps: int | None, model: Path, before_report: Pa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("algorithms", nargs="*", default=list(ALGORITHMS), choices=ALGORITHMS, help="which (default all)")
+    parser.add_argument("algorithms", nargs="*", help=f"which of {', '.join(ALGORITHMS)} (default all)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps of each run (default: each preset's train.steps)")
     parser.add_argument("--keep", action="store_true", help="reuse a run whose results.json is already there")
     parser.add_argument("--model", default=str(REPO / "outputs" / "quickstart" / "model"), help="the converted model")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.algorithms) - set(ALGORITHMS))
+    if unknown:
+        parser.error(f"no preset for {unknown}: choose from {', '.join(ALGORITHMS)}")
     if not (Path(args.model) / "config.json").is_file():
         subprocess.run([sys.executable, str(REPO / "tools" / "convert_gguf_to_hf.py"), args.model], cwd=REPO, check=True)
     results = json.loads(OUT.read_text()) if OUT.is_file() else {}
     runs = results.get("runs", {})
     before_report = None
-    for algorithm in args.algorithms:  # a partial rerun keeps the other algorithms' records
+    for algorithm in args.algorithms or ALGORITHMS:  # a partial rerun keeps the other algorithms' records
         runs[algorithm] = run_recipe(algorithm, args.steps, Path(args.model), before_report, args.keep)
         first_eval = run_dir(algorithm) / "eval" / "step_0.json"
         before_report = before_report or (first_eval if first_eval.is_file() else None)
