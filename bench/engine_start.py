@@ -7,8 +7,8 @@ Two engines on the tiny Qwen3-MoE (the e2e tests'), float32, a 0.25 GiB KV cache
 - multiprocess: an in-process VLLMEngine with rollout.multiprocessing=true (the engine core in a child process: what
   rank 0 of every multi-rank trainer run starts), timed over vllm.LLM's construction.
 Each then generates 64 prompts x 4 samples x 48 tokens once to warm up and 3 times timed (the median: tokens/s).
-Each in two variants: "core" (the worker inside the engine-core process, rollout.common.worker_in_engine_core, a
-server's with every CPU but one for its model's threads, rollout.common.engine_core_worker_threads: what the
+Each in two variants: "core" (the worker inside the engine-core process, rollout.engine_env.worker_in_engine_core, a
+server's with every CPU but one for its model's threads, rollout.engine_env.engine_core_worker_threads: what the
 project does on CPU) and "spawned" (vLLM's CPU default, its mp executor: one more interpreter, asked for with
 VLLM_ENABLE_V1_MULTIPROCESSING=1 in the server's environment, or distributed_executor_backend="uni", which the CPU
 platform turns into "mp"). Every start is a fresh interpreter; the variants alternate, REPEATS each, so both see the

@@ -13,7 +13,7 @@ arguments (VLLMEngine.engine_args):
 - "vllm": vllm.LLM with the same arguments less the worker extension, shut down as vLLM does.
 Each generates once (so the core has served), then is timed from the shutdown call to its return
 (llm_engine.engine_core.shutdown(), which waits for a core process to be gone).
-And a server (rollout.server_process.VLLMServer, what colocated and evaluation engines start), after one completion,
+And a server (rollout.server_supervisor.VLLMServer, what colocated and evaluation engines start), after one completion,
 timed from the stop until:
 - "project": VLLMServer.stop(), every process the server started is dead (the API server, its engine core, and the
   resource tracker the API server leaves orphaned, killed: dead means gone or a zombie its new parent has yet to reap);
@@ -52,7 +52,7 @@ case, variant, model = sys.argv[1], sys.argv[2], sys.argv[3]
 def server():
     import os, signal, httpx, psutil
     from megatron_rl.rollout.server_auth import auth_headers
-    from megatron_rl.rollout.server_process import VLLMServer
+    from megatron_rl.rollout.server_supervisor import VLLMServer
     config = RolloutConfig(kv_cache_gib=0.25, max_model_len=128)
     server = VLLMServer(model, config, log_path=os.devnull)
     server.start()
@@ -93,7 +93,7 @@ def main():
         args = engine.engine_args()
         del args["worker_extension_cls"]
         engine.shutdown()
-        from megatron_rl.rollout.common import engine_core_environment, environment_set
+        from megatron_rl.rollout.engine_env import engine_core_environment, environment_set
         with environment_set(engine_core_environment(config)):  # the core's threads, as VLLMEngine gives them
             llm = vllm.LLM(**args)
         llm.generate([{"prompt_token_ids": [1, 5, 6, 7, 8]}], vllm.SamplingParams(max_tokens=8))

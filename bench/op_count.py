@@ -248,7 +248,7 @@ def batch_scaling(sequences=(4, 32), length: int = 40) -> dict:
     (actor.step.microbatch_inputs, loss inputs included; on the host in a GPU run, then copied) for a microbatch of
     n sequences: host work per sequence shows as growth with n."""
     from megatron_rl.actor import TrainBatch
-    from megatron_rl.actor.plan import Microbatch
+    from megatron_rl.actor.microbatches import Microbatch
     from megatron_rl.actor.step import microbatch_inputs
 
     out = {}

@@ -123,7 +123,7 @@ def throughput(model_dir: str) -> dict:
 
 def share_bytes() -> dict:
     from megatron_rl.actor.distribute import select_rows
-    from megatron_rl.actor.plan import plan_step
+    from megatron_rl.actor.microbatches import plan_step
 
     batch = make_batch(256, 4096, 1, 151_936)
     lengths = batch.sequence_lengths.tolist()

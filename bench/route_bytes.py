@@ -74,7 +74,7 @@ def step(layers: int, topk: int, experts: int, widen: bool, packed: bool):
 
 def share_bytes(batch) -> list[int]:
     from megatron_rl.actor.distribute import select_rows
-    from megatron_rl.actor.plan import plan_step
+    from megatron_rl.actor.microbatches import plan_step
 
     plan = plan_step(batch.lengths().tolist(), mini_batches=1, dp_size=DP, max_tokens_per_microbatch=TOKENS_PER_MICROBATCH,
                      pack_sequences=True)
@@ -88,7 +88,7 @@ def held_per_rank(batch, layers: int, topk: int, experts: int, tp: int, pp: int)
 
     from megatron_rl.actor.distribute import select_rows
     from megatron_rl.actor.packing import microbatch_layout
-    from megatron_rl.actor.plan import plan_step, rank_microbatches
+    from megatron_rl.actor.microbatches import plan_step, rank_microbatches
     from megatron_rl.actor.routing import local_tokens, replay_routes
     import megatron_rl.models.attention  # noqa: F401  (the packed layouts' import of megatron-core: outside the timing)
 

@@ -171,7 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     from megatron_rl.rollout import server_auth
     from megatron_rl.rollout.engine import EngineStartError
-    from megatron_rl.rollout.server_process import VLLMServer
+    from megatron_rl.rollout.server_supervisor import VLLMServer
 
     try:
         token = server_auth.configured_token(cfg.rollout.server_token_file)
@@ -192,8 +192,8 @@ def _serve(args: argparse.Namespace) -> int:
     except EngineStartError as err:
         print(f"megatron-rl serve: model.path={cfg.model.path!r}: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    # the server in megatron_rl.rollout.served: it removes the sockets between its processes when it ends
-    command, env = server.command("megatron_rl.rollout.served"), server.environment()
+    # the server in megatron_rl.rollout.server_main: it removes the sockets between its processes when it ends
+    command, env = server.command("megatron_rl.rollout.server_main"), server.environment()
     if token is None:
         print(f"megatron-rl serve: no token: every user of this host can drive the server on {args.host}:{args.port}",
               file=sys.stderr)

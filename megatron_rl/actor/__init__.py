@@ -18,7 +18,7 @@ Importing this package does not import megatron-core (building an Actor does).
 from megatron_rl.actor.actor import Actor, LogprobsWithRoutes
 from megatron_rl.actor.batch import BatchError, PackedRoutes, TrainBatch, train_batch_from_rollouts, validate_batch
 from megatron_rl.actor.logprobs import reference_logprobs, vocab_parallel_logprobs
-from megatron_rl.actor.plan import Microbatch, plan_step
+from megatron_rl.actor.microbatches import Microbatch, plan_step
 
 
 __all__ = [

@@ -9,7 +9,7 @@
         ...
 
 train_step, per mini-batch (one optimizer step):
-  1. plan: this rank's microbatches (actor.plan), the same count M on every DP rank,
+  1. plan: this rank's microbatches (actor.microbatches), the same count M on every DP rank,
      made by plan.rank_microbatches for a share and a whole batch alike (a share keeps
      every field of the plan: packing, CP chunking, widths; checked field by field);
   2. the step's global token / sequence counts: ONE all-reduce over DP x CP
@@ -47,7 +47,7 @@ from megatron_rl.actor.batch import BatchError, PackedRoutes, TrainBatch, check_
 from megatron_rl.actor.distribute import scatter_shares
 from megatron_rl.actor.packing import layout_metrics
 from megatron_rl.actor.optim import build_optimizer, build_scheduler, ddp_config, load_sharded_state, sharded_state
-from megatron_rl.actor.plan import Microbatch, PlanMismatch, plan_step, rank_microbatches
+from megatron_rl.actor.microbatches import Microbatch, PlanMismatch, plan_step, rank_microbatches
 from megatron_rl.actor.routing import RankRoutes, RouteRecorder, RoutingControl
 from megatron_rl.actor.schedule import forward_logprobs, run_schedule
 from megatron_rl.actor.step import (

@@ -137,10 +137,6 @@ class ActorOffload:
         self._host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._offloaded: dict[OffloadPart, list[int]] = {}
 
-    @property
-    def on_host(self) -> bool:
-        return bool(self._offloaded)
-
     def _storages(self) -> dict[OffloadPart, list[torch.Tensor]]:
         """One tensor per device storage of each part (found again at each offload: Adam's state appears at its
         first step). The optimizer's main parameters may be the model's own (fp32 training): they are params."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.actor.plan import Microbatch
+from megatron_rl.actor.microbatches import Microbatch
 from megatron_rl.algorithms.metrics import fraction_metric
 
 

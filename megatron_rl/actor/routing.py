@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_layout, padded_layout
-from megatron_rl.actor.plan import Microbatch
+from megatron_rl.actor.microbatches import Microbatch
 from megatron_rl.models.mapping import unwrap_model
 from megatron_rl.parallel.devices import group_device, host_to_device
 

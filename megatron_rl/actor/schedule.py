@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import TrainBatch
 from megatron_rl.actor.packing import write_rows
-from megatron_rl.actor.plan import Microbatch
+from megatron_rl.actor.microbatches import Microbatch
 from megatron_rl.actor.step import LogprobSettings, inference_loss
 
 

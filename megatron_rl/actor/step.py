@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from megatron_rl.actor.batch import BatchError
 from megatron_rl.actor.logprobs import vocab_parallel_logprobs
 from megatron_rl.actor.packing import TokenLayout, gather_positions, microbatch_layout, unpack_index
-from megatron_rl.actor.plan import Microbatch
+from megatron_rl.actor.microbatches import Microbatch
 from megatron_rl.algorithms import all_reduce_metrics, finalize_metrics, merge_metrics
 from megatron_rl.algorithms.metrics import max_metric, mean_metric
 from megatron_rl.parallel.devices import host_to_device

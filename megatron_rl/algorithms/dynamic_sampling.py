@@ -101,10 +101,6 @@ class DynamicSamplingAccumulator:
         self._groups: list[dict[str, Any]] = []
 
     @property
-    def num_kept_groups(self) -> int:
-        return len(self._groups)
-
-    @property
     def is_full(self) -> bool:
         return len(self._groups) >= self.num_groups
 

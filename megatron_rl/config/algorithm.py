@@ -28,7 +28,7 @@ the old logprobs, so the training forward can supply them (train.old_logprobs)."
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    """Advantage estimator, policy loss and their options (see notes in megatron_rl/algorithms)."""
+    """Advantage estimator, policy loss and their options (equations: docs/algorithms.md; code: megatron_rl.algorithms)."""
 
     loss: str = "gspo"
     """Policy loss: gspo, gspo_token, dapo, dr_grpo, grpo, or a function's import path `package.module:function`

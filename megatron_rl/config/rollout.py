@@ -76,7 +76,7 @@ class RolloutConfig:
     multiprocessing: bool | None = None
     """In-process engine (engine=vllm): run vLLM's engine core in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1).
     Slower start (the tiny model on 2 CPU cores: 9.9 s vs 3 s; the worker runs inside the engine core,
-    rollout.common.worker_in_engine_core), but vLLM's thread binding stays out of the trainer's process.
+    rollout.engine_env.worker_in_engine_core), but vLLM's thread binding stays out of the trainer's process.
     None = automatic: in the trainer's process for a single-process run; its own process when the trainer
     has several ranks (an in-process engine would start its distributed groups on the trainer's world)."""
     max_model_len: int = 0

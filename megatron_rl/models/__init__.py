@@ -31,7 +31,6 @@ _EXPORTS = {
     "get_family": "families",
     "HFArch": "hf_config",
     "UnsupportedModelError": "hf_config",
-    "detect_family": "hf_config",
     "load_hf_config": "hf_config",
     "model_shape": "hf_config",
     "padded_vocab_size": "hf_config",

@@ -26,11 +26,6 @@ from megatron_rl.models.arch import HFArch, UnsupportedModelError, fail
 from megatron_rl.models.families import family_of
 
 
-def detect_family(hf_config: dict, source: str = "config.json") -> str:
-    """The registered family (HF model_type) of a config, from model_type or architectures."""
-    return family_of(hf_config, source).model_type
-
-
 def load_hf_config(model_dir: str | os.PathLike) -> dict:
     """config.json of an HF model directory as a dict, with errors that name the path and the fix."""
     path = Path(model_dir)
@@ -90,6 +85,6 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int =
 
 
 __all__ = [  # HFArch and UnsupportedModelError live in models.arch (below the families); named here for callers
-    "HFArch", "UnsupportedModelError", "detect_family", "load_hf_config", "model_shape", "padded_vocab_size",
+    "HFArch", "UnsupportedModelError", "load_hf_config", "model_shape", "padded_vocab_size",
     "parse_hf_config", "refuse_quantized",
 ]

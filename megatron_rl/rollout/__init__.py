@@ -7,10 +7,14 @@
 engine_protocol.py: every member callers use of an engine (RolloutEngine and its capabilities);
 engine.py: errors, bounded restart-and-retry; vllm_engine.py:
 in-process vllm.LLM; server_engine.py: OpenAI-compatible vLLM servers;
-colocated.py: servers hosted by trainer ranks (rollout.engines > 1);
+server_supervisor.py: starts, watches and restarts a server's process; server_main.py: what
+that process runs (vLLM's API server); colocated.py: servers hosted by trainer ranks (rollout.engines > 1);
 config/placement.py: which of the four placements a config asks for (the one place
-the interacting settings are decided); serving.py: what the engines share around
+the interacting settings are decided); engine_base.py: what the engines share around
 generation (restarts, sleep mode; their end of the push is weight_sync.engine_side);
+engine_options.py, engine_env.py, engine_files.py: the vLLM options an engine starts with, its
+processes' environment, the socket and store files vLLM leaves; prompts.py: the prompts an engine
+takes; samples.py: its outputs as RolloutSamples;
 worker_ext.py: runs inside vLLM's worker (weight pushes, MoE re-pack,
 routed-expert capture); routing.py: matching captures to samples;
 sampling.py: SamplingSpec -> vLLM; rewards.py: reward functions.
@@ -29,7 +33,7 @@ from megatron_rl.rollout.engine_protocol import RolloutEngine
 from megatron_rl.rollout.routing import RoutedExpertsError
 from megatron_rl.rollout.sampling import SamplingSpec
 from megatron_rl.rollout.server_engine import VLLMServerEngine
-from megatron_rl.rollout.server_process import VLLMServer
+from megatron_rl.rollout.server_supervisor import VLLMServer
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 
 

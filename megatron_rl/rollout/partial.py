@@ -45,7 +45,7 @@ from typing import Callable, ContextManager, Protocol, Sequence, runtime_checkab
 import torch
 
 from megatron_rl.data.batch import RolloutSample, Rollouts
-from megatron_rl.rollout.common import make_sample
+from megatron_rl.rollout.samples import make_sample
 from megatron_rl.rollout.engine import RolloutError
 from megatron_rl.rollout.sampling import SamplingSpec, prompt_seed
 

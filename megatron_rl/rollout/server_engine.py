@@ -56,11 +56,8 @@ from megatron_rl.config.transport import VLLM_ENGINE_OF, server_transport
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.client_limits import HEALTH_FAILURES_TO_DEAD, health_interval_s, prompts_in_flight, start_timeout_s
-from megatron_rl.rollout.common import (
-    attach_routes,
-    check_prompts,
-    make_sample,
-)
+from megatron_rl.rollout.prompts import check_prompts
+from megatron_rl.rollout.samples import attach_routes, make_sample
 from megatron_rl.rollout.engine import EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.routing import CaptureIndex, RequestCapture, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest
@@ -68,8 +65,8 @@ from megatron_rl.rollout.server_auth import (
     auth_headers, check_refused, token_of, weight_sync_client,
 )
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
-from megatron_rl.rollout.server_process import VLLMServer
-from megatron_rl.rollout.serving import ServingEngine
+from megatron_rl.rollout.server_supervisor import VLLMServer
+from megatron_rl.rollout.engine_base import ServingEngine
 from megatron_rl.weight_sync.protocol import PushTarget
 from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, all_results, call_in_threads, default_host

@@ -8,7 +8,7 @@ were read and held). Two limits, each answered and the connection closed:
 
 1. a request head above HEAD_LIMIT_BYTES (64 KiB): 431, from
    `HeadLimitedH11Protocol`, the HTTP protocol the server runs
-   (megatron_rl.rollout.served hands it to vLLM's uvicorn server); it holds
+   (megatron_rl.rollout.server_main hands it to vLLM's uvicorn server); it holds
    at most the limit and one network read more of a head;
 2. a body above rollout.server_max_body_mb: 413, from `BodyLimitMiddleware`,
    before the app reads the body (a declared Content-Length), or as soon as a

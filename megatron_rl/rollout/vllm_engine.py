@@ -70,17 +70,17 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.heap import collect_after_close, heap_kept_frozen, import_long_lived
 from megatron_rl.rollout import cpu_rope
-from megatron_rl.rollout.common import (
-    COMPILE_OFF, WORKER_EXTENSION, SocketDir, attach_routes, check_prompts, compiles_nothing, default_dtype,
-    engine_core_environment, environment_set, make_sample, stop_warning_blocked, prefix_caching_off, remove_store_file, sleep_mode_available,
-    splits_fail_seeded_prefills, store_file_of_this_process, worker_in_engine_core,
-)
+from megatron_rl.rollout.engine_env import COMPILE_OFF, compiles_nothing, engine_core_environment, environment_set, stop_warning_blocked, worker_in_engine_core
+from megatron_rl.rollout.engine_files import SocketDir, remove_store_file, store_file_of_this_process
+from megatron_rl.rollout.engine_options import WORKER_EXTENSION, default_dtype, prefix_caching_off, sleep_mode_available, splits_fail_seeded_prefills
+from megatron_rl.rollout.prompts import check_prompts
+from megatron_rl.rollout.samples import attach_routes, make_sample
 from megatron_rl.rollout.engine import run_with_restarts, EngineStartError, PromptError, RolloutError
 from megatron_rl.rollout.interrupt import StepSession, run_engine_steps
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest, check_partial_spec
 from megatron_rl.rollout.routing import CaptureIndex, RequestCapture, RoutedExpertsError, decode_captures
 from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
-from megatron_rl.rollout.serving import ServingEngine
+from megatron_rl.rollout.engine_base import ServingEngine
 from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.weight_sync.engine_side import WeightsLostError
 from megatron_rl.weight_sync.protocol import PushTarget

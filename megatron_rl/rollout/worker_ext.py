@@ -72,7 +72,7 @@ import torch
 
 from megatron_rl.heap import frozen_until_exit, keep_frozen_until_exit
 from megatron_rl.rollout import cpu_rope
-from megatron_rl.rollout.common import splits_fail_seeded_prefills
+from megatron_rl.rollout.engine_options import splits_fail_seeded_prefills
 from megatron_rl.rollout.routing import RequestCapture, encode_captures
 from megatron_rl.weight_sync.broadcast import (
     BroadcastError, backend_device, broadcast_from_root, check_layout, check_not_same_gpu, close_group, open_group,

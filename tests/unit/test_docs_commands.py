@@ -55,7 +55,7 @@ def test_the_checks_catch_a_planted_false_command_flag_key_and_preset(keys, tmp_
         "    data.path=/data/prompts.parquet     # the model is missing\n"
         "python -m megatron_rl.elastic --no-such-option\n"
         "```\n"
-        "The `rollout.no_such_key` key, and `megatron_rl/rollout/common.py` (a file, not a key).\n"
+        "The `rollout.no_such_key` key, and `megatron_rl/rollout/prompts.py` (a file, not a key).\n"
     )
     commands = page_commands(page)
     assert [c.argv[0] for c in commands] == ["make", "megatron-rl", "megatron-rl", "launch/torchrun.sh", "python"]

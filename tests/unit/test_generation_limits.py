@@ -49,8 +49,8 @@ def _cpu_generator_has_offset() -> bool:
 def test_servers_started_here_never_split_a_prefill_where_a_split_one_fails(tmp_path):
     from vllm.platforms import current_platform
 
-    from megatron_rl.rollout.common import splits_fail_seeded_prefills
-    from megatron_rl.rollout.server_process import VLLMServer
+    from megatron_rl.rollout.engine_options import splits_fail_seeded_prefills
+    from megatron_rl.rollout.server_supervisor import VLLMServer
 
     expected = current_platform.is_cpu() and not _cpu_generator_has_offset()
     assert splits_fail_seeded_prefills() == expected

@@ -7,7 +7,8 @@ import torch
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.data.batch import Rollouts
-from megatron_rl.rollout.common import check_prompts, make_sample
+from megatron_rl.rollout.prompts import check_prompts
+from megatron_rl.rollout.samples import make_sample
 from megatron_rl.rollout.engine import PromptError, RolloutError, RolloutFailedError, run_with_restarts
 from megatron_rl.rollout.sampling import SamplingSpec, prompt_seed, to_completion_request
 from tests.extras import VLLM_EXTRA
@@ -134,12 +135,12 @@ def test_to_padded_aligns_tokens_logprobs_and_routes():
 
 
 def test_server_command_line(tmp_path):
-    from megatron_rl.rollout.server_process import VLLMServer
+    from megatron_rl.rollout.server_supervisor import VLLMServer
 
     config = RolloutConfig(kv_cache_gib=0.5, max_model_len=512, return_routed_experts=True, dtype="float32")
     cmd = VLLMServer(tmp_path, config, port=8123).command()
     joined = " ".join(cmd)
-    assert "-m megatron_rl.rollout.served" in joined and "--port 8123" in joined
+    assert "-m megatron_rl.rollout.server_main" in joined and "--port 8123" in joined
     assert "--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension" in joined
     assert "--logprobs-mode processed_logprobs" in joined and "--dtype float32" in joined
     assert f"--kv-cache-memory-bytes {1 << 29}" in joined and "--max-model-len 512" in joined
@@ -161,11 +162,11 @@ def parse_vllm_server_args(argv: list[str]):
 def test_server_command_line_parses_with_vllms_parser(tmp_path):
     """What vLLM's API server makes of the command: each field as meant, and an unknown flag or a value outside
     its choices fails here (argparse exits) rather than at a server's start."""
-    from megatron_rl.rollout.server_process import VLLMServer
+    from megatron_rl.rollout.server_supervisor import VLLMServer
 
     config = RolloutConfig(kv_cache_gib=0.5, max_model_len=512, return_routed_experts=True, dtype="float32")
     cmd = VLLMServer(tmp_path, config, port=8123).command()
-    assert cmd[1:3] == ["-m", "megatron_rl.rollout.served"]  # vLLM's API server with the request-head limit
+    assert cmd[1:3] == ["-m", "megatron_rl.rollout.server_main"]  # vLLM's API server with the request-head limit
     args = parse_vllm_server_args(cmd[3:])
     assert args.model == str(tmp_path) and args.host == "127.0.0.1" and args.port == 8123
     assert args.dtype == "float32" and args.seed == 0
@@ -194,7 +195,7 @@ def test_a_server_engine_without_urls_names_both_ways_to_get_them():
 
 
 def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(monkeypatch):
-    """common.SocketDir: vLLM names a socket <VLLM_RPC_BASE_PATH>/<uuid4>; the directory is one the kernel can bind
+    """engine_files.SocketDir: vLLM names a socket <VLLM_RPC_BASE_PATH>/<uuid4>; the directory is one the kernel can bind
     such a name in, or none at all (vLLM's own temp directory) where the temp directory's path leaves no room."""
     import getpass
     import os
@@ -205,7 +206,7 @@ def test_an_engines_socket_directory_holds_vllms_socket_names_and_is_removed(mon
     import tempfile
     import uuid
 
-    from megatron_rl.rollout.common import SocketDir
+    from megatron_rl.rollout.engine_files import SocketDir
 
     def binds(path: str) -> bool:
         with socket.socket(socket.AF_UNIX) as sock:
@@ -261,7 +262,7 @@ def test_a_servers_killed_process_that_only_another_can_reap_counts_as_dead():
 
     import psutil
 
-    from megatron_rl.rollout.server_process import _kill_all
+    from megatron_rl.rollout.server_supervisor import _kill_all
 
     code = "import subprocess, time; p = subprocess.Popen(['sleep', '600']); print(p.pid, flush=True); time.sleep(600)"
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -279,7 +280,7 @@ def test_a_servers_killed_process_that_only_another_can_reap_counts_as_dead():
 
 
 def test_an_in_process_engine_gives_torchs_compiler_back_as_it_found_it():
-    # an in-process engine on CPU turns torch's compiler off while it runs (rollout.common.compiles_nothing) and, at
+    # an in-process engine on CPU turns torch's compiler off while it runs (rollout.engine_env.compiles_nothing) and, at
     # its shutdown, back to what it was before its first start: restarts keep the first value
     import torch._dynamo
 

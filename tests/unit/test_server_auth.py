@@ -157,7 +157,7 @@ async def body_length(scope, receive, send):
 
 @contextlib.contextmanager
 def uvicorn_serving(app):
-    """uvicorn on a free loopback port, in a thread, with the protocol megatron_rl.rollout.served gives vLLM's."""
+    """uvicorn on a free loopback port, in a thread, with the protocol megatron_rl.rollout.server_main gives vLLM's."""
     import uvicorn
 
     from megatron_rl.ports import free_port

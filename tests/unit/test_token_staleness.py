@@ -20,7 +20,7 @@ import torch
 from megatron_rl.actor import TrainBatch
 from megatron_rl.actor.batch import BatchError, validate_batch
 from megatron_rl.actor.distribute import select_rows
-from megatron_rl.actor.plan import Microbatch
+from megatron_rl.actor.microbatches import Microbatch
 from megatron_rl.actor.step import microbatch_inputs, staleness_metrics
 from megatron_rl.algorithms import compute_loss_denominators, finalize_metrics, get_policy_loss, merge_metrics
 from megatron_rl.config import AlgorithmConfig

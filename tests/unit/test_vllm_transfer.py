@@ -126,7 +126,7 @@ def test_engine_arguments_name_vllms_backend():
     args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", "m", flag, value])
     parsed = args.weight_transfer_config
     assert (parsed["backend"] if isinstance(parsed, dict) else parsed.backend) == "ipc"
-    from megatron_rl.rollout.server_process import VLLMServer
+    from megatron_rl.rollout.server_supervisor import VLLMServer
 
     command = VLLMServer("unused", RolloutConfig(weight_transport="vllm_ipc", engines=2)).command()
     assert command[command.index(flag) + 1] == value
@@ -189,7 +189,7 @@ def test_an_engine_core_of_its_own_runs_its_one_worker_inside_it_on_cpu(tmp_path
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     from megatron_rl.rollout import VLLMEngine, VLLMServer
-    from megatron_rl.rollout.common import worker_in_engine_core
+    from megatron_rl.rollout.engine_env import worker_in_engine_core
 
     on_cpu = current_platform.is_cpu()
     assert worker_in_engine_core(RolloutConfig()) is on_cpu
@@ -241,7 +241,7 @@ def test_an_eager_engine_on_cpu_compiles_nothing_of_vllm_s_sampler(tmp_path):
     from vllm.platforms import current_platform
 
     from megatron_rl.rollout import VLLMServer
-    from megatron_rl.rollout.common import compiles_nothing
+    from megatron_rl.rollout.engine_env import compiles_nothing
 
     on_cpu = current_platform.is_cpu()
     assert compiles_nothing(RolloutConfig()) is on_cpu and not compiles_nothing(RolloutConfig(enforce_eager=False))

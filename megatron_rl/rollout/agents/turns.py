@@ -43,7 +43,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Any, Callable, ContextManager, Hashable
 
-from megatron_rl.rollout.common import check_prompts
+from megatron_rl.rollout.prompts import check_prompts
 from megatron_rl.rollout.engine import RolloutFailedError
 from megatron_rl.rollout.engine_protocol import RolloutEngine, ServerPoolEngine, SteppedEngine
 from megatron_rl.rollout.partial import SegmentOutput, SegmentRequest

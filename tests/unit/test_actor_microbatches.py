@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from megatron_rl.actor.plan import plan_step, split_balanced, split_contiguous
+from megatron_rl.actor.microbatches import plan_step, split_balanced, split_contiguous
 
 LENGTHS = [random.Random(0).randint(3, 60) for _ in range(23)]
 
@@ -92,7 +92,7 @@ def test_a_packed_budget_below_one_sequence_names_it():
 def test_a_share_keeps_every_field_of_the_plan(pack):
     """A DP rank's share (rows renumbered 0..b-1) gets the plan's microbatches with every field but the row
     numbers unchanged: packing and width too (a share once lost `packed`, which silently turned packing off)."""
-    from megatron_rl.actor.plan import rank_microbatches
+    from megatron_rl.actor.microbatches import rank_microbatches
 
     lengths = [40, 23, 31, 12, 37, 18, 27, 10, 35, 29, 15, 33]
     plan = plan_step(lengths, mini_batches=2, dp_size=2, max_tokens_per_microbatch=64, width_multiple=4, pack_sequences=pack)
@@ -108,7 +108,7 @@ def test_a_share_keeps_every_field_of_the_plan(pack):
 
 
 def test_a_microbatch_that_differs_from_the_plan_is_named():
-    from megatron_rl.actor.plan import Microbatch, PlanMismatch, check_matches_plan
+    from megatron_rl.actor.microbatches import Microbatch, PlanMismatch, check_matches_plan
 
     planned = [Microbatch((3, 7), 40, packed=True)]
     with pytest.raises(PlanMismatch, match="field 'packed' is False on this rank but True"):
@@ -116,7 +116,7 @@ def test_a_microbatch_that_differs_from_the_plan_is_named():
     with pytest.raises(PlanMismatch, match="field 'rows'"):
         check_matches_plan([Microbatch((1, 0), 40, packed=True)], planned, [3, 7])
     with pytest.raises(PlanMismatch, match="does not hold"):
-        from megatron_rl.actor.plan import rank_microbatches
+        from megatron_rl.actor.microbatches import rank_microbatches
 
         rank_microbatches(planned, [3, 8])
 

@@ -3,7 +3,7 @@
     server = VLLMServer(model_dir, config=cfg.rollout).start()
     VLLMServerEngine([server], cfg.rollout)      # rollout.server_engine: rollouts from it
 
-The command line is `python -m megatron_rl.rollout.served` (vLLM's API server,
+The command line is `python -m megatron_rl.rollout.server_main` (vLLM's API server,
 with the request-head limit of rollout.server_limits) with
 VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc and /reset_prefix_cache),
 `--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension`,
@@ -27,17 +27,10 @@ from typing import Iterable
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.ports import free_port, port_in_use
 from megatron_rl.rollout.client_limits import start_timeout_s
-from megatron_rl.rollout.common import (
-    COMPILE_OFF,
-    WORKER_EXTENSION,
-    SocketDir,
-    compiles_nothing,
-    default_dtype,
-    engine_core_environment,
-    prefix_caching_off,
-    sleep_mode_available,
-    splits_fail_seeded_prefills,
-    worker_in_engine_core,
+from megatron_rl.rollout.engine_env import COMPILE_OFF, compiles_nothing, engine_core_environment, worker_in_engine_core
+from megatron_rl.rollout.engine_files import SocketDir
+from megatron_rl.rollout.engine_options import (
+    WORKER_EXTENSION, default_dtype, prefix_caching_off, sleep_mode_available, splits_fail_seeded_prefills,
 )
 from megatron_rl.rollout.engine import EngineStartError
 from megatron_rl.rollout import server_limits
@@ -114,7 +107,7 @@ class VLLMServer:
         $MEGATRON_RL_SERVER_TOKEN_FILE / $MEGATRON_RL_SERVER_TOKEN, else a new random one.
         open_control_plane: no token at all (`megatron-rl serve` on a loopback address without one).
         engines_on_host: the vLLM engines this host's CPUs serve, this one included (on CPU they share its cores:
-        common.engine_core_worker_threads)."""
+        engine_env.engine_core_worker_threads)."""
         self.model_dir = Path(model_dir)
         self.config = config or RolloutConfig()
         self.host = host
@@ -136,8 +129,8 @@ class VLLMServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def command(self, module: str = "megatron_rl.rollout.served") -> list[str]:
-        """The server's command line: `python -m module` (megatron_rl.rollout.served: vLLM's API server with the
+    def command(self, module: str = "megatron_rl.rollout.server_main") -> list[str]:
+        """The server's command line: `python -m module` (megatron_rl.rollout.server_main: vLLM's API server with the
         request limits of rollout.server_limits)."""
         cfg = self.config
         dtype = default_dtype() if cfg.dtype == "auto" else cfg.dtype
@@ -188,7 +181,7 @@ class VLLMServer:
             # from moving the one worker out of it (the variable otherwise selects only LLMEngine's in-process core)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env.update(engine_core_environment(self.config, self.engines_on_host))  # the API server keeps a CPU
-        if compiles_nothing(self.config):  # vLLM's sampler helpers eager on CPU (common.compiles_nothing)
+        if compiles_nothing(self.config):  # vLLM's sampler helpers eager on CPU (engine_env.compiles_nothing)
             env.update(COMPILE_OFF)
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_gib))))

@@ -2,7 +2,7 @@
 server, with the request-head limit of rollout.server_limits and the ZMQ sockets between its processes in a
 directory of its own.
 
-    python -m megatron_rl.rollout.served <the arguments of python -m vllm.entrypoints.openai.api_server>
+    python -m megatron_rl.rollout.server_main <the arguments of python -m vllm.entrypoints.openai.api_server>
 
 vLLM's own entry point (vllm.entrypoints.launchers.api_server.entry.main: its parser, its logging set-up, its
 checks, run_server) runs here with one uvicorn option more: the HTTP protocol, which answers 431 to a request head
@@ -10,7 +10,7 @@ over rollout.server_limits.HEAD_LIMIT_BYTES before it is read in full (run_serve
 
 vLLM names the sockets between the API server and its engine core by uuid in the system temp directory and leaves
 them there when it stops: 3 socket files a start. A server the trainer starts gets a directory from the trainer
-(VLLM_RPC_BASE_PATH set), which removes it at the server's stop (rollout.common.SocketDir). `megatron-rl serve`
+(VLLM_RPC_BASE_PATH set), which removes it at the server's stop (rollout.engine_files.SocketDir). `megatron-rl serve`
 replaces itself with the server (signals reach it directly), so nothing is left to clean up after it: this process
 makes its own directory and removes it when vLLM's server returns (SIGTERM, SIGINT, a failed start). A server killed
 by SIGKILL leaves it (named mrl-vllm-* in the temp directory).
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_rl.rollout.common import SocketDir
+from megatron_rl.rollout.engine_files import SocketDir
 
 
 def run_vllm_server(argv: list[str]) -> None:

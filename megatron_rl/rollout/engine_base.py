@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
-from megatron_rl.rollout.common import SLEEP_TAGS
+from megatron_rl.rollout.engine_options import SLEEP_TAGS
 from megatron_rl.rollout.engine import generate_with_restarts
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.engine_side import WeightSyncedEngine
