@@ -29,18 +29,13 @@ complete checkpoint and says why it restarted.
 
 Each step's experience comes from one experience source
 (megatron_rl.experience_source), chosen once from the config; the loop never
-asks which. With train.off_policy_lag=1, generation of step k+1 runs on a
-background thread while step k trains, using the weights before step k's
-update; the algorithm's importance-sampling correction (algorithm.tis_mode)
-then accounts for the lag. With train.max_staleness = S > 0 rollout runs
-continuously (megatron_rl.async_experience): each step trains on groups at
-most S versions old, pushes pause generation only for the push, and with
-train.partial_rollouts a push interrupts the samples in flight, which continue
-under the new weights. The batch carries each token's weight version and the
-version the step trains; the actor leaves tokens beyond the bound out of the
-loss, and an importance-sampling correction is required (config load refuses
-asynchronous training without one: the old-policy forward runs at the step's
-weights, the samples come from older ones).
+asks which: generated inside the step (the default), one step ahead on a
+background thread with the weights before the step's update
+(train.off_policy_lag=1), or continuously, each step training on groups at most
+S weight versions old (train.max_staleness = S > 0, megatron_rl.async_experience,
+where train.partial_rollouts lets a push interrupt the samples in flight). Off
+the policy, the algorithm's importance-sampling correction (algorithm.tis_mode)
+accounts for the lag; config load refuses asynchronous training without one.
 """
 
 from __future__ import annotations
