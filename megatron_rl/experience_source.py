@@ -72,9 +72,6 @@ class SynchronousSource:
         self.engine = engine
 
     def take(self, step: int, weight_version: int) -> Experience:
-        return self._collect(step)
-
-    def _collect(self, step: int) -> Experience:
         return collect_experience(self.engine, self.dataset, self.tokenizer, self.reward_fn, self.cfg, step, agent=self.agent)
 
     def before_weights_change(self) -> None:
@@ -110,10 +107,10 @@ class LaggedSource(SynchronousSource):
             self._pending = None
             experience = future.result()
         else:
-            experience = self._collect(step)
+            experience = super().take(step, weight_version)
         if step + 1 < self.cfg.train.steps:
             position = self.dataset.state_dict()  # where the in-flight step starts, for checkpoints
-            self._pending = (self._executor.submit(self._collect, step + 1), position)
+            self._pending = (self._executor.submit(super().take, step + 1, weight_version), position)
         return experience
 
     def before_weights_change(self) -> None:

@@ -310,17 +310,10 @@ class Trainer:
         generate (the actor's offloaded state on the host) -> the engine sleeps -> the actor back -> train ->
         the optimizer state and gradients out -> the engine's weights wake, push -> the parameters out -> the
         engine's KV cache wakes."""
-        with self._watch.phase(step, "generate"):
-            experience = self._take_experience(step)  # rank 0's (None elsewhere)
-        metrics = self._train(step, experience)
-        metrics.update(self._push(step))
-        return metrics
-
-    def _train(self, step: int, experience) -> dict[str, float]:
-        """The engine sleeps, the actor's memory comes back (train.offload), each rank takes its rows of the step,
-        their old-policy (and reference) logprobs, then the optimizer steps; the rows are gone when this returns."""
         from megatron_rl.actor import train_batch_from_rollouts
 
+        with self._watch.phase(step, "generate"):
+            experience = self._take_experience(step)  # rank 0's (None elsewhere)
         sleep_metrics = self._sleep_engine()
         self._offload.to_device()  # the actor's memory back from the host (train.offload)
         whole = None
@@ -334,6 +327,8 @@ class Trainer:
         if experience is not None:
             metrics.update(self._engine_restarts())
         metrics["batch/share_bytes"] = float(self.actor.last_share_bytes)
+        del batch  # the push phase holds no rows of the step
+        metrics.update(self._push(step))
         return metrics
 
     def _push(self, step: int) -> dict[str, float]:
