@@ -27,18 +27,15 @@ parallel.timeout_s names the ranks that did not answer and the phase
 (generate, train, push, save); a run torchrun restarts resumes from the newest
 complete checkpoint and says why it restarted.
 
-With train.off_policy_lag=1, generation of step k+1 runs on a background
-thread while step k trains, using the weights before step k's update; the
-algorithm's importance-sampling correction (algorithm.tis_mode) then
-accounts for the lag. With train.max_staleness = S > 0 rollout runs
-continuously (megatron_rl.async_experience): each step trains on groups at
-most S versions old, pushes pause generation only for the push, and with
-train.partial_rollouts a push interrupts the samples in flight, which continue
-under the new weights. The batch carries each token's weight version and the
-version the step trains; the actor leaves tokens beyond the bound out of the
-loss, and an importance-sampling correction is required (config load refuses
-asynchronous training without one: the old-policy forward runs at the step's
-weights, the samples come from older ones).
+Each step's experience comes from one experience source
+(megatron_rl.experience_source), chosen once from the config; the loop never
+asks which: generated inside the step (the default), one step ahead on a
+background thread with the weights before the step's update
+(train.off_policy_lag=1), or continuously, each step training on groups at most
+S weight versions old (train.max_staleness = S > 0, megatron_rl.async_experience,
+where train.partial_rollouts lets a push interrupt the samples in flight). Off
+the policy, the algorithm's importance-sampling correction (algorithm.tis_mode)
+accounts for the lag; config load refuses asynchronous training without one.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ import contextlib
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -135,6 +131,11 @@ def run(cfg: RLConfig, engine=None, *, stop=None) -> dict[str, float]:
             destroy_parallel(ctx)
 
 
+def _every(period: int, step: int) -> bool:
+    """Whether a period's action (checkpoint.save_every, train.eval_every; 0: never) falls after step count `step`."""
+    return bool(period) and step % period == 0
+
+
 def read_prompt_sets(cfg: RLConfig, ctx):
     """(tokenizer, the training prompt set, the data.eval_sets' Evaluator or None), read and checked before the
     engine starts, on rank 0 only: the rank that samples, evaluates and records the data position ((None, None, None)
@@ -169,53 +170,90 @@ class Trainer:
         """resume: the checkpoint the run starts from (checkpoint.resume.decide_resume, as the start-up checks saw it).
         logs: where vLLM's start-up output goes (megatron_rl.console); None leaves it on the console.
         engine: an engine already started on cfg.model.path, used and left running (see `run`).
-        stop: StopSignals installed by the caller (kept after the run); None: the trainer's own, removed by close()."""
-        from megatron_rl.actor import Actor
-        from megatron_rl.actor.offload import ActorOffload
-        from megatron_rl.metrics import MetricsLogger
+        stop: StopSignals installed by the caller (kept after the run); None: the trainer's own, removed by close().
+
+        The start, in this order (each part uses the ones before it):
+        1. the data (rank 0): prompt sets, reward, agent, and the experience source drawing from them;
+        2. the actor, the phase watch and the stop signals;
+        3. the checkpoint `resume` chose: the actor's state, the data position, the counters;
+        4. the engine, started with the actor's state off the device (train.offload), and the weight pusher;
+        5. the metrics logger (its progress bar counts the steps left after a resume);
+        6. the first push: the engine serves the trainer's weights from the first step on;
+        7. generation starts: the experience source gets the engine."""
         from megatron_rl.parallel.threads import cpu_threads_per_process, set_torch_threads
-        from megatron_rl.rollout.rewards import get_reward_fn
 
         self.cfg, self.ctx, self._logs = cfg, ctx, logs
-        if ctx.device.type == "cpu":  # training and an in-process engine's generation share these threads
-            set_torch_threads(cpu_threads_per_process(cfg.cluster.cpu_threads, cfg.cluster.cpu_processes))
+        self.step, self.weight_version = 0, 0
         self._saved = False  # a save of this run checked its shards' coverage (megatron's access-integrity check)
-        self.tokenizer, self.dataset, self.evaluator = read_prompt_sets(cfg, ctx)  # rank 0's (None elsewhere)
         self._evaluated_at = -1
         self._recent_rewards: deque[float] = deque(maxlen=10)  # train.stop_at_reward looks at the last 10 steps
         self._no_signal = NoSignalWatch()
+        if ctx.device.type == "cpu":  # training and an in-process engine's generation share these threads
+            set_torch_threads(cpu_threads_per_process(cfg.cluster.cpu_threads, cfg.cluster.cpu_processes))
+        self._read_data()
+        self._build_actor(resume, stop)
+        if resume.path is not None:
+            self._resume(resume)
+        self._connect_engine(engine)
+        self._open_metrics_log(resume)
+        self._first_push()
+        self.experience_source.start(self.engine, first_step=self.step)
+
+    def _read_data(self) -> None:
+        """Rank 0's tokenizer, training prompts and evaluator (None elsewhere), the reward function, the agent
+        (rollout.agent, rank 0), and the experience source that draws from them (the one place the mode is chosen:
+        megatron_rl.experience_source)."""
+        from megatron_rl.experience_source import experience_source
+        from megatron_rl.rollout.rewards import get_reward_fn
+
+        cfg, ctx = self.cfg, self.ctx
+        self.tokenizer, self.dataset, self.evaluator = read_prompt_sets(cfg, ctx)
         self.reward_fn = get_reward_fn(cfg.data.reward)
         self.agent = None  # multi-turn episodes (rollout.agent), run on rank 0
         if cfg.rollout.agent and ctx.rank == 0:
             from megatron_rl.rollout.agents import EpisodeRunner, load_agent
 
             self.agent = EpisodeRunner(load_agent(cfg.rollout.agent), self.tokenizer, self.reward_fn, cfg.rollout)
+        self.experience_source = experience_source(cfg, self.dataset, self.tokenizer, self.reward_fn, self.agent)
+
+    def _build_actor(self, resume: ResumeDecision, stop) -> None:
+        """The actor (from its HF weights unless a checkpoint overwrites them), the phase watch, the stop signals
+        (installed now: a stop asked while the engine starts is acted on at the first step boundary), the offload."""
+        from megatron_rl.actor import Actor
+        from megatron_rl.actor.offload import ActorOffload
+        from megatron_rl.parallel.watch import PhaseWatch, StopSignals
+
+        cfg, ctx = self.cfg, self.ctx
         if resume.path is None and resume.kind == "restart" and ctx.rank == 0:
             logger.warning("no complete checkpoint in %s yet: starting again from step 0%s", cfg.checkpoint.dir, resume.why)
         # a resume overwrites every weight the policy has: its HF weights are not read (the reference model's are)
         self.actor = Actor.from_config(cfg, ctx, load_weights=resume.path is None)
-        from megatron_rl.parallel.watch import PhaseWatch, StopSignals
-
         self._watch = PhaseWatch(ctx.rank, ctx.world_size, cfg.parallel.timeout_s)
         self._own_stop = stop is None
         self._stop = StopSignals() if stop is None else stop
-        self._stop.install()  # a stop asked while the engine starts is acted on at the first step boundary
+        self._stop.install()
         self._offload = ActorOffload(self.actor.model, self.actor.optimizer, cfg.train.offload)
-        self.step, self.weight_version = 0, 0
-        if resume.path is not None:
-            self._resume(resume)
+
+    def _connect_engine(self, engine) -> None:
+        """Rank 0's rollout engine, started here or `engine` adopted (see `run`), and the run's weight pusher.
+        train.offload: the actor's state leaves the device before the engines start, as while they generate: an
+        engine takes its gpu_memory_utilization share of each device at start-up (vLLM refuses less free memory)."""
         self._colocated = None  # the colocated vLLM servers this rank hosts (rollout.engines > 1)
         self._placement = None  # the engines' placement (None for an engine started beforehand)
         self._own_engine = engine is None
-        if engine is not None and ctx.world_size > 1:
-            raise ValueError(f"an engine started beforehand serves a one-process run; this one has {ctx.world_size} ranks")
-        # train.offload: the actor's state leaves the device before the engines start, as while they generate: an
-        # engine takes its gpu_memory_utilization share of each device at start-up (vLLM refuses less free memory)
+        if engine is not None and self.ctx.world_size > 1:
+            raise ValueError(f"an engine started beforehand serves a one-process run; this one has {self.ctx.world_size} ranks")
         self._offload.to_host()
-        with logs.engine_start() if logs is not None else contextlib.nullcontext():
+        with self._logs.engine_start() if self._logs is not None else contextlib.nullcontext():
             self.engine = self._start_engine() if engine is None else self._adopt(engine)
         self._restarts_before = self._engine_restarts_so_far()  # an engine started beforehand counts from here
         self._pusher = self._make_pusher()
+
+    def _open_metrics_log(self, resume: ResumeDecision) -> None:
+        """The metrics logger (rank 0 writes); then the count of prompts the data dropped for their length."""
+        from megatron_rl.metrics import MetricsLogger
+
+        cfg, ctx = self.cfg, self.ctx
         self.logger = MetricsLogger(
             cfg.logging.dir,
             enabled=ctx.rank == 0,
@@ -229,25 +267,23 @@ class Trainer:
         )
         if ctx.rank == 0 and self.dataset.num_dropped_long:
             logger.warning("%d prompts longer than rollout.max_prompt_tokens=%d were dropped", self.dataset.num_dropped_long, cfg.rollout.max_prompt_tokens)
-        self._stream = None  # asynchronous rollout (train.max_staleness > 0), on rank 0
-        # The engine serves exactly the trainer's weights from the first step on (also after a resume), pushed in the
-        # step's order (plan.memory's push phase): the engine asleep (rollout.sleep_level), its weights woken and the
-        # actor's parameters back for the push, the parameters out again, then the engine's KV cache
+
+    def _first_push(self) -> None:
+        """The engine serves exactly the trainer's weights from the first step on (also after a resume), pushed in the
+        step's order (plan.memory's push phase): the engine asleep (rollout.sleep_level), its weights woken and the
+        actor's parameters back for the push, the parameters out again, then the engine's KV cache."""
         self._sleep_engine()
         with self._watch.phase(self.step, "push"):
             self._sync_weights(self.weight_version)
         self._offload.to_host()  # until the first step's old-policy forward (train.offload)
         self._wake_engine()
-        self._executor = ThreadPoolExecutor(max_workers=1) if cfg.train.off_policy_lag else None
-        self._pending: tuple[Future, dict] | None = None
-        if cfg.train.max_staleness and ctx.rank == 0:
-            from megatron_rl.async_experience import AsyncExperienceStream
-
-            self._stream = AsyncExperienceStream(self.engine, self.dataset, self.tokenizer, self.reward_fn, cfg, first_batch=self.step, agent=self.agent)
 
     # -- the loop ------------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
+        """Steps self.step .. train.steps - 1, each: take -> train -> push (train_one_step), log, save
+        (checkpoint.save_every, and the last step), evaluate (train.eval_every, and the last step); a stop signal
+        ends the run at a step boundary. Returns the last step's metrics."""
         cfg, metrics = self.cfg, {}
         if cfg.train.eval_before_train and self.step == 0:
             self.evaluate()
@@ -261,15 +297,84 @@ class Trainer:
             if warning := self._no_signal.update(self.step - 1, metrics, cfg.rollout.n_samples):
                 logger.warning("%s", warning)
             done = self.step == cfg.train.steps or self._reached_target(metrics)
-            saved = None
-            if (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0) or done:
-                saved = self.save()
-            if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or done:
+            saved = self.save() if done or _every(cfg.checkpoint.save_every, self.step) else None
+            if done or _every(cfg.train.eval_every, self.step):
                 self.evaluate()
             if done:
                 break
             self._stop_if_signalled(saved)
         return metrics
+
+    def train_one_step(self, step: int) -> dict[str, float]:
+        """One step, in the order that keeps the least on the device at once (megatron_rl.plan.memory, phases):
+        generate (the actor's offloaded state on the host) -> the engine sleeps -> the actor back -> train ->
+        the optimizer state and gradients out -> the engine's weights wake, push -> the parameters out -> the
+        engine's KV cache wakes."""
+        from megatron_rl.actor import train_batch_from_rollouts
+
+        with self._watch.phase(step, "generate"):
+            experience = self._take_experience(step)  # rank 0's (None elsewhere)
+        sleep_metrics = self._sleep_engine()
+        self._offload.to_device()  # the actor's memory back from the host (train.offload)
+        whole = None
+        if experience is not None:
+            whole = train_batch_from_rollouts(experience.rollouts, experience.advantages, policy_version=self.weight_version)
+        with self._watch.phase(step, "train"):
+            batch = self.actor.distribute(whole)  # this rank's rows only
+            del whole
+            batch, metrics = self.actor.prepare_batch(batch)
+            metrics = {**(experience.metrics if experience is not None else {}), **metrics, **self.actor.train_step(batch), **sleep_metrics}
+        if experience is not None:
+            metrics.update(self._engine_restarts())
+        metrics["batch/share_bytes"] = float(self.actor.last_share_bytes)
+        del batch  # the push phase holds no rows of the step
+        metrics.update(self._push(step))
+        return metrics
+
+    def _push(self, step: int) -> dict[str, float]:
+        """The weights after step `step` into the engines as version step + 1: generation that must see the old ones
+        finishes, the optimizer state and gradients leave the device, the push, the parameters leave
+        (train.offload=all), the engine's KV cache wakes."""
+        self.experience_source.before_weights_change()
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        offloaded = self._offload.to_host(["optimizer", "grads"])  # before the push: only the parameters stay
+        offload_s = time.perf_counter() - start
+        start = time.perf_counter()
+        with self._watch.phase(step, "push"):
+            metrics.update(self._sync_weights(step + 1))  # rollout.weight_senders=owners: what this rank sent
+        metrics["time/weight_sync_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        offloaded += self._offload.to_host()  # the parameters (train.offload=all): the device is the engine's
+        offload_s += time.perf_counter() - start
+        self._wake_engine()
+        if self._offload.mode != "none":
+            metrics["offload/bytes"] = float(offloaded)
+            metrics["time/offload_s"] = offload_s
+        return metrics
+
+    def _take_experience(self, step: int):
+        """This step's experience from the experience source: rank 0's, None elsewhere.
+
+        An engine that lost the trainer's weights (restarted on its model directory, a push broken midway)
+        says so on rank 0 (WeightsLostError); every rank then joins a push of the current weights again
+        (with several ranks, one broadcast of a flag per step tells them).
+        """
+        from megatron_rl.actor.distribute import broadcast_object
+        from megatron_rl.weight_sync.engine_side import WeightsLostError
+
+        while True:
+            experience, lost = None, False
+            try:
+                experience = self.experience_source.take(step, self.weight_version)
+            except WeightsLostError as error:
+                logger.warning("%s", error)
+                lost = True
+            if self.ctx.world_size > 1:
+                lost = bool(broadcast_object(lost, self.ctx))
+            if not lost:
+                return experience
+            self._sync_weights(self.weight_version)
 
     def _stop_if_signalled(self, saved: Path | None) -> None:
         """Every rank agrees at the step boundary whether one of them received SIGTERM / SIGUSR1; if so they save
@@ -295,46 +400,7 @@ class Trainer:
 
         return bool(broadcast_object(reached, self.ctx))
 
-    def train_one_step(self, step: int) -> dict[str, float]:
-        """One step, in the order that keeps the least on the device at once (megatron_rl.plan.memory, phases):
-        generate (the actor's offloaded state on the host) -> the engine sleeps -> the actor back -> train ->
-        the optimizer state and gradients out -> the engine's weights wake, push -> the parameters out -> the
-        engine's KV cache wakes."""
-        from megatron_rl.actor import train_batch_from_rollouts
-
-        with self._watch.phase(step, "generate"):
-            experience = self._experience(step)  # rank 0 only
-        sleep_metrics = self._sleep_engine()
-        self._offload.to_device()  # the actor's memory back from the host (train.offload)
-        whole = None
-        if experience is not None:
-            whole = train_batch_from_rollouts(experience.rollouts, experience.advantages, policy_version=self.weight_version)
-        with self._watch.phase(step, "train"):
-            batch = self.actor.distribute(whole)  # this rank's rows only
-            del whole
-            batch, metrics = self.actor.prepare_batch(batch)
-            metrics = {**(experience.metrics if experience is not None else {}), **metrics, **self.actor.train_step(batch), **sleep_metrics}
-        if experience is not None:
-            metrics.update(self._engine_restarts())
-        metrics["batch/share_bytes"] = float(self.actor.last_share_bytes)
-        del batch  # the push phase holds no rows of the step
-        if self._pending is not None:  # the next step's generation must finish on the old weights
-            self._pending[0].result()
-        start = time.perf_counter()
-        offloaded = self._offload.to_host(["optimizer", "grads"])  # before the push: only the parameters stay
-        offload_s = time.perf_counter() - start
-        start = time.perf_counter()
-        with self._watch.phase(step, "push"):
-            metrics.update(self._sync_weights(step + 1))  # rollout.weight_senders=owners: what this rank sent
-        metrics["time/weight_sync_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        offloaded += self._offload.to_host()  # the parameters (train.offload=all): the device is the engine's
-        offload_s += time.perf_counter() - start
-        self._wake_engine()
-        if self._offload.mode != "none":
-            metrics["offload/bytes"] = float(offloaded)
-            metrics["time/offload_s"] = offload_s
-        return metrics
+    # -- the engine and the push ---------------------------------------------------------------------
 
     def _engine_restarts_so_far(self) -> int | None:
         """The engine's restarts since it started (a failed batch or push, a dead engine process or server; at most
@@ -371,57 +437,12 @@ class Trainer:
 
             dist.barrier(group=self.ctx.host_group)
 
-    # -- stages ------------------------------------------------------------------------------------
-
-    def _collect(self, step: int):
-        from megatron_rl.experience import collect_experience
-
-        return collect_experience(self.engine, self.dataset, self.tokenizer, self.reward_fn, self.cfg, step, agent=self.agent)
-
-    def _experience(self, step: int):
-        """This step's experience on rank 0 (None elsewhere; generated maybe one step ahead).
-
-        An engine that lost the trainer's weights (restarted on its model directory, a push broken midway)
-        says so on rank 0 (WeightsLostError); every rank then joins a push of the current weights again
-        (with several ranks, one broadcast of a flag per step tells them).
-        """
-        from megatron_rl.actor.distribute import broadcast_object
-        from megatron_rl.weight_sync.engine_side import WeightsLostError
-
-        while True:
-            experience, lost = None, False
-            if self.ctx.rank == 0:
-                try:
-                    experience = self._experience_on_rank0(step)
-                except WeightsLostError as error:
-                    logger.warning("%s", error)
-                    lost = True
-            if self.ctx.world_size > 1:
-                lost = bool(broadcast_object(lost, self.ctx))
-            if not lost:
-                return experience
-            self._sync_weights(self.weight_version)
-
-    def _experience_on_rank0(self, step: int):
-        if self._stream is not None:
-            return self._stream.take(self.weight_version)
-        if self._pending is not None:
-            future, _ = self._pending
-            self._pending = None
-            experience = future.result()
-        else:
-            experience = self._collect(step)
-        if self._executor is not None and step + 1 < self.cfg.train.steps:
-            position = self.dataset.state_dict()  # where the in-flight step starts, for checkpoints
-            self._pending = (self._executor.submit(self._collect, step + 1), position)
-        return experience
-
     def _sync_weights(self, version: int) -> dict[str, float]:
         """Every rank pushes the actor's weights as `version` (weight_sync.pusher, which picks the path); returns
         this rank's push metrics. The engine's weights wake first, the actor's parameters come back for the push."""
         if self.engine is not None:
             self.engine.wake_up(["weights"])  # rollout.sleep_level: the weights for the push, the KV cache after it
-        with self._offload.on_device(["params"]), self._engine_held():
+        with self._offload.on_device(["params"]), self.experience_source.engine_held():
             pushed = self._pusher.push(version)
         self.weight_version = version
         return pushed
@@ -437,10 +458,6 @@ class Trainer:
             owner_relay=colocated.owner_relay if colocated is not None else None,
             engine_urls=colocated.urls if colocated is not None else None,
         )
-
-    def _engine_held(self):
-        """The engine to itself for a push or an evaluation: asynchronous generation pauses between engine calls."""
-        return self._stream.paused_for_push() if self._stream is not None else contextlib.nullcontext()
 
     def _start_engine(self):
         """Rank 0's engine (None elsewhere); with several colocated engines every rank joins their start."""
@@ -500,7 +517,7 @@ class Trainer:
         self._evaluated_at = self.step
         if self.ctx.rank != 0:
             return {}
-        with self._engine_held():
+        with self.experience_source.engine_held():  # the stream's producer pauses meanwhile
             report = self.evaluator.evaluate(self.engine, self.step)
         report.write(Path(self.cfg.logging.dir) / "eval")
         self.logger.print(report.table())
@@ -514,14 +531,9 @@ class Trainer:
         from megatron_rl.models import load_hf_config
         from megatron_rl.preflight import model_architecture
 
-        data_position = None  # rank 0's: it writes trainer_state.json
-        if self.dataset is not None:
-            data_position = self._pending[1] if self._pending is not None else self.dataset.state_dict()
-        if self._stream is not None:
-            data_position = self._stream.consumed_position  # groups queued or in flight are generated again on resume
         trainer_state = {
             "weight_version": self.weight_version,
-            "data": data_position,
+            "data": self.experience_source.position(),  # rank 0's (None elsewhere): it writes trainer_state.json
             **self.actor.schedule_state(),
             "config": to_dict(self.cfg),
             "model_architecture": model_architecture(load_hf_config(self.cfg.model.path)),  # compared at resume
@@ -548,16 +560,13 @@ class Trainer:
         self.actor.load_state_dict(state)
         self.actor.load_schedule_state(trainer_state)
         # the data position is rank 0's; a prompt set that does not match it stops every rank
-        on_rank0(lambda: self.dataset.load_state_dict(trainer_state["data"]), self.ctx)
+        on_rank0(lambda: self.experience_source.restore(trainer_state["data"]), self.ctx)
         self.step, self.weight_version = trainer_state["step"], trainer_state["weight_version"]
         if self.ctx.rank == 0:
             logger.warning("resumed from %s at step %d%s", resume.path, self.step, resume.why)
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self.experience_source.close()
         self.logger.close()
         if self.agent is not None:
             self.agent.close()
