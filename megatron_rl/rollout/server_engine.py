@@ -70,7 +70,7 @@ from megatron_rl.rollout.server_auth import (
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
 from megatron_rl.rollout.server_process import VLLMServer
 from megatron_rl.rollout.serving import ServingEngine
-from megatron_rl.weight_sync.protocol import PushTarget
+from megatron_rl.weight_sync.push import PushTarget
 from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, all_results, call_in_threads, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
@@ -252,7 +252,7 @@ class VLLMServerEngine(ServingEngine):
     def _is_engine_failure(self, error: BaseException) -> bool:
         return isinstance(error, (ServerDeadError, BroadcastError))
 
-    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.protocol) ----
+    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.push) ----
     def _targets(self) -> list[PushTarget]:
         """Every server as the push protocol sees it."""
         def target(url: str) -> PushTarget:

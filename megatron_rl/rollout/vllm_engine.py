@@ -83,7 +83,7 @@ from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
 from megatron_rl.rollout.serving import ServingEngine
 from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.weight_sync.engine_side import WeightsLostError
-from megatron_rl.weight_sync.protocol import PushTarget
+from megatron_rl.weight_sync.push import PushTarget
 from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
 from megatron_rl.weight_sync.ipc import IpcSender
@@ -375,7 +375,7 @@ class VLLMEngine(ServingEngine):
     def _is_engine_failure(self, error: BaseException) -> bool:
         return not isinstance(error, NOT_ENGINE_FAILURES)
 
-    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.protocol) ----
+    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.push) ----
     def _targets(self) -> list[PushTarget]:
         """This engine as the push protocol sees it."""
         def encode(bucket: Bucket) -> Any:
