@@ -6,7 +6,7 @@
 The pushing process holds a bf16 model (LAYERS layers of attention and MLP
 matrices) on the device and pushes it bucket by bucket as the trainer's
 export yields it on the pushing rank (models.export_hf_weights(fresh=False):
-its parameters themselves) through weight_sync.protocol's protocol with
+its parameters themselves) through weight_sync.push's protocol with
 weight_sync.ipc's IpcSender (reduce_tensor handles). By reference (the
 default rows) the worker maps the parameters' own memory and copies straight
 from it (weight_sync.ipc_reference: CUDA IPC handles of their blocks on a GPU,
@@ -76,7 +76,7 @@ def measure(device: str, hidden: int, layers: int, bucket_mb: int, batch_buckets
             by_reference: bool = True) -> dict:
     import torch
 
-    from megatron_rl.weight_sync.protocol import PushTarget, stream_push
+    from megatron_rl.weight_sync.push import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
     from megatron_rl.weight_sync.ipc import IpcSender
     from megatron_rl.weight_sync.ipc_reference import allow_by_reference
@@ -156,7 +156,7 @@ def _relay_rank(rank: int, world_size: int, init: str, model_dir: str, device: s
     import torch
     import torch.distributed as dist
 
-    from megatron_rl.weight_sync.protocol import PushTarget, stream_push
+    from megatron_rl.weight_sync.push import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
     from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
     from megatron_rl.weight_sync.stream import entries_of

@@ -5,7 +5,7 @@
 
 Three model sizes (random Qwen3-MoE, fp32, HF layout), each pushed as the
 trainer pushes: a stream announced up front whose buckets are fresh copies
-made as the push pulls them (like the export), through weight_sync.protocol's one
+made as the push pulls them (like the export), through weight_sync.push's one
 protocol, by gloo broadcast into every engine worker.
 
 - `vllm_engine`: one real vLLM engine with its engine core in its own process
@@ -166,7 +166,7 @@ def _summary(num_bytes: int, push_s: list[float], copy_s: list[float], rank0_pea
 
 
 def measure_workers(model_dir: Path, state: dict, engines: int) -> dict:
-    from megatron_rl.weight_sync.protocol import PushTarget, stream_push
+    from megatron_rl.weight_sync.push import PushTarget, stream_push
     from megatron_rl.weight_sync import WeightManifest, manifest_from_checkpoint
     from megatron_rl.weight_sync.broadcast import BroadcastSender
 

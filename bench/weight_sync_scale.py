@@ -9,7 +9,7 @@
   of 2 worker-extension processes each (tests/worker_process.py: the worker
   extension vLLM's workers run, over a torch module) over gloo, twice per
   layout in one run: the funnel (models.export_hf_weights through rank 0, one
-  broadcast group, weight_sync.protocol) and owner-parallel (models.export_owners,
+  broadcast group, weight_sync.push) and owner-parallel (models.export_owners,
   weight_sync.parallel). Per trainer rank: bytes sent to the engines and bytes
   received from other trainer ranks; wall time of the push (fastest of REPEATS).
 - `delta`: the demo (megatron_rl.demo: tiny Qwen3-MoE, format warm-up, GSPO
@@ -41,11 +41,11 @@ LAYOUTS = {1: {}, 2: {"expert_parallel": 2}, 4: {"pipeline_parallel": 2, "expert
 
 # ---- owner-parallel vs funnel ---------------------------------------------------------------------------------
 def _funnel(chunks, ctx, targets, manifest, sender, version: int) -> dict:
-    """One push through rank 0 (models.export_hf_weights + weight_sync.protocol with the broadcast group)."""
+    """One push through rank 0 (models.export_hf_weights + weight_sync.push with the broadcast group)."""
     import torch.distributed as dist
 
     from megatron_rl.models.export import export_hf_weights
-    from megatron_rl.weight_sync.protocol import stream_push
+    from megatron_rl.weight_sync.push import stream_push
     from megatron_rl.weight_sync.stream import as_weight_stream
 
     export = export_hf_weights(chunks, ctx, bucket_bytes=BUCKET_BYTES)

@@ -159,8 +159,8 @@ class TcpEngine:
         return [value for _, value in answers]
 
     def target(self, name: str):
-        """The engine as the push protocol sees it (weight_sync.protocol.PushTarget; buckets by reference)."""
-        from megatron_rl.weight_sync.protocol import PushTarget
+        """The engine as the push protocol sees it (weight_sync.push.PushTarget; buckets by reference)."""
+        from megatron_rl.weight_sync.push import PushTarget
 
         return PushTarget(name, lambda method, *args: self.call_each(method, *args)[0], lambda bucket: bucket,
                           lambda: None, call_each=self.call_each)

@@ -31,7 +31,7 @@ on one GPU; with CUDA colocated engines get memory handles instead (ipc:
 weight_sync.ipc, CUDA IPC from the trainer's own GPUs: an engine process from
 rank 0's, colocated servers each worker from the rank on its GPU; on the host,
 shared memory when asked for). Every engine kind drives the same push
-protocol (weight_sync.protocol).
+protocol (weight_sync.push).
 """
 
 from __future__ import annotations

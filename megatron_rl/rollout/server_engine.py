@@ -5,10 +5,10 @@
     rollouts = engine.generate(prompt_ids, SamplingSpec(n=4, seed=step))
     push_weights(engine, export_hf_weights(...), version)
 
-Servers run vLLM's API server (`python -m megatron_rl.rollout.served`) with
+Servers run vLLM's API server (`python -m megatron_rl.rollout.server_main`) with
 VLLM_SERVER_DEV_MODE=1 (enables POST /collective_rpc and /reset_prefix_cache)
 and `--worker-extension-cls megatron_rl.rollout.worker_ext.RolloutWorkerExtension`,
-`--logprobs-mode processed_logprobs`; VLLMServer (rollout.server_process) builds that
+`--logprobs-mode processed_logprobs`; VLLMServer (rollout.server_supervisor) builds that
 command line and supervises the process.
 Every route but /health needs the run's token (rollout.server_auth): a server
 gets it in its environment and checks it in `--middleware`; every request of
@@ -67,7 +67,7 @@ from megatron_rl.rollout.server_auth import (
 from megatron_rl.rollout.sampling import SamplingSpec, to_completion_request, to_turn_request
 from megatron_rl.rollout.server_supervisor import VLLMServer
 from megatron_rl.rollout.engine_base import ServingEngine
-from megatron_rl.weight_sync.protocol import PushTarget
+from megatron_rl.weight_sync.push import PushTarget
 from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.broadcast import BroadcastError, BroadcastSender, all_results, call_in_threads, default_host
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_b64
@@ -87,7 +87,7 @@ class ServerRequestError(RolloutError):
 
 class VLLMServerEngine(ServingEngine):
     """RolloutEngine over vLLM servers (see the module docstring); pushes, recovery and sleep mode are
-    rollout.serving.ServingEngine's (the push's engine end: weight_sync.engine_side)."""
+    rollout.engine_base.ServingEngine's (the push's engine end: weight_sync.engine_side)."""
 
     def __init__(
         self,
@@ -249,7 +249,7 @@ class VLLMServerEngine(ServingEngine):
     def _is_engine_failure(self, error: BaseException) -> bool:
         return isinstance(error, (ServerDeadError, BroadcastError))
 
-    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.protocol) ----
+    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.push) ----
     def _targets(self) -> list[PushTarget]:
         """Every server as the push protocol sees it."""
         def target(url: str) -> PushTarget:

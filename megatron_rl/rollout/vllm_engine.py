@@ -83,7 +83,7 @@ from megatron_rl.rollout.sampling import SamplingSpec, to_vllm_params
 from megatron_rl.rollout.engine_base import ServingEngine
 from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.weight_sync.engine_side import WeightsLostError
-from megatron_rl.weight_sync.protocol import PushTarget
+from megatron_rl.weight_sync.push import PushTarget
 from megatron_rl.weight_sync.stream import PushBrokenError
 from megatron_rl.weight_sync.buckets import Bucket, bucket_to_bytes
 from megatron_rl.weight_sync.ipc import IpcSender
@@ -118,7 +118,7 @@ def default_group_kept() -> Iterator[None]:
 
 class VLLMEngine(ServingEngine):
     """RolloutEngine on an in-process vllm.LLM (see the module docstring); pushes, recovery and sleep mode are
-    rollout.serving.ServingEngine's (the push's engine end: weight_sync.engine_side)."""
+    rollout.engine_base.ServingEngine's (the push's engine end: weight_sync.engine_side)."""
 
     def __init__(
         self,
@@ -145,7 +145,7 @@ class VLLMEngine(ServingEngine):
         self._made_world = False  # in-process: this engine's start made the default process group (module docstring)
         self._compiler_was: bool | None = None  # in-process on CPU: torch's compiler setting before this engine (_compiler_off)
         self._sockets = SocketDir()  # a multiprocess engine's sockets between this process and its core
-        self._store_file: str | None = None  # an in-process engine's group store (common.store_file_of_this_process)
+        self._store_file: str | None = None  # an in-process engine's group store (engine_files.store_file_of_this_process)
         self._route_capture = False  # between start_route_capture and collect_route_capture
         self.weight_transport = self._resolve_transport()
         self._start()
@@ -157,7 +157,7 @@ class VLLMEngine(ServingEngine):
 
     @property
     def capture_prompt_routes(self) -> bool:
-        """Prefix caching off (common.prefix_caching_off): every position of a request is computed and captured."""
+        """Prefix caching off (engine_options.prefix_caching_off): every position of a request is computed and captured."""
         return prefix_caching_off(self.config)
 
     def _resolve_transport(self) -> str:
@@ -199,7 +199,7 @@ class VLLMEngine(ServingEngine):
             args["enable_chunked_prefill"] = False
         if self.multiprocessing and worker_in_engine_core(cfg):
             # the engine core's own process runs the worker: vLLM's CPU platform swaps only the name "uni" for its
-            # spawned mp executor, not the executor class itself (common.worker_in_engine_core)
+            # spawned mp executor, not the executor class itself (engine_env.worker_in_engine_core)
             from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
             args["distributed_executor_backend"] = UniProcExecutor
@@ -219,16 +219,16 @@ class VLLMEngine(ServingEngine):
             from vllm import LLM
 
             # a core process of its own (rollout.multiprocessing) reads its threads at its start; the sockets
-            # between it and this process go in a directory of this start's own (common.SocketDir)
+            # between it and this process go in a directory of this start's own (engine_files.SocketDir)
             variables = {**engine_core_environment(self.config), **self._sockets.environment()} if self.multiprocessing else {}
-            if compiles_nothing(self.config):  # vLLM's sampler helpers eager (common.compiles_nothing)
+            if compiles_nothing(self.config):  # vLLM's sampler helpers eager (engine_env.compiles_nothing)
                 if self.multiprocessing:
                     variables.update(COMPILE_OFF)
                 else:
                     self._compiler_off()
             if not self.multiprocessing:  # the model is built in this process: fix vLLM's CPU kernels first
                 cpu_rope.install()
-            # a core process of its own outlives a job's stop warning (common.stop_warning_blocked)
+            # a core process of its own outlives a job's stop warning (engine_env.stop_warning_blocked)
             with environment_set(variables), stop_warning_blocked() if self.multiprocessing else nullcontext():
                 self._llm = LLM(**self.engine_args())
         except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"
@@ -334,7 +334,7 @@ class VLLMEngine(ServingEngine):
             gc.collect()
 
     def _compiler_off(self) -> None:
-        """torch's compiler off in this process while this in-process engine runs (common.compiles_nothing)."""
+        """torch's compiler off in this process while this in-process engine runs (engine_env.compiles_nothing)."""
         import torch._dynamo
 
         if self._compiler_was is None:
@@ -375,7 +375,7 @@ class VLLMEngine(ServingEngine):
     def _is_engine_failure(self, error: BaseException) -> bool:
         return not isinstance(error, NOT_ENGINE_FAILURES)
 
-    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.protocol) ----
+    # ---- weights (the push protocol's hooks, weight_sync.engine_side.WeightSyncedEngine; weight_sync.push) ----
     def _targets(self) -> list[PushTarget]:
         """This engine as the push protocol sees it."""
         def encode(bucket: Bucket) -> Any:

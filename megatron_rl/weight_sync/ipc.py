@@ -344,7 +344,7 @@ class IpcSender:
     """Pushing-rank end: sends each bucket's handles to every engine and frees its buffers once all their workers
     have let go of it.
 
-    Drives the push protocol like weight_sync.broadcast.BroadcastSender does (weight_sync.protocol.stream_push
+    Drives the push protocol like weight_sync.broadcast.BroadcastSender does (weight_sync.push.stream_push
     calls `send(bucket, receives, names)`, each receive answering with every worker's answer); one sender per
     push. Without a relay the bucket is written from this rank's device alone (one engine process); with one,
     the relay has already shared it on every rank while the export passed it (colocated servers).
@@ -403,7 +403,7 @@ class IpcSender:
 
     def flush(self, receives: list[Callable[[str], Any]], names: list[str] | None = None) -> list[Any]:
         """Send the buckets shared and not yet sent, in one message per engine, and wait for every call's answer
-        (weight_sync.protocol.stream_push calls it at the end); returns the last call's answers."""
+        (weight_sync.push.stream_push calls it at the end); returns the last call's answers."""
         answers = self._start(receives, names)
         return self._finish() or answers
 

@@ -55,9 +55,10 @@ import torch.distributed as dist
 from megatron_rl.weight_sync.broadcast import call_in_threads, gpu_uuid, pack_bucket, wait_for_engines
 from megatron_rl.weight_sync.ipc import BufferPool, _released_by_all, default_device, export_handle
 from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.protocol import restore_complete_versions
-from megatron_rl.weight_sync.parallel import MAX_PARTS, _meta_layout, begin_push, broken_push, check_round, commit_push, refuse_or_none
-from megatron_rl.weight_sync.push import any_rank
+from megatron_rl.weight_sync.parallel import MAX_PARTS, _meta_layout
+from megatron_rl.weight_sync.push import (
+    any_rank, begin_push, broken_push, check_round, commit_push, refuse_or_none, restore_complete_versions,
+)
 from megatron_rl.weight_sync.stream import AnnouncedPush
 
 RECEIVE_METHOD = "mrl_ipc_receive"
@@ -164,7 +165,7 @@ class OwnerIpcRelay:
 def owner_ipc_push(targets: list | None, export, version: int, *, relay: OwnerIpcRelay, rank: int,
                    trainer_group: Any, manifest: WeightManifest | None = None, repack_moe: bool = True) -> dict | None:
     """One push (see the module docstring) on every trainer rank; targets and manifest on rank 0 only
-    (weight_sync.protocol.PushTarget, each with call_each: every worker answers). Returns {'sent_bytes', 'received_bytes'}
+    (weight_sync.push.PushTarget, each with call_each: every worker answers). Returns {'sent_bytes', 'received_bytes'}
     of this push on every rank, on rank 0 also {'commits', 'tensors', 'bytes'}.
     Raises WeightPushError (refused, nothing moved; on rank 0) or PushBrokenError (on every rank)."""
     mismatch = None

@@ -26,7 +26,7 @@ trainer's group keeps them in step):
 4. the ranks agree the last round went through; rank 0 commits every engine.
 A round that fails on any rank (its export raised, a broadcast or an engine
 failed) stops every rank at the next agreement: rank 0 aborts the push on
-every engine (each goes back to a complete version, weight_sync.protocol) and every
+every engine (each goes back to a complete version, weight_sync.push) and every
 rank raises PushBrokenError, so weight_sync.push_weights makes the push again
 from a fresh export. A broadcast that failed closes the groups; they are
 formed again at the next push.
@@ -47,10 +47,11 @@ from megatron_rl.weight_sync.broadcast import (
     open_group, pack_bucket, resolve_backend, wait_for_engines,
 )
 from megatron_rl.weight_sync.delta import DeltaEncoder
-from megatron_rl.weight_sync.manifest import WeightManifest, WeightPushError
-from megatron_rl.weight_sync.protocol import commit_engines, restore_complete_versions
-from megatron_rl.weight_sync.push import any_rank
-from megatron_rl.weight_sync.stream import AnnouncedPush, PushBrokenError, check_announced
+from megatron_rl.weight_sync.manifest import WeightManifest
+from megatron_rl.weight_sync.push import (
+    any_rank, begin_push, broken_push, check_round, commit_push, refuse_or_none, restore_complete_versions,
+)
+from megatron_rl.weight_sync.stream import AnnouncedPush
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
                         workers_per_engine: list[int] | None = None, repack_moe: bool = True,
                         delta: DeltaEncoder | None = None, max_parts: int = MAX_PARTS) -> dict | None:
     """One push (see the module docstring) on every trainer rank; targets, manifest and workers_per_engine on
-    rank 0 only (weight_sync.protocol.PushTarget). Returns {'delta': whether it went as a sparse delta, 'wire_bytes': the
+    rank 0 only (weight_sync.push.PushTarget). Returns {'delta': whether it went as a sparse delta, 'wire_bytes': the
     bytes this rank broadcast} and on rank 0 also {'commits', 'tensors', 'bytes'}.
     delta: this rank's DeltaEncoder (rollout.weight_delta; weight_sync.delta), kept across pushes.
     max_parts: senders' buckets a worker takes at once (a wider round goes in slices).
@@ -207,60 +208,6 @@ def owner_parallel_push(targets: list | None, export, version: int, *, senders: 
         raise failure
     versions = restore_complete_versions(targets) if targets is not None else []
     raise broken_push("owner-parallel weight push", version, rank, failure, versions) from failure
-
-
-def begin_push(targets: list | None, version: int) -> BaseException | None:
-    """(rank 0) mrl_begin_push on every engine; what failed, for every rank to agree on (None elsewhere)."""
-    try:
-        for target in targets or []:
-            target.call("mrl_begin_push", version)
-    except BaseException as error:  # noqa: BLE001 - agreed by the caller
-        return error
-    return None
-
-
-def check_round(announced: AnnouncedPush, parts: list) -> None:
-    """(rank 0) The round's buckets (per sender: names, shapes, dtypes) against the push's announcement."""
-    for _, entries in parts:
-        announced.check_bucket([(n, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
-                                for n, shape, dtype in entries])
-
-
-def commit_push(targets: list, announced: AnnouncedPush, repack_moe: bool) -> tuple[dict | None, BaseException | None]:
-    """(rank 0) Every tensor arrived: commit every engine and reset its prefix cache. (result, None) or (None, what
-    failed, for every rank to agree on)."""
-    try:
-        announced.check_complete()
-        commits = commit_engines(targets, repack_moe)
-        return {"commits": commits, "tensors": len(announced.seen), "bytes": announced.num_bytes}, None
-    except BaseException as error:  # noqa: BLE001 - rank 0 alone talks to the engines; agreed by the caller
-        return None, error
-
-
-def broken_push(what: str, version: int, rank: int, failure: BaseException | None, versions: list) -> PushBrokenError:
-    """The error every rank raises when a push broke midway (failure: this rank's, None when another rank's)."""
-    where = f"trainer rank {rank}: {type(failure).__name__}: {failure}" if failure is not None else "on another trainer rank"
-    return PushBrokenError(f"{what} v{version} broke midway ({where}); engines now serve versions {versions} "
-                           "(None: not answering, to be restarted)", versions)
-
-
-def refuse_or_none(targets: list | None, export, manifest: WeightManifest | None, trainer_group: Any,
-                   refused: WeightPushError | None = None) -> bool:
-    """Collective: rank 0 checks the whole push against the engines' manifest before anything moves. Refused (there,
-    or `refused` given on rank 0): every rank drains its export (a collective), rank 0 raises the WeightPushError
-    and the others return True. Accepted: False."""
-    if targets is not None and refused is None:
-        try:
-            check_announced(manifest, export.entries)
-        except WeightPushError as error:
-            refused = error
-    if not any_rank(refused is not None, trainer_group):
-        return False
-    for _ in export:  # a collective: every rank runs it to the end
-        pass
-    if refused is not None:
-        raise refused
-    return True
 
 
 def _delta_decision(targets: list | None, delta: DeltaEncoder | None, version: int, trainer_group: Any) -> bool:

@@ -4,7 +4,7 @@ Two real trainer processes over gloo; three engine-worker processes running
 the real worker extension (tests/worker_process.py): engine A has two
 workers (its worker j on rank j's device, as a TP=2 colocated server hosted
 by rank 0), engine B one worker on rank 1's device. Rank 0 drives
-weight_sync.protocol's one protocol; rank 1 only iterates its export, as every
+weight_sync.push's one protocol; rank 1 only iterates its export, as every
 trainer rank does. On the host the handles are shared memory named by the
 producing process, so the test reads from each handle which process made it:
 worker j of an engine must map the copy of the rank on its device.
@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.weight_sync.protocol import PushTarget, stream_push
+from megatron_rl.weight_sync.push import PushTarget, stream_push
 from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
 from megatron_rl.weight_sync.ipc import IpcRelay, IpcSender
 from megatron_rl.weight_sync.stream import PushBrokenError, entries_of

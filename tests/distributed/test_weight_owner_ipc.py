@@ -53,7 +53,7 @@ def _fault(rank: int, round_index: int) -> None:
 def _target(name: str, workers: list, record: dict):
     """An engine: each call runs on every worker (collective_rpc); each IPC message's handles are noted by the pid
     that made them (host memory: /torch_<pid>_... in the pickled handle), and its bucket count."""
-    from megatron_rl.weight_sync.protocol import PushTarget
+    from megatron_rl.weight_sync.push import PushTarget
 
     def call_each(method: str, *args):
         if method == "mrl_ipc_receive":

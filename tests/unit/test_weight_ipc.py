@@ -4,7 +4,7 @@ The receiving process runs the real worker extension (rollout.worker_ext:
 mrl_begin_push, mrl_ipc_receive, the streaming load, mrl_commit_push,
 mrl_abort_push) over a model runner whose reload copies each tensor into a
 torch module's parameters, as vLLM's load does; the push is driven by
-weight_sync.protocol's one protocol. tests/gpu/test_weight_ipc_gpu.py runs the same
+weight_sync.push's one protocol. tests/gpu/test_weight_ipc_gpu.py runs the same
 with CUDA IPC handles on one GPU; tests/e2e/test_weight_ipc.py with the real
 vLLM engine.
 """
@@ -20,7 +20,7 @@ import torch
 
 from megatron_rl.config import ConfigError, RolloutConfig
 from megatron_rl.rollout import resolve_placement
-from megatron_rl.weight_sync.protocol import PushTarget, stream_push
+from megatron_rl.weight_sync.push import PushTarget, stream_push
 from megatron_rl.weight_sync import WeightStream, bucketize, manifest_from_checkpoint
 from megatron_rl.weight_sync.ipc import IpcSender, export_handle, shared_buffer
 from megatron_rl.weight_sync.ipc_receive import IpcError, import_handle
@@ -64,7 +64,7 @@ def stream_of(state: dict[str, torch.Tensor], device: str, tamper_at: int | None
 
 def push_by_handles(worker: WorkerProcess, model_dir: Path, stream: WeightStream, version: int, device: str,
                     batch_buckets: int = 1, answers: list | None = None, pool=None):
-    """One push through weight_sync.protocol's protocol with memory handles; returns (result, the sender). answers: gets
+    """One push through weight_sync.push's protocol with memory handles; returns (result, the sender). answers: gets
     the worker's answer to each mrl_ipc_receive call; pool: an earlier push's buffers to write again."""
     senders: list[IpcSender] = []
 
