@@ -14,7 +14,7 @@ Names are imported on first use: the config parser (hf_config) needs no torch, s
 `megatron-rl plan` runs where torch is not installed; build_model imports megatron-core.
 """
 
-from importlib import import_module
+from megatron_rl.extras import lazy_exports
 
 _EXPORTS = {
     "ModelInfo": "info",
@@ -50,9 +50,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'megatron_rl.models' has no attribute {name!r}")
-    return getattr(import_module(f"megatron_rl.models.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

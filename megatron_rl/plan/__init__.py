@@ -9,7 +9,7 @@ Names are imported on first use, so the launch scripts' `--launch-env` never
 loads the model code.
 """
 
-from importlib import import_module
+from megatron_rl.extras import lazy_exports
 
 _EXPORTS = {
     "LaunchShape": "launch",
@@ -26,9 +26,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'megatron_rl.plan' has no attribute {name!r}")
-    return getattr(import_module(f"megatron_rl.plan.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
