@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
 import types
@@ -194,6 +195,15 @@ def load_yaml_preset(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> d
     for include in data.pop("defaults", []) or []:
         merged = deep_merge(merged, load_yaml_preset(path.parent / include, _seen + (path,)))
     return deep_merge(merged, resolve_preset_paths(data, path.parent))
+
+
+def read_json_file(path: Path, error: type[Exception], fix: str) -> Any:
+    """The JSON value in the file at `path` (a model's config.json, a .json dataset); when the file is not JSON,
+    `error` naming it and what the parser said, with `fix` (what to do about it)."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise error(f"{str(path)!r} is not valid JSON ({err}): {fix}") from None
 
 
 PATH_KEYS = frozenset({"path", "dir", "tokenizer", "resume"})

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.config.core import read_json_file
 from megatron_rl.data.tasks import SYNTHETIC_PREFIX, synthetic_rows
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.extras import import_extra
@@ -62,10 +63,7 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
         except Exception as err:  # noqa: BLE001 - pyarrow raises its own error types
             raise DatasetError(f"{spec}: not a readable parquet file ({err}); write it again or use .jsonl") from None
     if p.suffix == ".json":
-        try:
-            data = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise DatasetError(f"{spec}: not valid JSON ({err}); fix the file or use .jsonl (one row per line)") from None
+        data = read_json_file(p, DatasetError, "fix the file or use .jsonl (one row per line)")
         if not isinstance(data, list):
             raise DatasetError(f"{spec}: a .json dataset must hold a list of rows, got {type(data).__name__}")
         return data

@@ -17,10 +17,10 @@ machines without either.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
+from megatron_rl.config.core import read_json_file
 from megatron_rl.config.layout import ModelShape
 from megatron_rl.models.arch import HFArch, UnsupportedModelError, fail
 from megatron_rl.models.families import family_of
@@ -45,10 +45,7 @@ def load_hf_config(model_dir: str | os.PathLike) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UnsupportedModelError(f"{str(path)!r} has no config.json: it is not a Hugging Face model directory")
-    try:
-        data = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UnsupportedModelError(f"{str(config_file)!r} is not valid JSON ({err}): re-download or re-export the model") from None
+    data = read_json_file(config_file, UnsupportedModelError, "re-download or re-export the model")
     if not isinstance(data, dict):
         raise UnsupportedModelError(f"{str(config_file)!r} holds a {type(data).__name__}, not a JSON object")
     return data
