@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl.models.families.base import DENSE_DEFAULTS
-from megatron_rl.models.families.sigmoid_moe import SigmoidRouterMoE
+from megatron_rl.models.families.sigmoid_moe import TINY_GROUPED_EXPERTS, SigmoidRouterMoE
 from megatron_rl.models.arch import HFArch, fail, read_int
 
 
@@ -44,8 +44,7 @@ class DeepseekV3(SigmoidRouterMoE):
         "v_head_dim": 128,
         "rope_interleave": True,
     }
-    # Head widths >= 32 (vLLM's CPU attention); 8 experts in 2 groups of 4, one group per token,
-    # top-2 (megatron and transformers both score a group by its 2 best experts); layer 0 dense.
+    # Head widths >= 32 (vLLM's CPU attention); the grouped experts of sigmoid_moe; layer 0 dense.
     tiny_config = {
         "num_hidden_layers": 3,
         "num_attention_heads": 4,
@@ -55,12 +54,7 @@ class DeepseekV3(SigmoidRouterMoE):
         "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 32,
         "v_head_dim": 32,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "n_group": 2,
-        "topk_group": 1,
-        "n_shared_experts": 1,
-        "moe_intermediate_size": 32,
+        **TINY_GROUPED_EXPERTS,
         "routed_scaling_factor": 2.5,
         "first_k_dense_replace": 1,
         "norm_topk_prob": True,

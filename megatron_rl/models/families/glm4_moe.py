@@ -11,7 +11,7 @@ moe_intermediate_size, after first_k_dense_replace dense layers.
 from __future__ import annotations
 
 from megatron_rl.models.families.base import DENSE_DEFAULTS
-from megatron_rl.models.families.sigmoid_moe import SigmoidRouterMoE
+from megatron_rl.models.families.sigmoid_moe import TINY_GROUPED_EXPERTS, SigmoidRouterMoE
 from megatron_rl.models.arch import HFArch
 
 
@@ -32,7 +32,7 @@ class Glm4Moe(SigmoidRouterMoE):
         "partial_rotary_factor": 0.5,
     }
     # Head width 32 (vLLM's CPU attention), half of it rotated; q/k/v biases and q/k norms;
-    # 8 experts top-2 in 2 groups with routed scaling; layer 0 dense.
+    # the grouped experts of sigmoid_moe with routed scaling; layer 0 dense.
     tiny_config = {
         "num_hidden_layers": 3,
         "num_attention_heads": 4,
@@ -41,12 +41,7 @@ class Glm4Moe(SigmoidRouterMoE):
         "partial_rotary_factor": 0.5,
         "attention_bias": True,
         "use_qk_norm": True,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "n_group": 2,
-        "topk_group": 1,
-        "n_shared_experts": 1,
-        "moe_intermediate_size": 32,
+        **TINY_GROUPED_EXPERTS,
         "routed_scaling_factor": 1.5,
         "first_k_dense_replace": 1,
         "norm_topk_prob": True,

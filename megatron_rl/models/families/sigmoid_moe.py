@@ -26,6 +26,18 @@ from megatron_rl.models.families.base import Family
 from megatron_rl.models.arch import HFArch, fail, read_int
 
 
+TINY_GROUPED_EXPERTS: dict[str, Any] = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+}
+"""The experts of the families' tiny models (models/tiny.py): 8 routed ones in 2 groups of 4, one group per token,
+top-2 (megatron and transformers both score a group by its 2 best experts), and one shared expert."""
+
+
 class SigmoidRouterMoE(Family):
     """MoE layers after `first_k_dense_replace` dense ones; n_shared_experts x moe_intermediate_size shared expert."""
 
