@@ -20,6 +20,7 @@ from megatron_rl.weight_sync.broadcast import default_host
 from megatron_rl.weight_sync.manifest import WeightPushError
 from megatron_rl.weight_sync.push import PushReceiver, agree_and_retry, any_rank
 from megatron_rl.weight_sync.stream import PushBrokenError, check_announced
+from megatron_rl.weight_sync.transports.rpc import RpcTransport
 from megatron_rl.weight_sync.vllm_transfer import VllmTransfer, start_for_run
 
 
@@ -85,20 +86,15 @@ class VllmReceiver(PushReceiver):
         self.__dict__["_mrl_version"] = int(version)
 
 
-class VllmTransport:
-    """vLLM's weight-transfer engines (see the module docstring)."""
+class VllmTransport(RpcTransport):
+    """vLLM's weight-transfer engines (see the module docstring) carry the trainer's pushes; the rest is rpc's: no
+    owner-parallel form (vLLM's engines already send from every rank), and a re-export after an engine restart
+    (reexport_fn) goes in the RPC."""
 
     receiver = VllmReceiver
 
     def trainer(self, pusher: Any) -> VllmPush:
         return VllmPush(pusher)
-
-    def owners(self, pusher: Any, placement: Any) -> None:
-        return None
-
-    def engine_sender(self, engine_end: Any) -> None:
-        """A re-export after an engine restart (reexport_fn) goes by RPC: vLLM's engines serve the trainer's pushes."""
-        return None
 
 
 TRANSPORT = VllmTransport()
