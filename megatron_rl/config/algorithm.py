@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_rl.config.core import ConfigError, check_name_or_import_path
+from megatron_rl.config.core import ConfigError, check_at_least, check_name_or_import_path
 
 POLICY_LOSS_NAMES = ("dapo", "dr_grpo", "grpo", "gspo", "gspo_token")
 """The names megatron_rl.algorithms.POLICY_LOSSES registers (a test keeps the two in step)."""
@@ -107,23 +107,18 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.eps_low={self.eps_low}: must be < 1 (the lower clip bound is 1 - eps_low)")
         if self.std_type not in ("population", "sample"):
             raise ConfigError(f"algorithm.std_type={self.std_type!r}: must be 'sample' or 'population'")
-        if self.adv_eps < 0:
-            raise ConfigError(f"algorithm.adv_eps={self.adv_eps}: must be >= 0")
-        if self.entropy_coeff < 0:
-            raise ConfigError(f"algorithm.entropy_coeff={self.entropy_coeff}: must be >= 0 (it is a bonus: the loss subtracts it)")
-        if self.max_response_tokens < 0:
-            raise ConfigError(f"algorithm.max_response_tokens={self.max_response_tokens}: must be >= 0 (0 = rollout.max_new_tokens)")
+        check_at_least("algorithm.adv_eps", self.adv_eps, 0)
+        check_at_least("algorithm.entropy_coeff", self.entropy_coeff, 0, "it is a bonus: the loss subtracts it")
+        check_at_least("algorithm.max_response_tokens", self.max_response_tokens, 0, "0 = rollout.max_new_tokens")
         if self.overlong_buffer < 0 or self.overlong_penalty < 0:
             raise ConfigError(
                 f"algorithm.overlong_buffer={self.overlong_buffer}, algorithm.overlong_penalty={self.overlong_penalty}: must be >= 0"
             )
         if self.dual_clip_c and self.dual_clip_c <= 1:
             raise ConfigError(f"algorithm.dual_clip_c={self.dual_clip_c}: must be > 1 (about 3), or 0 to disable")
-        if self.beta < 0:
-            raise ConfigError(f"algorithm.beta={self.beta}: must be >= 0")
+        check_at_least("algorithm.beta", self.beta, 0)
         self._validate_importance_sampling()
-        if self.max_num_gen_batches < 1:
-            raise ConfigError(f"algorithm.max_num_gen_batches={self.max_num_gen_batches}: must be >= 1")
+        check_at_least("algorithm.max_num_gen_batches", self.max_num_gen_batches, 1)
 
     def _validate_importance_sampling(self) -> None:
         check_name_or_import_path("algorithm.tis_mode", self.tis_mode, ("none", *IS_CORRECTION_NAMES),

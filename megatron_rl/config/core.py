@@ -56,6 +56,13 @@ def check_name_or_import_path(key: str, value: str, names: tuple[str, ...], kind
                           "or an import path 'package.module:function'")
 
 
+def check_at_least(key: str, value: float, minimum: int, meaning: str = "") -> None:
+    """A ConfigError `key=value: must be >= minimum (meaning)` when `value` is below `minimum`; `meaning` says
+    what the bound or a 0 means, when it means something."""
+    if value < minimum:
+        raise ConfigError(f"{key}={value}: must be >= {minimum}" + (f" ({meaning})" if meaning else ""))
+
+
 def _closest(name: str, valid: list[str]) -> str:
     near = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
     if near:

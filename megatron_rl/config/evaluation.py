@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl.config.core import ConfigError, from_dict
+from megatron_rl.config.core import ConfigError, check_at_least, from_dict
 from megatron_rl.config.synthetic import SYNTHETIC_PREFIX, parse_synthetic
 
 SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -62,8 +62,7 @@ class EvalSetConfig:
             raise ConfigError(f"{where}.k={self.k}: samples per prompt must be >= 1")
         if self.temperature <= 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"{where}.temperature={self.temperature}, {where}.top_p={self.top_p}: need temperature > 0, top_p in (0, 1]")
-        if self.max_new_tokens < 0:
-            raise ConfigError(f"{where}.max_new_tokens={self.max_new_tokens}: must be >= 0 (0 = rollout.max_new_tokens)")
+        check_at_least(f"{where}.max_new_tokens", self.max_new_tokens, 0, "0 = rollout.max_new_tokens")
         bad = [k for k in self.pass_at if not 1 <= k <= self.k]
         if bad:
             raise ConfigError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_rl.config.core import ConfigError, check_name_or_import_path
+from megatron_rl.config.core import ConfigError, check_at_least, check_name_or_import_path
 from megatron_rl.config.transport import check_rollout_transport
 
 ROLLOUT_FUNCTION_NAMES = ("generate",)
@@ -177,8 +177,7 @@ class RolloutConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
-        if self.engines < 0:
-            raise ConfigError(f"rollout.engines={self.engines}: must be >= 0 (0 = one per rollout.tensor_parallel x pipeline_parallel GPUs)")
+        check_at_least("rollout.engines", self.engines, 0, "0 = one per rollout.tensor_parallel x pipeline_parallel GPUs")
         if self.max_restarts < 0 or self.weight_bucket_mb <= 0 or self.kv_cache_gib <= 0:
             raise ConfigError(
                 f"rollout.max_restarts={self.max_restarts}, rollout.weight_bucket_mb={self.weight_bucket_mb}, "
@@ -196,8 +195,7 @@ class RolloutConfig:
         if self.weight_senders == "owners" and self.weight_transport.startswith("vllm_"):
             raise ConfigError(f"rollout.weight_senders=owners with rollout.weight_transport={self.weight_transport}: vLLM's "
                               "engine already sends from every rank; set weight_senders=rank0, or weight_transport=broadcast")
-        if self.weight_senders_max < 0:
-            raise ConfigError(f"rollout.weight_senders_max={self.weight_senders_max}: must be >= 0 (0 = every owner sends)")
+        check_at_least("rollout.weight_senders_max", self.weight_senders_max, 0, "0 = every owner sends")
         if self.weight_senders_max and self.weight_senders != "owners":
             raise ConfigError(f"rollout.weight_senders_max={self.weight_senders_max} caps the owner ranks that send, but "
                               f"rollout.weight_senders={self.weight_senders} sends through rank 0: set "
@@ -205,8 +203,7 @@ class RolloutConfig:
         if self.weight_delta and self.weight_senders != "owners":
             raise ConfigError("rollout.weight_delta=true needs rollout.weight_senders=owners (each owner keeps what the "
                               "engines hold of its tensors): set both, or weight_delta=false")
-        if self.weight_delta_full_every < 1:
-            raise ConfigError(f"rollout.weight_delta_full_every={self.weight_delta_full_every}: must be >= 1")
+        check_at_least("rollout.weight_delta_full_every", self.weight_delta_full_every, 1)
         check_name_or_import_path("rollout.function", self.function, ROLLOUT_FUNCTION_NAMES, "a rollout function")
         if self.agent and self.function != "generate":
             raise ConfigError(f"rollout.function={self.function!r} with rollout.agent={self.agent!r}: an agent generates "

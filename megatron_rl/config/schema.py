@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron_rl.config.algorithm import AlgorithmConfig
-from megatron_rl.config.core import ConfigError
+from megatron_rl.config.core import ConfigError, check_at_least
 from megatron_rl.config.rollout import RolloutConfig
 
 
@@ -168,10 +168,8 @@ class OptimizerConfig:
     def validate(self) -> None:
         if self.lr < 0 or self.min_lr < 0:
             raise ConfigError(f"optimizer.lr={self.lr}, optimizer.min_lr={self.min_lr}: learning rates must be >= 0")
-        if self.clip_grad < 0:
-            raise ConfigError(f"optimizer.clip_grad={self.clip_grad}: must be >= 0 (0 disables clipping)")
-        if self.weight_decay < 0:
-            raise ConfigError(f"optimizer.weight_decay={self.weight_decay}: must be >= 0 (0 disables weight decay)")
+        check_at_least("optimizer.clip_grad", self.clip_grad, 0, "0 disables clipping")
+        check_at_least("optimizer.weight_decay", self.weight_decay, 0, "0 disables weight decay")
         for key, beta in (("adam_beta1", self.adam_beta1), ("adam_beta2", self.adam_beta2), ("sgd_momentum", self.sgd_momentum)):
             if not 0.0 <= beta < 1.0:
                 raise ConfigError(f"optimizer.{key}={beta}: must be in [0, 1), e.g. adam_beta1=0.9, adam_beta2=0.999")
@@ -183,8 +181,7 @@ class OptimizerConfig:
             raise ConfigError(
                 f"optimizer.warmup_steps={self.warmup_steps}, optimizer.lr_decay_steps={self.lr_decay_steps}: must be >= 0"
             )
-        if self.sgd_momentum < 0:
-            raise ConfigError(f"optimizer.sgd_momentum={self.sgd_momentum}: must be >= 0")
+        check_at_least("optimizer.sgd_momentum", self.sgd_momentum, 0)
 
 
 OFFLOAD_PARTS: dict[str, tuple[str, ...]] = {"none": (), "optimizer": ("optimizer",), "all": ("optimizer", "grads", "params")}
@@ -268,12 +265,9 @@ class TrainConfig:
                 f"train.prompts_per_step={self.prompts_per_step} is not divisible by "
                 f"train.mini_batches_per_step={self.mini_batches_per_step}: choose sizes where each optimizer step gets whole groups"
             )
-        if self.max_tokens_per_microbatch < 0:
-            raise ConfigError(f"train.max_tokens_per_microbatch={self.max_tokens_per_microbatch}: must be >= 0 (0 = by count)")
-        if self.max_staleness < 0:
-            raise ConfigError(f"train.max_staleness={self.max_staleness}: must be >= 0")
-        if self.eval_every < 0:
-            raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0 (0 = evaluate only before and after training)")
+        check_at_least("train.max_tokens_per_microbatch", self.max_tokens_per_microbatch, 0, "0 = by count")
+        check_at_least("train.max_staleness", self.max_staleness, 0)
+        check_at_least("train.eval_every", self.eval_every, 0, "0 = evaluate only before and after training")
         if self.partial_rollout_tokens:
             raise ConfigError(
                 f"train.partial_rollout_tokens={self.partial_rollout_tokens}: chunked partial rollouts were replaced by "
@@ -385,8 +379,7 @@ class LoggingConfig:
     """Print a line of means over this many steps (reward, response length, entropy, seconds per phase); 0 = never."""
 
     def validate(self) -> None:
-        if self.summary_every < 0:
-            raise ConfigError(f"logging.summary_every={self.summary_every}: must be >= 0 (0 = no summary lines)")
+        check_at_least("logging.summary_every", self.summary_every, 0, "0 = no summary lines")
 
 
 @dataclass(kw_only=True)
@@ -416,12 +409,10 @@ class ClusterConfig:
     --max-restarts); each restart resumes from the newest complete checkpoint. 0 = a failure ends the job."""
 
     def validate(self) -> None:
-        if self.cpu_threads < 0:
-            raise ConfigError(f"cluster.cpu_threads={self.cpu_threads}: must be >= 0 (0 = the cores divided by cluster.cpu_processes)")
+        check_at_least("cluster.cpu_threads", self.cpu_threads, 0, "0 = the cores divided by cluster.cpu_processes")
         if self.push_link_gb_per_s <= 0:
             raise ConfigError(f"cluster.push_link_gb_per_s={self.push_link_gb_per_s}: must be > 0 (GB/s of one rank's link)")
-        if self.max_restarts < 0:
-            raise ConfigError(f"cluster.max_restarts={self.max_restarts}: must be >= 0 (0 = a dead rank ends the job)")
+        check_at_least("cluster.max_restarts", self.max_restarts, 0, "0 = a dead rank ends the job")
 
     @property
     def trainer_world_size(self) -> int:
