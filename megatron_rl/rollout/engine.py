@@ -11,10 +11,7 @@ Every member callers use of an engine is declared in rollout.engine_protocol (Ro
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, TypeVar
-
-from megatron_rl.data.batch import Rollouts
 
 logger = logging.getLogger(__name__)
 
@@ -82,22 +79,3 @@ def run_with_restarts(
 def _same_failure(error: BaseException, before: BaseException) -> bool:
     """Whether two engine failures are one: the same type and the same message."""
     return type(error) is type(before) and str(error) == str(before)
-
-
-def generate_with_restarts(
-    generate_once: Callable[[], Rollouts],
-    restart: Callable[[BaseException], None],
-    *,
-    max_restarts: int,
-    is_engine_failure: Callable[[BaseException], bool],
-    what: str,
-) -> Rollouts:
-    """run_with_restarts for a generate() call, recording generate_s, response_tokens and restarts in its metrics."""
-    start = time.perf_counter()
-    rollouts, restarts = run_with_restarts(generate_once, restart, max_restarts=max_restarts, is_engine_failure=is_engine_failure, what=what)
-    rollouts.metrics.update(
-        generate_s=time.perf_counter() - start,
-        response_tokens=float(sum(s.response_length for s in rollouts.samples)),
-        restarts=float(restarts),
-    )
-    return rollouts

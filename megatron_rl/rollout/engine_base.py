@@ -8,13 +8,14 @@ serving, and vLLM's sleep mode; each engine adds only how to reach its engines.
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.rollout.engine_options import SLEEP_TAGS
-from megatron_rl.rollout.engine import generate_with_restarts
+from megatron_rl.rollout.engine import run_with_restarts
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.engine_side import WeightSyncedEngine
 
@@ -43,12 +44,20 @@ class ServingEngine(WeightSyncedEngine):
 
     # ---- generation ------------------------------------------------------------------------------
     def _generate_with_restarts(self, generate_once: Callable[[], Rollouts], what: str) -> Rollouts:
-        """generate_once under the lock, the engines awake and on the trainer's weights, retried after restarts."""
+        """generate_once under the lock, the engines awake and on the trainer's weights, retried after restarts
+        (rollout.engine.run_with_restarts); generate_s, response_tokens and restarts recorded in its metrics."""
         with self.serving():
-            return generate_with_restarts(
+            start = time.perf_counter()
+            rollouts, restarts = run_with_restarts(
                 generate_once, self._restart, max_restarts=self.config.max_restarts,
                 is_engine_failure=self._is_engine_failure, what=what,
             )
+            rollouts.metrics.update(
+                generate_s=time.perf_counter() - start,
+                response_tokens=float(sum(s.response_length for s in rollouts.samples)),
+                restarts=float(restarts),
+            )
+            return rollouts
 
     @contextmanager
     def serving(self) -> Iterator[None]:
