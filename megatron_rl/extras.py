@@ -9,7 +9,7 @@ math-verify for the `math` reward), test (pytest, shellcheck, ruff), all-cpu
 
 A package whose light parts must run without the heavy ones (the HF config parser
 without torch, the launch shape without the model code) imports its names on
-first use: `__getattr__ = lazy_exports(__name__, {name: submodule})`.
+first use: `__getattr__, __all__ = lazy_exports(__name__, {name: submodule})`.
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ def import_extra(module: str, *, extra: str, feature: str) -> ModuleType:
         ) from err
 
 
-def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
-    """A package's module `__getattr__` (PEP 562) for `exports`, name -> the submodule of `package` defining it:
-    each name's submodule is imported when the name is first asked for, so importing the package imports none."""
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], list[str]]:
+    """A package's module `__getattr__` (PEP 562) and `__all__` for `exports`, name -> the submodule of `package`
+    defining it: each name's submodule is imported when the name is first asked for, so importing the package
+    imports none."""
 
     def __getattr__(name: str) -> Any:
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
 
-    return __getattr__
+    return __getattr__, sorted(exports)

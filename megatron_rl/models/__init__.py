@@ -49,5 +49,4 @@ _EXPORTS = {
     "make_tiny_model_dir": "tiny",
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -25,5 +25,4 @@ _EXPORTS = {
     "render": "report",
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)
