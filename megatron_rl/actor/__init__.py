@@ -8,7 +8,7 @@
     metrics |= actor.train_step(batch)
 
 Modules: batch (TrainBatch and its checks), logprobs (vocab-parallel logprobs and
-entropy), plan (mini-batches, DP shares, microbatches), step (microbatch tensors,
+entropy), microbatches (mini-batches, DP shares, microbatches), step (microbatch tensors,
 the loss function given to megatron's schedule and its scale factor), schedule
 (megatron's schedule over a mini-batch, the forward-only logprob pass), routing
 (RouterReplay R2/R3 and drift metrics), optim (optimizer, LR schedule), actor.
