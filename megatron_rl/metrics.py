@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -28,7 +30,10 @@ SUMMARY_LINE = [
     ("time/old_logprobs_s", "logprobs", "{:.2f}"),
     ("time/train_step_s", "train", "{:.2f}"),
     ("time/weight_sync_s", "sync", "{:.2f}"),
+    ("memory/peak_rss_gib", "peak RSS", "{:.1f} GiB"),
 ]
+SUMMARY_MAX = frozenset({"memory/peak_rss_gib"})
+"""SUMMARY_LINE metrics shown as their largest value over the window, not their mean (a peak so far)."""
 
 # Panels of the PNG summary, in order: (metrics drawn as lines, title); absent metrics are skipped.
 SUMMARY_PLOTS = [
@@ -162,13 +167,50 @@ class MetricsLogger:
 
 
 def summary_line(step: int, window: list[Mapping[str, Any]]) -> str:
-    """"step 49: reward 0.412, response tokens 2.0, ..." with each SUMMARY_LINE metric's mean over `window`."""
+    """"step 49: reward 0.412, response tokens 2.0, ..." with each SUMMARY_LINE metric's mean over `window`
+    (its largest value for those in SUMMARY_MAX)."""
     parts = []
     for key, label, fmt in SUMMARY_LINE:
         values = [row[key] for row in window if isinstance(row.get(key), (int, float))]
         if values:
-            parts.append(f"{label} {fmt.format(sum(values) / len(values))}")
+            value = max(values) if key in SUMMARY_MAX else sum(values) / len(values)
+            parts.append(f"{label} {fmt.format(value)}")
     return f"step {step}: " + ", ".join(parts)
+
+
+def process_memory_metrics() -> dict[str, float]:
+    """This process's memory, in GiB (1024^3 bytes), for each step's metrics:
+
+    * memory/peak_rss_gib: the most resident memory it has held so far, the number `/usr/bin/time -v` reports as
+      "Maximum resident set size" when the process ends. Read from /proc/self/status (VmHWM, the high-water mark of
+      this process's own memory); getrusage's ru_maxrss elsewhere (KiB, bytes on macOS), which on Linux also starts
+      from the peak of the process that forked this one (a launcher's, torchrun's), before its exec;
+    * memory/rss_gib: its resident memory now (VmRSS; left out where there is no /proc).
+
+    Only rank 0 logs: its process also holds an in-process rollout engine (megatron_rl.plan.memory counts both).
+    """
+    status = _proc_status_kib(("VmHWM", "VmRSS"))
+    if "VmHWM" not in status:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return {"memory/peak_rss_gib": peak / 1024**3}
+    metrics = {"memory/peak_rss_gib": status["VmHWM"] / 1024**2}
+    if "VmRSS" in status:
+        metrics["memory/rss_gib"] = status["VmRSS"] / 1024**2
+    return metrics
+
+
+def _proc_status_kib(keys: tuple[str, ...]) -> dict[str, int]:
+    """The `keys` of /proc/self/status ("VmHWM:   123456 kB" lines) in KiB; empty where there is no such file."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    values = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        if key in keys and rest.split()[1:] == ["kB"]:
+            values[key] = int(rest.split()[0])
+    return values
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

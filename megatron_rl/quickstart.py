@@ -90,6 +90,8 @@ def run_summary(cfg, *, wall_s: float, load_start: float, before_report: Path | 
         "reward_curve": [round(r["reward/mean"], 4) for r in rows],
         # |log pi_trainer - log pi_engine| per step, token mean: flat when every push reaches the engine whole
         "engine_gap_curve": [r.get("mismatch/abs_logprob_diff") for r in rows],
+        # the training process's largest resident memory (evaluations, generation and training together), in GiB
+        "peak_rss_gib": max((round(r["memory/peak_rss_gib"], 2) for r in rows if "memory/peak_rss_gib" in r), default=None),
         "machine": machine(load_start), "date": time.strftime("%Y-%m-%d"),
     }
 
@@ -115,6 +117,8 @@ def results_markdown(summary: dict[str, Any]) -> str:
     lines += ["", f"training {summary['train_s'] / 60:.1f} min ({summary['s_per_step']:.1f} s/step), {summary['wall_s'] / 60:.1f} min "
               f"in all with both evaluations, on {m['cpus']} CPUs (load average {m['load_start']} at the start, "
               f"{m['load_end']} at the end)"]
+    if summary.get("peak_rss_gib"):
+        lines += ["", f"peak resident memory of the training process: {summary['peak_rss_gib']:.1f} GiB (memory/peak_rss_gib)"]
     return "\n".join(lines) + "\n"
 
 

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from megatron_rl.config import RLConfig, load_config, to_dict
 from megatron_rl.console import LibraryLogs, library_logs
+from megatron_rl.metrics import process_memory_metrics
 
 if TYPE_CHECKING:
     from megatron_rl.checkpoint.resume import ResumeDecision
@@ -293,6 +294,7 @@ class Trainer:
             metrics = self.train_one_step(self.step)
             self.step += 1
             metrics["time/step_s"] = time.perf_counter() - start
+            metrics.update(process_memory_metrics())  # the peak so far covers the evaluation and every phase of the step
             self.logger.log(self.step - 1, metrics)
             if warning := self._no_signal.update(self.step - 1, metrics, cfg.rollout.n_samples):
                 logger.warning("%s", warning)

@@ -18,9 +18,15 @@ Sources for each term:
   stored tensors for GQA, SwiGLU, RMSNorm, q/k norms, no dropout, and routed
   experts (each token's k copies). With 1F1B pipelining the first stage
   holds min(PP, microbatches) microbatches in flight (their section 4.2.3).
+  On the CPU (megatron's local spec with every fusion off, models.build) torch
+  keeps more of each layer: the recount in `layer_activations`, checked against
+  the tensors autograd saves.
 - Logits: the last stage holds the [tokens, V/t] logits shard, its gradient
   and the vocab-parallel log-softmax's working memory (at most 1.5x the
-  shard, the actor's own target): 3.5 x the shard.
+  shard, the actor's own target): 3.5 x the shard. On the CPU, as measured:
+  CPU_LOGITS_COPIES shards and the output layer's weight gradient.
+- Heap kept (CPU): what a training step frees stays in the process
+  (CPU_HEAP_KEPT_FRACTION): the push and the next generation run beside it.
 - Batch share: each DP rank receives only its rows of the step (actor.distribute):
   S = prompts x samples / D sequences of up to T tokens. On the device, while the
   old-policy forward assembles them: their float32 logprobs [S, T]; for MoE models
@@ -78,6 +84,27 @@ PUSH_BUCKETS_ENGINE = 3
 parts staged until the layer is complete (at most 3.0 measured, bench/results/weight_sync.json)."""
 LOGITS_FACTOR = 3.5
 """Logits shard + its gradient + up to 1.5x working memory of the vocab-parallel log-softmax."""
+CPU_LOGITS_COPIES = 2
+"""[tokens, V/t] float32 logits shards alive at once on the CPU. Forward: megatron's GPTModel returns the output
+layer's [s, b, V] as a contiguous [b, s, V] copy, both alive while it is made (GPTModel._postprocess); the
+log-softmax's two row chunks (at most 1/8 of a shard each, actor.logprobs) come once the first is freed. Backward:
+the gradient is written into the logits' own storage (in place) and the output layer's weight-gradient GEMM takes a
+contiguous copy of its transpose (megatron's prepare_input_tensors_for_wgrad_compute); beside them the output layer's
+[V/t, h] weight gradient, made whole before it is added into the gradient buffer (`logits_bytes`). Measured with
+8 x 288 tokens and SmolLM2-135M's vocabulary (49,152; a shard 0.42 GiB): the log-probabilities and their backward on
+given logits peaked 0.27 shards above them (the chunks); hidden states -> output layer -> contiguous copy ->
+log-probabilities -> backward peaked 2.04 shards; a whole training step of the model cut to 2 layers 2.39 shards above
+its weights, optimizer state and saved activations (counted here: 2 + the weight gradient's 0.25)."""
+CPU_HEAP_KEPT_FRACTION = 0.5
+"""Memory a CPU training step holds beyond what lives in it, as a fraction of its activations. glibc's malloc serves
+tensors below its mmap threshold (which rises to 32 MiB once a block that large is freed: every activation of a
+small model) from its heap and keeps what they free in the process; each layer's backward makes gradients of its
+activations beside them, which the freed blocks do not fit exactly. So the step's resident peak runs above the
+count, and the memory stays resident after the step (only the logits, above the threshold, go back to the system):
+the push and the next generation run beside the activations and this. Measured on SmolLM2-135M's shape (8 x 288
+tokens, fp32, the 2nd and 3rd training steps of one process, peak resident memory less the counted terms and the
+0.38 GiB of imports): 30 layers 0.36 and 0.40 of the activations (3.46 GiB), 8 layers 0.38 and 0.51, 2 layers 0.25;
+the resident memory after a step stayed within 0.2 GiB of the peak less the logits. 0.5: about the largest (0.51)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -122,10 +149,13 @@ class StageMemory:
     """Reference model weights (only when algorithm.beta > 0)."""
     batch_share: float = 0.0
     """This DP rank's rows of the step on the device: logprobs and recorded / replayed routes."""
+    heap: float = 0.0
+    """CPU: what the training step's allocations hold beyond the count and keep after it (CPU_HEAP_KEPT_FRACTION)."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reference + self.batch_share
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reference
+                + self.batch_share + self.heap)
 
 
 def _per_rank_layer_dense(spec: ModelSpec, moe: bool, tp: int) -> float:
@@ -192,6 +222,18 @@ def layer_activations(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> La
                  expert-TP group e): fc1 input h, gate+up 2f_e/e,
                  down input f_e/e, output h                      -> k (2h e + 3 f_e) / u
                  shared expert: 3 f_s / t + output h / u
+    On the CPU (megatron's local spec, every fusion off: models.build) torch keeps more (`cpu_unfused`):
+      each norm:  its normalised input x / rms(x), which torch's RMSNorm saves for the weight's gradient,
+                  and 1 / rms(x) (fp32)                                                    -> h / u + 4 / u bytes
+      attention:  RoPE writes Q and K to new tensors while V stays a view of the fused QKV projection's output,
+                  which autograd therefore keeps whole (its Q and K parts too)                      -> (a d + g d) / t
+      each gated MLP: megatron's unfused glu keeps silu(gate) and `up + glu_linear_offset` (a new
+                  tensor even at offset 0) beside gate/up and their product                       -> 2 f / t
+                  (2 f_e / e per routed copy, 2 f_s / t for a shared expert)
+    Checked: per token and layer of SmolLM2-135M's shape (h 576, 9 heads, 3 KV heads of 64, f 1536; 8 x 288 tokens)
+    the storages that autograd saves (torch.autograd.graph.saved_tensors_hooks) hold 13,483 float32 values; this
+    count gives 13,451 (6h + 3 (a d + g d) + 5f + the statistics and the norms' 1 / rms), the other 32 being RoPE's
+    cos and sin tables ([positions, head_dim], saved by the products with Q and with K: not per token).
     model.recompute (megatron-core's recompute of those parts; models.build.RECOMPUTE_MODULES):
       none:      everything kept;
       selective: the core attention is recomputed: its inputs Q, K, V are kept (the checkpoint's
@@ -203,42 +245,66 @@ def layer_activations(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> La
                  the MLP block's inside is rematerialised in backward;
       full:      the layer's input h / u is kept, the whole layer rematerialised in backward.
     """
-    norm, attention, statistics, mlp = _layer_parts(spec, moe, cfg, act)
-    everything = 4 * norm + attention + statistics + mlp
+    parts = _layer_parts(spec, moe, cfg, act)
+    everything = parts.norms + parts.attention + parts.statistics + parts.mlp
     mode = cfg.model.recompute
     if mode == "selective":
-        return LayerActivations(kept=everything - statistics, recomputed=statistics)
+        return LayerActivations(kept=everything - parts.statistics, recomputed=parts.statistics)
     if mode == "moe":
-        return LayerActivations(kept=4 * norm + attention, recomputed=mlp)
+        return LayerActivations(kept=parts.norms + parts.attention, recomputed=parts.mlp)
     if mode == "full":
-        return LayerActivations(kept=norm, recomputed=everything)
+        return LayerActivations(kept=parts.layer_input, recomputed=everything)
     return LayerActivations(kept=everything, recomputed=0.0)
 
 
-def _layer_parts(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> tuple[float, float, float, float]:
-    """Bytes per token of (one norm's input or output, Q/K/V/attention output/q-k norm inputs, softmax
-    statistics, the MLP block's inside) of one layer (see `layer_activations`)."""
+@dataclass(kw_only=True, frozen=True)
+class LayerParts:
+    """Bytes per token of one layer's stored tensors, by the part model.recompute treats alike (`layer_activations`)."""
+
+    layer_input: float
+    """The layer's input (what full recomputation keeps)."""
+    norms: float
+    """Both norms' inputs and outputs (and, on the CPU, their normalised inputs)."""
+    attention: float
+    """Q, K, V, the attention output, the q/k norms' inputs (and, on the CPU, the fused QKV output)."""
+    statistics: float
+    """The attention's fp32 softmax statistics."""
+    mlp: float
+    """The MLP block's inside (dense or MoE)."""
+
+
+def cpu_unfused(cfg: RLConfig) -> bool:
+    """The actor runs megatron's local spec with every fusion off: on the CPU (models.build, models.kernels)."""
+    return cfg.cluster.gpus_per_node == 0
+
+
+def _layer_parts(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> LayerParts:
+    """Bytes per token of each part of one layer's stored tensors (see `layer_activations`)."""
     par = cfg.parallel
     t = par.tensor_parallel
     u = t if par.use_sequence_parallel() else 1
     h, q, kv = spec.hidden_size, spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    unfused = cpu_unfused(cfg)
+    glu_kept = 5 if unfused else 3  # gate/up (2), the product (1); unfused also silu(gate) and up + offset
     norm = h / u * act
-    attention = ((2 * q + 2 * kv) / t + ((q + kv) / t if spec.qk_norm else 0.0)) * act
+    # two norms: input, output (unfused also the normalised input, and 1 / rms(x): one fp32 per token)
+    norms = 6 * norm + 2 * 4 / u if unfused else 4 * norm
+    attention = ((2 * q + 2 * kv) / t + ((q + kv) / t if spec.qk_norm else 0.0) + ((q + kv) / t if unfused else 0.0)) * act
     statistics = 4 * spec.num_attention_heads / t
     if moe:
         e = par.expert_tensor_parallel
-        mlp = spec.experts_per_token * (2 * h * e + 3 * spec.moe_ffn_hidden_size) / u * act + 8 * spec.num_experts / u
+        mlp = spec.experts_per_token * (2 * h * e + glu_kept * spec.moe_ffn_hidden_size) / u * act + 8 * spec.num_experts / u
         if spec.shared_expert_ffn_hidden_size:
-            mlp += (3 * spec.shared_expert_ffn_hidden_size / t + h / u) * act
+            mlp += (glu_kept * spec.shared_expert_ffn_hidden_size / t + h / u) * act
     else:
-        mlp = 3 * spec.ffn_hidden_size / t * act
-    return norm, attention, statistics, mlp
+        mlp = glu_kept * spec.ffn_hidden_size / t * act
+    return LayerParts(layer_input=norm, norms=norms, attention=attention, statistics=statistics, mlp=mlp)
 
 
 def layer_activation_bytes(spec: ModelSpec, moe: bool, cfg: RLConfig, act: int) -> float:
     """Bytes one layer stores per token for backward without recomputation (`layer_activations`)."""
-    norm, attention, statistics, mlp = _layer_parts(spec, moe, cfg, act)
-    return 4 * norm + attention + statistics + mlp
+    parts = _layer_parts(spec, moe, cfg, act)
+    return parts.norms + parts.attention + parts.statistics + parts.mlp
 
 
 def batch_share_bytes(spec: ModelSpec, cfg: RLConfig, dp: int, stage_moe_layers: int | None = None) -> float:
@@ -267,6 +333,20 @@ def tokens_per_microbatch(cfg: RLConfig) -> int:
     return -(-tokens // cfg.parallel.context_parallel)
 
 
+def logits_bytes(spec: ModelSpec, cfg: RLConfig, tokens: int) -> float:
+    """Bytes of the last stage's logits path for one microbatch of `tokens` tokens (the module docstring, Logits).
+
+    GPU: LOGITS_FACTOR x the [tokens, V/t] shard. CPU: CPU_LOGITS_COPIES shards in float32, the output layer's
+    [V/t, h] weight gradient, and the tokens' final-norm input, normalised input and output-layer input (3 h each)."""
+    prec, par = precision_for(cfg), cfg.parallel
+    shard = spec.padded_vocab(par.tensor_parallel) / par.tensor_parallel
+    if not cpu_unfused(cfg):
+        return LOGITS_FACTOR * tokens * shard * prec.activation
+    sequence_split = par.tensor_parallel if par.use_sequence_parallel() else 1
+    final_norm_and_input = 3 * tokens * spec.hidden_size / sequence_split * prec.activation
+    return CPU_LOGITS_COPIES * tokens * shard * 4 + shard * spec.hidden_size * prec.param + final_norm_and_input
+
+
 def stage_memory(spec: ModelSpec, cfg: RLConfig, world: int, microbatches: int, stage: int) -> StageMemory:
     par = cfg.parallel
     prec = precision_for(cfg)
@@ -287,11 +367,10 @@ def stage_memory(spec: ModelSpec, cfg: RLConfig, world: int, microbatches: int, 
     per_layer = [layer_activations(spec, spec.moe_layers[i], cfg, prec.activation) for i in layers]
     # Kept parts of every microbatch in flight, + the largest part rematerialised in one layer's backward.
     activations = tokens * (in_flight * sum(a.kept for a in per_layer) + max((a.recomputed for a in per_layer), default=0.0))
-    logits = 0.0
-    if stage == pp - 1:
-        logits = LOGITS_FACTOR * tokens * spec.padded_vocab(tp) / tp * prec.activation
+    logits = logits_bytes(spec, cfg, tokens) if stage == pp - 1 else 0.0
     reference = params * prec.param if cfg.algorithm.beta > 0 else 0.0
     return StageMemory(
+        heap=CPU_HEAP_KEPT_FRACTION * activations if cpu_unfused(cfg) else 0.0,
         batch_share=batch_share_bytes(spec, cfg, dp, sum(spec.moe_layers[i] for i in layers)),
         stage=stage,
         dense_params=round(dense),
@@ -407,13 +486,16 @@ def phase_memory(stage: StageMemory, engine: EngineMemory | None, cfg: RLConfig,
        engine's weights wake (not its KV cache, woken after the push, once the
        parameters have left too): parameters + the engine's weights + the
        push's buckets.
-    Offload and sleep free nothing on CPU, where host and device are one memory.
+    Offload and sleep free nothing on CPU, where host and device are one memory, and the memory a training step
+    frees stays in the process (CPU_HEAP_KEPT_FRACTION): the push and the next step's generation hold the
+    activations and the heap term too (not the logits, given back to the system).
     An engine on GPUs of its own (cluster.rollout_gpus) is not on the device.
     model_bytes: the whole model in the engine's dtype (no bucket is larger).
     """
     gpu = cfg.cluster.gpus_per_node > 0
     moved = OFFLOAD_PARTS[cfg.train.offload] if gpu else ()
     s = stage
+    kept_after_training = 0.0 if gpu else s.activations + s.heap
     kept = {
         "params": 0.0 if "params" in moved else s.weights,
         "grads": 0.0 if "grads" in moved else s.grads,
@@ -426,10 +508,10 @@ def phase_memory(stage: StageMemory, engine: EngineMemory | None, cfg: RLConfig,
     bucket = min(cfg.rollout.weight_bucket_mb * (1 << 20), model_bytes)
     push_buffers = bucket * (PUSH_BUCKETS_TRAINER + (PUSH_BUCKETS_ENGINE if colocated else 0))
     return [
-        PhaseMemory(name="generation", actor=sum(kept.values()) + s.reference, engine=awake),
+        PhaseMemory(name="generation", actor=sum(kept.values()) + s.reference + kept_after_training, engine=awake),
         PhaseMemory(name="training", actor=s.total, engine=overhead if sleeps else awake),
         PhaseMemory(
-            name="push", actor=s.weights + kept["grads"] + kept["optimizer"] + s.reference,
+            name="push", actor=s.weights + kept["grads"] + kept["optimizer"] + s.reference + kept_after_training,
             engine=engine.weights + overhead if sleeps else awake, push_buffers=push_buffers,
         ),
     ]

@@ -13,6 +13,7 @@
    dividing the GPUs it runs on, its KV cache holding at least one sequence;
 6. memory: the worst pipeline stage's weights, gradients, optimizer state,
    activations, logits and this DP rank's batch share (logprobs, routes),
+   on a CPU what the allocator keeps of a training step (resident through the push),
    and a colocated engine, in each phase of a step (generation, training,
    weight push: what train.offload and rollout.sleep_level free,
    plan.memory.phase_memory); the largest phase against what the device has
@@ -35,6 +36,7 @@ from megatron_rl.config.placement import colocated_engines
 from megatron_rl.plan.launch import LaunchShape, launch_shape
 from megatron_rl.plan.push_time import PushTime, preset_push_times
 from megatron_rl.plan.memory import (
+    CPU_RUNTIME_OVERHEAD_GIB,
     GIB,
     EngineMemory,
     PhaseMemory,
@@ -100,12 +102,13 @@ class Plan:
         peak = self.peak
         need, have = self.need(peak) / GIB, self.budget / GIB
         gpu = self.cfg.cluster.gpus_per_node > 0
-        where = "per device" if gpu else f"of this machine's memory ({self.launch.procs_per_node} trainer process(es))"
+        where = "per device" if gpu else (f"of this machine's memory after the runtime of {self.launch.procs_per_node} trainer "
+                                          f"process(es) ({CPU_RUNTIME_OVERHEAD_GIB:g} GiB each)")
         if self.fits:
             return f"fits: {need:.1f} GiB of {have:.1f} GiB {where} at the peak ({peak.name}, {100 * need / have:.0f}%)"
         s = self.stage
         terms = (("weights", s.weights), ("grads", s.grads), ("optimizer", s.optimizer), ("activations", s.activations),
-                 ("logits", s.logits), ("reference", s.reference), ("batch share", s.batch_share))
+                 ("logits", s.logits), ("reference", s.reference), ("batch share", s.batch_share), ("heap kept", s.heap))
         if peak.name == "training":
             actor = ", ".join(f"{name} {value / GIB:.1f}" for name, value in terms if value)
         else:
@@ -153,7 +156,7 @@ def _hint(plan: Plan) -> str:
             "not release them): set rollout.enforce_eager=true, or spread the weights over more devices"
         )
     states = s.weights + s.grads + s.optimizer
-    if states >= s.activations + s.logits:
+    if states >= s.activations + s.logits + s.heap:
         return (
             "spread the weights over more devices (raise parallel.expert_parallel, pipeline_parallel or "
             "tensor_parallel), keep optimizer.use_distributed_optimizer=true, or add nodes"

@@ -151,9 +151,14 @@ def render(p: Plan, console=None) -> None:
     memory.add_row("gradients", _gib(s.grads), "fp32 gradient buffer")
     sharded = "sharded over DP / expert-DP" if cfg.optimizer.use_distributed_optimizer else "not sharded"
     memory.add_row("optimizer state", _gib(s.optimizer), f"{cfg.optimizer.name}: fp32 main copy + moments, {sharded}")
+    cpu = not cluster.gpus_per_node
     memory.add_row("activations", _gib(s.activations), f"model.recompute={cfg.model.recompute}, Korthikanti et al. 2022 "
-                   "per-layer count")
-    memory.add_row("logits", _gib(s.logits), "last stage: vocab-parallel logits + grad + log-softmax")
+                   "per-layer count" + (" (recounted for the CPU's unfused layers)" if cpu else ""))
+    memory.add_row("logits", _gib(s.logits), "last stage: 2 float32 copies of the logits + the output layer's weight "
+                   "gradient" if cpu else "last stage: vocab-parallel logits + grad + log-softmax")
+    if s.heap:
+        memory.add_row("heap kept", _gib(s.heap), "freed by the step but kept by the allocator, resident after it too "
+                       "(plan.memory.CPU_HEAP_KEPT_FRACTION of the activations)")
     if s.reference:
         memory.add_row("reference model", _gib(s.reference), "algorithm.beta > 0")
     memory.add_row("batch share", _gib(s.batch_share), "this DP rank's rows: logprobs + the routes its routers replay or "

@@ -1,6 +1,7 @@
 """Metric sinks: jsonl contents, the PNG summary, tensorboard and wandb files (the wandb extra), rank gating."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,3 +65,54 @@ def test_evaluation_rows_go_to_their_own_jsonl_and_the_step_of_their_weights(tmp
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "reward/mean": 0.5}]
     assert read_metrics(tmp_path / "eval" / "metrics.jsonl") == [{"step": 0, "eval/aime/mean@4": 0.25}, {"step": 1, "eval/aime/mean@4": 0.75}]
 
+
+
+PROBE = """
+import json, os, resource
+from megatron_rl.metrics import process_memory_metrics
+
+def statm_rss_gib():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024**3
+
+def reading():
+    rss_before = statm_rss_gib()
+    metrics = process_memory_metrics()
+    return {"metrics": metrics, "ru_maxrss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+            "rss_gib": [rss_before, statm_rss_gib()]}
+
+first = reading()
+block = b"\\x01" * (384 << 20)  # every page written: resident
+second = reading()
+print(json.dumps([first, second]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self (Linux only)")
+def test_the_memory_metrics_agree_with_getrusage_and_statm(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # The probe is forked by a shell, not by this (large) test process: Linux's ru_maxrss starts from the peak of
+    # the process that forked the one that reads it, and the shell's is small.
+    command = f'"{sys.executable}" "{tmp_path / "probe.py"}"; exit $?'
+    out = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, check=True, env=env, timeout=120)
+    first, second = json.loads(out.stdout)
+    for reading in (first, second):
+        metrics = reading["metrics"]
+        assert metrics["memory/peak_rss_gib"] == pytest.approx(reading["ru_maxrss_gib"], abs=2e-3)  # KiB vs KiB, 2 MiB
+        # /proc/self/statm's resident pages read just before and just after bracket the current RSS
+        assert reading["rss_gib"][0] - 2e-3 <= metrics["memory/rss_gib"] <= reading["rss_gib"][1] + 2e-3
+        assert metrics["memory/rss_gib"] <= metrics["memory/peak_rss_gib"]
+    # 384 MiB written between the two readings: the peak and the current memory both rose by them
+    assert 0.37 <= second["metrics"]["memory/peak_rss_gib"] - first["metrics"]["memory/peak_rss_gib"] <= 0.40
+    assert 0.37 <= second["metrics"]["memory/rss_gib"] - first["metrics"]["memory/rss_gib"] <= 0.40
+
+
+def test_the_summary_line_shows_the_largest_peak_of_its_window():
+    from megatron_rl.metrics import summary_line
+
+    window = [{"memory/peak_rss_gib": 13.94, "time/step_s": 2.0}, {"memory/peak_rss_gib": 12.0, "time/step_s": 4.0}]
+    assert summary_line(3, window) == "step 3: s/step 3.00, peak RSS 13.9 GiB"

@@ -150,10 +150,16 @@ def test_activation_count_of_a_dense_layer_by_hand():
     # gate/up/down-input 3f, plus fp32 softmax statistics per head.
     h, q, kv, f, a = 16, 32, 16, 40, 4
     expected = 2 * (2 * h + 2 * q + 2 * kv + 2 * h + 3 * f) + 4 * a
-    assert layer_activation_bytes(spec, False, _cfg([]), 2) == expected
+    gpu = ["cluster.gpus_per_node=8"]
+    assert layer_activation_bytes(spec, False, _cfg(gpu), 2) == expected
     # tensor + sequence parallelism divides every stored tensor by t (their eq. 4: 34 sbh / t)
-    tp2 = _cfg(["parallel.tensor_parallel=2"])
+    tp2 = _cfg(gpu + ["parallel.tensor_parallel=2"])
     assert layer_activation_bytes(spec, False, tp2, 2) == pytest.approx(expected / 2)
+    # On the CPU (no fusions) also each norm's normalised input (2 x h) and fp32 1 / rms (2 x 4 bytes), the fused
+    # QKV output behind V's view (q + kv more) and the unfused glu's silu(gate) and up + offset (2f)
+    cpu = 2 * (6 * h + 3 * q + 3 * kv + 5 * f) + 2 * 4 + 4 * a
+    assert cpu == 904
+    assert layer_activation_bytes(spec, False, _cfg([]), 2) == cpu
 
 
 def test_activation_memory_of_each_recompute_choice_by_hand():
