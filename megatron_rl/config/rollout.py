@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config.core import ConfigError, check_at_least, check_name_or_import_path
-from megatron_rl.config.transport import check_rollout_transport
+from megatron_rl.config.transport import Transport, check_rollout_transport
 
 ROLLOUT_FUNCTION_NAMES = ("generate",)
 """The names megatron_rl.rollout.function.ROLLOUT_FUNCTIONS holds (a test keeps the two in step)."""
@@ -92,7 +92,7 @@ class RolloutConfig:
     30 s). Generation requests have no limit of their own: a server that answers /health is slow, not dead."""
     weight_bucket_mb: float = 512.0
     """Size of one weight-sync bucket in MB."""
-    weight_transport: Literal["auto", "rpc", "broadcast", "ipc", "vllm_nccl_m2n", "vllm_ipc"] = "auto"
+    weight_transport: Literal["auto", Transport] = "auto"
     """How pushed weights reach the engine. rpc: through the worker extension's RPC (tensors by reference to an
     in-process engine, safetensors bytes to an engine process or over HTTP to a server); broadcast: a
     torch.distributed broadcast from the pushing trainer rank into every engine worker (weight_broadcast_backend);
