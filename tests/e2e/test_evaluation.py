@@ -23,7 +23,7 @@ import pytest
 from megatron_rl.metrics import read_metrics
 from tests.e2e.eval_runs import K
 from tests.e2e.subprocess_runs import run_module
-from tests.e2e.train_runs import REPO, TIMING
+from tests.e2e.train_runs import MACHINE_METRICS, REPO
 from tests.extras import VLLM_EXTRA
 
 
@@ -34,7 +34,7 @@ def runs(model_dir, tmp_path_factory) -> Path:
 
 
 def _training(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+    return {k: v for k, v in row.items() if not k.startswith(MACHINE_METRICS)}
 
 
 def _scores(report: dict) -> dict:

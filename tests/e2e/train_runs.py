@@ -22,7 +22,8 @@ import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TIMING = ("time/", "rollout/generate_s")
+MACHINE_METRICS = ("time/", "rollout/generate_s", "memory/")
+"""Metrics the machine decides (timing, the process's resident memory), not the weights: left out of comparisons."""
 
 
 def train_env() -> dict[str, str]:
@@ -79,6 +80,6 @@ def odd_length_reward(response: str, answer, *, prompt: str = "") -> float:
 
 
 def comparable(row: dict) -> dict:
-    """A metrics row without its timing (equal between two runs of the same weights)."""
-    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+    """A metrics row without its timing and memory (equal between two runs of the same weights)."""
+    return {k: v for k, v in row.items() if not k.startswith(MACHINE_METRICS)}
 
