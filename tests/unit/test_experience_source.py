@@ -24,27 +24,17 @@ from megatron_rl.experience_source import (
 )
 from megatron_rl.plugins import load_plugins
 from megatron_rl.rollout.rewards import get_reward_fn
+from tests.unit.test_plugins import SCRIPTED
 
-RECORDING = """
-    import torch
-
-    from megatron_rl.data.batch import RolloutSample, Rollouts
-
+RECORDING = SCRIPTED + """
     CALLS = []
     '''(sampling seed, prompt rows) of every call, in order.'''
 
     def right_then_wrong(engine, prompts, spec, tokenizer, cfg):
         CALLS.append((spec.seed, [p.index for p in prompts]))
-        samples = []
-        for i, prompt in enumerate(prompts):
-            for j in range(spec.n):
-                response = tokenizer.encode(str(prompt.answer) if j == 0 else "0") + [tokenizer.eos_id]
-                samples.append(RolloutSample(
-                    prompt_index=i, sample_index=j, prompt_token_ids=torch.tensor(prompt.token_ids),
-                    response_token_ids=torch.tensor(response), rollout_logprobs=torch.zeros(len(response)),
-                    finish_reason="stop", stop_reason=None, weight_version=0))
-        return Rollouts(samples=samples, n_samples=spec.n, weight_version=0)
+        return first_sample_answers(engine, prompts, spec, tokenizer, cfg)
 """
+"""test_plugins' scripted rollout function (sample 0 of each prompt right, the others 0), each call written down."""
 
 STREAM_SEED = (1 << 20) * 64  # 67,108,864: the stream's batch 0
 
