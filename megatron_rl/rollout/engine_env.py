@@ -1,5 +1,5 @@
-"""The environment of the processes an engine starts: where its worker runs, its threads, torch's compiler, and the
-stop warning a job sends every process."""
+"""The environment of the processes an engine starts: where its worker runs, its threads, torch's compiler, the stop
+signals a job sends every process, and the process that owns them."""
 
 from __future__ import annotations
 
@@ -84,16 +84,112 @@ def environment_set(variables: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-@contextmanager
-def stop_warning_blocked() -> Iterator[None]:
-    """SIGUSR1 blocked in this thread while it starts child processes, which keep it blocked (a signal mask survives
-    fork and exec): vLLM's engine core then outlives a stop warning sent to every process of a job (Slurm's srun passes
-    USR1 on to every process of its step; USR1's default action ends a process). This process loses nothing: the
-    warning goes to another of its threads, or waits, pending, until the mask is restored."""
-    import signal
+STOP_SIGNALS_OF_A_JOB = frozenset({"SIGTERM", "SIGUSR1"})
+"""What a cluster sends every process of a job before it ends it: Slurm's warning before the time limit (USR1, which
+srun passes on to each process of its step) and its TERM at a requeue, a pre-emption or a scancel (to every process of
+the job); torchrun passes both on to each rank's process group, which holds the rank's engine core."""
 
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+@contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """SIGTERM and SIGUSR1 blocked in this thread while it starts an engine's processes, which keep them blocked (a
+    signal mask survives fork and exec, and vLLM's handlers only run once a signal is delivered): the engine core and
+    its workers then outlive a job's stop signals (STOP_SIGNALS_OF_A_JOB), so the trainer's step in progress, and the
+    save after it at the step boundary, still have their engine. Without this, vLLM's own TERM handler ends the core
+    and the step restarts the engine: slower than Slurm's KillWait under load, and samples the uninterrupted run never
+    drew. The engine is ended by SIGINT instead (`interrupt`: vLLM's handler treats it as TERM), and by `watch_owner`
+    if its owner dies without closing it. This process loses nothing: a signal goes to another of its threads, or
+    waits, pending, until the mask is restored.
+
+    multiprocessing's resource tracker is started first: its start unblocks SIGTERM (and SIGINT) in the starting
+    thread instead of restoring the mask (multiprocessing.resource_tracker, CPython 3.11), which would undo this block
+    at vLLM's first spawn."""
+    import signal
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    blocked = {getattr(signal, name) for name in STOP_SIGNALS_OF_A_JOB}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def started_with_stop_signals_blocked() -> bool:
+    """Whether this process was started inside stop_signals_blocked (a server the trainer supervises): its own
+    engine core must then start inside it too, past the resource tracker's unblocking."""
+    import signal
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    return all(getattr(signal, name) in blocked for name in STOP_SIGNALS_OF_A_JOB)
+
+
+def interrupt(processes) -> None:
+    """SIGINT to each of an engine's processes (multiprocessing.Process) still running: vLLM's graceful shutdown, which
+    the TERM of its own shutdown cannot start while stop_signals_blocked holds (it would wait 5 s, then SIGKILL)."""
+    import signal
+
+    for process in processes:
+        if process.pid is not None and process.is_alive():
+            try:
+                os.kill(process.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+
+OWNER_ENV = "MEGATRON_RL_ENGINE_OWNER"
+"""pid:start-time of the process that started an engine's processes (owner_environment, watch_owner)."""
+
+
+def _started(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def owner_environment() -> dict[str, str]:
+    """The variable that makes this process the owner of the engine processes it starts (watch_owner)."""
+    return {OWNER_ENV: f"{os.getpid()}:{_started(os.getpid())!r}"}
+
+
+_watched: list[int] = []
+
+
+def watch_owner(interval_s: float = 1.0) -> bool:
+    """In an engine's worker (inside its core, or a process of its own below the core): once the process that
+    started the engine (OWNER_ENV) is gone, SIGKILL the core and this process. A core blocks the stop signals
+    (stop_signals_blocked), so a trainer killed without closing its engine (SIGKILL, the out-of-memory killer) would
+    otherwise leave it running, holding its memory, when torchrun restarts the rank. Once per process; False where no
+    owner is named (an engine in the trainer's own process, a server started by hand)."""
+    value = os.environ.get(OWNER_ENV, "")
+    if _watched or ":" not in value:
+        return False
+    pid_text, _, started_text = value.partition(":")
+    owner, started = int(pid_text), started_text
+    parent = os.getppid()
+    core = None if parent == owner else (parent, _started(parent))  # a worker below the core: the core is its parent
+    _watched.append(owner)
+
+    def watch() -> None:
+        import signal
+        import time
+
+        while repr(_started(owner)) == started:
+            time.sleep(interval_s)
+        if core is not None and _started(core[0]) == core[1]:
+            os.kill(core[0], signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    import threading
+
+    threading.Thread(target=watch, name="megatron-rl-owner-watch", daemon=True).start()
+    return True
+
+
+def watching_owner() -> bool:
+    """Whether this process watches the process that started its engine (watch_owner)."""
+    return bool(_watched)

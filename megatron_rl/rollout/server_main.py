@@ -19,8 +19,10 @@ by SIGKILL leaves it (named mrl-vllm-* in the temp directory).
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 import sys
 
+from megatron_rl.rollout.engine_env import started_with_stop_signals_blocked, stop_signals_blocked
 from megatron_rl.rollout.engine_files import SocketDir
 
 
@@ -50,7 +52,9 @@ def main(argv: list[str]) -> None:
             print(f"megatron-rl serve: vLLM's sockets in {sockets.path} (removed when the server ends)", file=sys.stderr,
                   flush=True)
     try:
-        run_vllm_server(argv)
+        # a server the trainer started with the stop signals blocked: its engine core keeps them blocked too
+        with stop_signals_blocked() if started_with_stop_signals_blocked() else nullcontext():
+            run_vllm_server(argv)
     finally:
         sockets.remove()
 

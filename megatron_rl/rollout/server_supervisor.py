@@ -27,7 +27,13 @@ from typing import Iterable
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.ports import free_port, port_in_use
 from megatron_rl.rollout.client_limits import start_timeout_s
-from megatron_rl.rollout.engine_env import COMPILE_OFF, compiles_nothing, engine_core_environment, worker_in_engine_core
+from megatron_rl.rollout.engine_env import (
+    COMPILE_OFF,
+    compiles_nothing,
+    engine_core_environment,
+    stop_signals_blocked,
+    worker_in_engine_core,
+)
 from megatron_rl.rollout.engine_files import SocketDir
 from megatron_rl.rollout.engine_options import (
     WORKER_EXTENSION, default_dtype, prefix_caching_off, sleep_mode_available, splits_fail_seeded_prefills,
@@ -229,7 +235,9 @@ class VLLMServer:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-server-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        with open(self.log_path, "ab") as log:
+        # its own session: torchrun's signals to the rank's process group miss it; Slurm's reach every process of the
+        # job, which the server outlives (engine_env.stop_signals_blocked) until stop() ends it
+        with open(self.log_path, "ab") as log, stop_signals_blocked():
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
@@ -269,7 +277,8 @@ class VLLMServer:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the server and its engine core (its own process group), also when the server died alone: its engine
+        """Stop the server and its engine core (its own process group: SIGINT, vLLM's and uvicorn's graceful shutdown;
+        SIGKILL after `timeout_s`), also when the server died alone: its engine
         core then lives on (vLLM's core does not watch its parent) holding the engine's memory, the KV cache on a GPU,
         and a restart would not fit beside it."""
         process, self.process = self.process, None
@@ -277,7 +286,7 @@ class VLLMServer:
         try:
             if process is not None and process.poll() is None:
                 try:
-                    os.killpg(process.pid, signal.SIGTERM)
+                    os.killpg(process.pid, signal.SIGINT)  # its TERM is blocked (engine_env.stop_signals_blocked)
                     process.wait(timeout=timeout_s)
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     try:

@@ -70,7 +70,16 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.data.batch import Rollouts
 from megatron_rl.heap import collect_after_close, heap_kept_frozen, import_long_lived
 from megatron_rl.rollout import cpu_rope
-from megatron_rl.rollout.engine_env import COMPILE_OFF, compiles_nothing, engine_core_environment, environment_set, stop_warning_blocked, worker_in_engine_core
+from megatron_rl.rollout.engine_env import (
+    COMPILE_OFF,
+    compiles_nothing,
+    engine_core_environment,
+    environment_set,
+    interrupt,
+    owner_environment,
+    stop_signals_blocked,
+    worker_in_engine_core,
+)
 from megatron_rl.rollout.engine_files import SocketDir, remove_store_file, store_file_of_this_process
 from megatron_rl.rollout.engine_options import WORKER_EXTENSION, default_dtype, prefix_caching_off, sleep_mode_available, splits_fail_seeded_prefills
 from megatron_rl.rollout.prompts import check_prompts
@@ -219,8 +228,10 @@ class VLLMEngine(ServingEngine):
             from vllm import LLM
 
             # a core process of its own (rollout.multiprocessing) reads its threads at its start; the sockets
-            # between it and this process go in a directory of this start's own (engine_files.SocketDir)
-            variables = {**engine_core_environment(self.config), **self._sockets.environment()} if self.multiprocessing else {}
+            # between it and this process go in a directory of this start's own (engine_files.SocketDir); it ends
+            # itself if this process dies without closing it (engine_env.watch_owner)
+            variables = ({**engine_core_environment(self.config), **self._sockets.environment(), **owner_environment()}
+                         if self.multiprocessing else {})
             if compiles_nothing(self.config):  # vLLM's sampler helpers eager (engine_env.compiles_nothing)
                 if self.multiprocessing:
                     variables.update(COMPILE_OFF)
@@ -228,8 +239,8 @@ class VLLMEngine(ServingEngine):
                     self._compiler_off()
             if not self.multiprocessing:  # the model is built in this process: fix vLLM's CPU kernels first
                 cpu_rope.install()
-            # a core process of its own outlives a job's stop warning (engine_env.stop_warning_blocked)
-            with environment_set(variables), stop_warning_blocked() if self.multiprocessing else nullcontext():
+            # a core process of its own outlives a job's stop signals (engine_env.stop_signals_blocked)
+            with environment_set(variables), stop_signals_blocked() if self.multiprocessing else nullcontext():
                 self._llm = LLM(**self.engine_args())
         except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"
             self._llm = None
@@ -320,6 +331,7 @@ class VLLMEngine(ServingEngine):
         keep = default_group_kept() if not (last and self._made_world) and not self.multiprocessing else nullcontext()
         try:
             with heap_kept_frozen() if last else nullcontext(), keep:  # the process's last: no full collections
+                interrupt(engine_core_processes(llm))  # its TERM is blocked (engine_env.stop_signals_blocked)
                 llm.llm_engine.engine_core.shutdown()
         except Exception as error:  # a dead engine may fail to shut down cleanly; it is being discarded
             logger.warning("engine shutdown: %s: %s", type(error).__name__, error)
@@ -535,6 +547,13 @@ class VLLMEngine(ServingEngine):
                 raise RolloutError("the engine is not running (its process died or a restart failed)")
             with self._dead_engine_watchdog():
                 yield StepSession(self._llm.llm_engine, spec)
+
+
+def engine_core_processes(llm: Any) -> list:
+    """The engine core processes of a vllm.LLM whose core runs in processes of its own (vLLM's process manager);
+    none for an in-process core or a vLLM that keeps them elsewhere."""
+    manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
 
 
 def _has_cuda() -> bool:

@@ -38,6 +38,7 @@ import torch
 
 from megatron_rl.heap import frozen_until_exit, keep_frozen_until_exit
 from megatron_rl.rollout import cpu_rope
+from megatron_rl.rollout.engine_env import watch_owner, watching_owner
 from megatron_rl.rollout.engine_options import splits_fail_seeded_prefills
 from megatron_rl.rollout.routing import RequestCapture, encode_captures
 from megatron_rl.weight_sync.push import PushReceiver
@@ -195,7 +196,10 @@ class RolloutWorkerExtension(*receivers(), PushReceiver):
         'model_dir', 'max_num_seqs', 'sleep_mode' (started with it), 'platform_sleep_mode' (the platform has one),
         'cpu_threads' (torch's intra-op threads in the worker's process), 'heap_frozen_until_exit' (its shutdown
         leaves the heap frozen: a process vLLM started, on the CPU), 'max_num_batched_tokens', 'splits_seeded_prefills'
-        (chunked prefill on where a split seeded prefill fails: rollout.engine_options.splits_fail_seeded_prefills)}."""
+        (chunked prefill on where a split seeded prefill fails: rollout.engine_options.splits_fail_seeded_prefills),
+        'owner_watched' (this worker ends itself and its core once the trainer that started them is gone:
+        rollout.engine_env.watch_owner; the engine's first call starts the watch)}."""
+        watch_owner()
         runner = self.model_runner  # type: ignore[attr-defined]
         routers = find_moe_routers(runner.get_model())
         scheduler = self.vllm_config.scheduler_config  # type: ignore[attr-defined]
@@ -213,6 +217,7 @@ class RolloutWorkerExtension(*receivers(), PushReceiver):
             "heap_frozen_until_exit": frozen_until_exit(),
             "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
             "splits_seeded_prefills": bool(scheduler.enable_chunked_prefill) and splits_fail_seeded_prefills(),
+            "owner_watched": watching_owner(),
         }
 
     def mrl_capture_start(self) -> None:

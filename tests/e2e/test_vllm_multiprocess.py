@@ -1,6 +1,7 @@
-"""Engine core in a child process (rollout.multiprocessing): broadcast and bytes pushes, capture, real kills.
+"""Engine core in a child process (rollout.multiprocessing): broadcast and bytes pushes, capture, real kills, a job's
+stop signals, and a trainer that dies without closing its engine.
 
-Three engine-core starts (~10 s each on 2 idle cores: the worker runs inside the engine core): the tests that kill
+Four engine-core starts (~10 s each on 2 idle cores: the worker runs inside the engine core): the tests that kill
 a real engine process, once in the middle of a streamed push (the push is made
 again from a fresh export into the restarted engine) and once during
 generation (the restarted engine gets a re-export); the in-process recovery
@@ -54,12 +55,17 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         # vLLM's sockets between this process and its core are in a directory of this start's own (engine_files.SocketDir)
         first_sockets = engine._sockets.path
         assert len(socket_files(first_sockets)) >= 2, first_sockets
-        # a job's stop warning reaches every process of it (Slurm's srun passes USR1 on): the core outlives it
+        # a job's stop signals reach every process of it (Slurm's srun passes USR1 on; Slurm's TERM at a requeue or
+        # a pre-emption goes to all of them, torchrun's to the rank's process group): the core outlives both, so the
+        # step in progress and the save after it keep their engine
         core = _core_pid(engine)
         os.kill(core, signal.SIGUSR1)
+        os.kill(core, signal.SIGTERM)
         assert engine.generate(PROMPTS, SamplingSpec(n=1, max_new_tokens=2, seed=1)).metrics["restarts"] == 0
         os.kill(core, 0)  # still there
         assert engine.restarts == 0
+        # the core ends itself if this process dies without closing it (test_a_trainer_killed_...)
+        assert engine.model_info["owner_watched"] is True
         # a push broken midway by a killed engine core: made again from a fresh export on a restarted engine
         exports = []
 
@@ -104,5 +110,55 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         assert by_rpc.weight_version == 5 and max_logprob_error(models["moe0"], by_rpc, 1.0) < 1e-4
     finally:
         last_sockets = engine._sockets.path
+        last_core = engine._llm.llm_engine.engine_core.resources.engine_manager.processes[0] if engine._llm else None
         engine.shutdown()
     assert last_sockets and not os.path.exists(last_sockets)  # removed with the engine
+    # its TERM blocked, the core ended by the SIGINT of the engine's shutdown through vLLM's own handler (exit code 0),
+    # not by the SIGKILL that vLLM's shutdown sends a core still running 5 s after its TERM (-9)
+    assert last_core is not None and last_core.exitcode == 0, last_core
+
+
+OWNER = """
+import sys
+from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout import VLLMEngine
+
+engine = VLLMEngine(sys.argv[1], RolloutConfig(kv_cache_gib=0.25, max_model_len=128, multiprocessing=True))
+print("core pid", engine._llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_without_closing_its_engine_takes_the_engine_core_with_it(tmp_path):
+    """A trainer killed by SIGKILL (the out-of-memory killer, a lost node's cleanup) closes nothing; torchrun restarts
+    the rank without signalling the dead one's process group, and the core blocks TERM: the core's own watch of the
+    process that started it (rollout.engine_env.watch_owner) ends it, so the restarted rank gets its memory back."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    models = build_models(tmp_path)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(models["moe0"])], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    core = None
+    try:
+        line = ""
+        while not line.startswith("core pid "):  # vLLM logs to the same stdout
+            line = owner.stdout.readline()
+            assert line, "the engine's owner ended before its engine started"
+        core = psutil.Process(int(line.split()[-1]))
+        assert core.is_running() and core.ppid() == owner.pid
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and core.is_running() and core.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.2)
+        assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, "the orphaned engine core still runs"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        if core is not None and core.is_running():  # a failed test leaves no engine behind
+            core.kill()

@@ -117,6 +117,14 @@ def test_a_cpu_server_runs_its_worker_inside_its_engine_core(server_engine):
     assert server_engine.model_info["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS", max(1, cpus - 1)))
     # the engine core ends after its shutdown: its heap stays frozen through it (megatron_rl.heap)
     assert server_engine.model_info["heap_frozen_until_exit"] is True
+    # a job's stop signals reach every process of it (Slurm's TERM at a requeue or a pre-emption, srun's USR1): the
+    # server and its core outlive both (rollout.engine_env.stop_signals_blocked), so the step in progress keeps them
+    processes = [psutil.Process(server.process.pid), *psutil.Process(server.process.pid).children(recursive=True)]
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGUSR1)
+    assert server_engine.generate(PROMPTS, SamplingSpec(n=1, max_new_tokens=2, seed=1)).metrics["restarts"] == 0
+    assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes), processes
 
 
 def test_a_chosen_port_taken_before_the_server_binds_it_is_chosen_again(server_engine, models, tmp_path):
