@@ -160,8 +160,9 @@ _watched: list[int] = []
 
 
 def watch_owner(interval_s: float = 1.0) -> bool:
-    """In an engine's worker (inside its core, or a process of its own below the core): once the process that
-    started the engine (OWNER_ENV) is gone, SIGKILL the core and this process. A core blocks the stop signals
+    """In an engine's worker (inside its core, a process of its own below the core, or below the trainer for an
+    in-process engine of several workers): once the process that started the engine (OWNER_ENV) is gone, SIGKILL
+    the core (a worker's parent that is not the owner) and this process. A core blocks the stop signals
     (stop_signals_blocked), so a trainer killed without closing its engine (SIGKILL, the out-of-memory killer) would
     otherwise leave it running, holding its memory, when torchrun restarts the rank. Once per process; False where no
     owner is named (an engine in the trainer's own process, a server started by hand)."""

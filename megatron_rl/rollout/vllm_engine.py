@@ -228,10 +228,8 @@ class VLLMEngine(ServingEngine):
             from vllm import LLM
 
             # a core process of its own (rollout.multiprocessing) reads its threads at its start; the sockets
-            # between it and this process go in a directory of this start's own (engine_files.SocketDir); it ends
-            # itself if this process dies without closing it (engine_env.watch_owner)
-            variables = ({**engine_core_environment(self.config), **self._sockets.environment(), **owner_environment()}
-                         if self.multiprocessing else {})
+            # between it and this process go in a directory of this start's own (engine_files.SocketDir)
+            variables = {**engine_core_environment(self.config), **self._sockets.environment()} if self.multiprocessing else {}
             if compiles_nothing(self.config):  # vLLM's sampler helpers eager (engine_env.compiles_nothing)
                 if self.multiprocessing:
                     variables.update(COMPILE_OFF)
@@ -239,8 +237,13 @@ class VLLMEngine(ServingEngine):
                     self._compiler_off()
             if not self.multiprocessing:  # the model is built in this process: fix vLLM's CPU kernels first
                 cpu_rope.install()
-            # a core process of its own outlives a job's stop signals (engine_env.stop_signals_blocked)
-            with environment_set(variables), stop_signals_blocked() if self.multiprocessing else nullcontext():
+            # the processes it starts (a core of its own, or workers of a tensor/pipeline-parallel engine in this
+            # process) outlive a job's stop signals (engine_env.stop_signals_blocked) and end themselves if this
+            # process dies without closing them (engine_env.watch_owner)
+            spawns = self.multiprocessing or self.config.tensor_parallel * self.config.pipeline_parallel > 1
+            if spawns:
+                variables.update(owner_environment())
+            with environment_set(variables), stop_signals_blocked() if spawns else nullcontext():
                 self._llm = LLM(**self.engine_args())
         except Exception as error:  # vLLM raises many types here; all mean "cannot start on this directory"
             self._llm = None
