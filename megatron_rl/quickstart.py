@@ -8,9 +8,10 @@
 2. Data: multi-step arithmetic word problems, a training split and a held-out split with no prompt in
    common, from fixed seeds (megatron_rl.data.arithmetic).
 3. Training with the preset: the trainer scores the held-out set before the first step (pass@1 and
-   pass@k over k samples per prompt, the preset's data.eval_sets) and again after the last one.
+   pass@k over k samples per prompt, the preset's data.eval_sets), every train.eval_every steps, and after
+   the last one.
 4. <out>/results.md (the before/after table), <out>/results.json (the numbers, the machine and its load)
-   and <out>/curves.png (the training reward per step and the held-out pass@1 before and after).
+   and <out>/curves.png (the training reward per step and the held-out pass@1 at each evaluation).
 """
 
 from __future__ import annotations
@@ -69,6 +70,21 @@ def check_before_report(report: Path, prompts: int, k: int) -> None:
                          f"this run's held-out set is {prompts} x {k}; rerun without --before-report")
 
 
+def eval_curve(reports: list[Path], rows: list[dict], before_report: Path | None = None) -> list[dict[str, Any]]:
+    """Held-out pass@1 and pass@k at each evaluation (eval/step_<n>.json: n steps trained before it), with the
+    training minutes of those n steps (time/step_s of the metrics rows)."""
+    step_s = [r.get("time/step_s", 0.0) for r in rows]
+    points = [(0, before_report)] if before_report is not None else []
+    points += [(int(p.stem.split("_")[1]), p) for p in reports]
+    curve = []
+    for step, report in points:
+        scores = eval_scores(report)
+        k = scores["k"]
+        curve.append({"step": step, "train_min": round(sum(step_s[:step]) / 60, 1),
+                      "pass@1": scores["pass@1"], f"pass@{k}": scores[f"pass@{k}"]})
+    return curve
+
+
 def run_summary(cfg, *, wall_s: float, load_start: float, before_report: Path | None = None) -> dict[str, Any]:
     """results.json of a finished run: the held-out scores before and after, the reward curve, the times.
 
@@ -87,6 +103,8 @@ def run_summary(cfg, *, wall_s: float, load_start: float, before_report: Path | 
         "lr": cfg.optimizer.lr, "max_new_tokens": cfg.rollout.max_new_tokens,
         "train_s": round(sum(step_s), 1), "s_per_step": round(sum(step_s) / max(len(step_s), 1), 2), "wall_s": round(wall_s, 1),
         "before": eval_scores(before_report or reports[0]), "after": eval_scores(reports[-1]),
+        # every evaluation of the run (train.eval_every adds some between the two), with the training time before it
+        "evals": eval_curve(reports, rows, before_report),
         "reward_curve": [round(r["reward/mean"], 4) for r in rows],
         # |log pi_trainer - log pi_engine| per step, token mean: flat when every push reaches the engine whole
         "engine_gap_curve": [r.get("mismatch/abs_logprob_diff") for r in rows],
@@ -109,13 +127,17 @@ def results_markdown(summary: dict[str, Any]) -> str:
     ]
     for key in ("pass@1", f"pass@{k}", f"maj@{k}", "length_mean", "truncated_fraction"):
         lines.append(f"| {key} | {before[key]:.3f} | {after[key]:.3f} | {after[key] - before[key]:+.3f} |")
+    evals = summary.get("evals", [])
+    if len(evals) > 2:
+        lines += ["", "held-out pass@1 by step (training minutes before it): " + ", ".join(
+            f"{e['step']}: {e['pass@1']:.3f} ({e['train_min']:.1f} min)" for e in evals)]
     gap = [g for g in summary.get("engine_gap_curve", []) if g is not None]
     if gap:
         lines += ["", f"trainer vs engine log-probs (token mean of the absolute difference): {gap[0]:.2e} at the first step, "
                   f"{max(gap):.2e} at most, {gap[-1]:.2e} at the last"]
     m = summary["machine"]
     lines += ["", f"training {summary['train_s'] / 60:.1f} min ({summary['s_per_step']:.1f} s/step), {summary['wall_s'] / 60:.1f} min "
-              f"in all with both evaluations, on {m['cpus']} CPUs (load average {m['load_start']} at the start, "
+              f"in all with {len(summary.get('evals') or [0, 0])} evaluations, on {m['cpus']} CPUs (load average {m['load_start']} at the start, "
               f"{m['load_end']} at the end)"]
     if summary.get("peak_rss_gib"):
         lines += ["", f"peak resident memory of the training process: {summary['peak_rss_gib']:.1f} GiB (memory/peak_rss_gib)"]
@@ -123,7 +145,7 @@ def results_markdown(summary: dict[str, Any]) -> str:
 
 
 def plot_curves(summary: dict[str, Any], png: Path) -> Path:
-    """curves.png: the mean training reward per step, and held-out pass@1 / pass@k before and after."""
+    """curves.png: the mean training reward per step, and held-out pass@1 / pass@k at each evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,8 +157,9 @@ def plot_curves(summary: dict[str, Any], png: Path) -> Path:
     reward_ax.set_title("mean training reward", fontsize=9)
     reward_ax.set_xlabel("step", fontsize=8)
     k = summary["before"]["k"]
+    evals = summary.get("evals") or [{"step": 0, **summary["before"]}, {"step": summary["last_step"], **summary["after"]}]
     for key in ("pass@1", f"pass@{k}"):
-        eval_ax.plot([0, summary["last_step"]], [summary["before"][key], summary["after"][key]], marker="o", label=key)
+        eval_ax.plot([e["step"] for e in evals], [e[key] for e in evals], marker="o", label=key)
     eval_ax.set_title(f"held-out ({summary['before']['prompts']} prompts)", fontsize=9)
     eval_ax.set_xlabel("step", fontsize=8)
     eval_ax.legend(fontsize=7)

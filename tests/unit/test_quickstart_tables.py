@@ -66,3 +66,28 @@ def test_a_before_report_of_another_held_out_set_is_refused(tmp_path):
         check_before_report(report, 50, 4)
     with pytest.raises(SystemExit, match="not an evaluation report"):
         check_before_report(tmp_path / "absent.json", 100, 4)
+
+
+def test_the_eval_curve_takes_each_report_with_the_training_minutes_before_it(tmp_path):
+    from megatron_rl.quickstart import EVAL_SET, eval_curve, results_markdown
+
+    def report(step: int, pass1: float) -> Path:
+        metrics = {"samples_per_prompt": 4, "pass@1": pass1, "pass@4": pass1 * 2, "maj@4": pass1, "length_mean": 90.0,
+                   "truncated_fraction": 0.3, "num_prompts": 100}
+        path = tmp_path / f"step_{step}.json"
+        path.write_text(json.dumps({"sets": {EVAL_SET: {"metrics": metrics}}}))
+        return path
+
+    reports = [report(0, 0.1), report(10, 0.15), report(20, 0.2), report(25, 0.25)]
+    rows = [{"step": i, "time/step_s": 60.0 if i < 10 else 30.0} for i in range(25)]  # 10 min, then 0.5 min a step
+    curve = eval_curve(reports, rows)
+    assert [(e["step"], e["train_min"], e["pass@1"], e["pass@4"]) for e in curve] == [
+        (0, 0.0, 0.1, 0.2), (10, 10.0, 0.15, 0.3), (20, 15.0, 0.2, 0.4), (25, 17.5, 0.25, 0.5)]
+    # an earlier run's step-0 report stands in for a skipped first evaluation
+    assert [e["step"] for e in eval_curve(reports[1:], rows, before_report=reports[0])] == [0, 10, 20, 25]
+    scores = {"pass@1": 0.1, "pass@4": 0.2, "maj@4": 0.1, "length_mean": 90.0, "truncated_fraction": 0.3, "prompts": 100, "k": 4}
+    summary = {"algorithm": "gspo", "model": "m", "steps": 25, "prompts_per_step": 8, "samples_per_prompt": 4, "lr": 1e-5,
+               "before": scores, "after": {**scores, "pass@1": 0.25}, "train_s": 1050.0, "s_per_step": 42.0, "wall_s": 1500.0,
+               "machine": {"cpus": 2, "load_start": 1.0, "load_end": 2.0}, "evals": curve}
+    assert ("held-out pass@1 by step (training minutes before it): 0: 0.100 (0.0 min), 10: 0.150 (10.0 min), "
+            "20: 0.200 (15.0 min), 25: 0.250 (17.5 min)") in results_markdown(summary)
