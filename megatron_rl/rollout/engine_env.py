@@ -169,8 +169,8 @@ def watch_owner(interval_s: float = 1.0) -> bool:
     value = os.environ.get(OWNER_ENV, "")
     if _watched or ":" not in value:
         return False
-    pid_text, _, started_text = value.partition(":")
-    owner, started = int(pid_text), started_text
+    pid_text, _, started = value.partition(":")
+    owner = int(pid_text)
     parent = os.getppid()
     core = None if parent == owner else (parent, _started(parent))  # a worker below the core: the core is its parent
     _watched.append(owner)

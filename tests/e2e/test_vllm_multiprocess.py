@@ -20,6 +20,7 @@ import tests.e2e.requires_vllm  # noqa: F401,E402  (skips the module, naming the
 
 from megatron_rl.config import RolloutConfig  # noqa: E402
 from megatron_rl.rollout import SamplingSpec, VLLMEngine  # noqa: E402
+from megatron_rl.rollout.vllm_engine import engine_core_processes  # noqa: E402
 from megatron_rl.weight_sync import WeightStream, bucketize, push_weights  # noqa: E402
 from megatron_rl.weight_sync.stream import entries_of  # noqa: E402
 from tests.e2e.vllm_helpers import (  # noqa: E402
@@ -35,7 +36,7 @@ PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10]]
 
 
 def _core_pid(engine) -> int:
-    return engine._llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
+    return engine_core_processes(engine._llm)[0].pid
 
 
 @pytest.mark.slow
@@ -110,7 +111,7 @@ def test_killed_engine_core_is_restarted_with_the_pushed_weights(tmp_path):
         assert by_rpc.weight_version == 5 and max_logprob_error(models["moe0"], by_rpc, 1.0) < 1e-4
     finally:
         last_sockets = engine._sockets.path
-        last_core = engine._llm.llm_engine.engine_core.resources.engine_manager.processes[0] if engine._llm else None
+        last_core = engine_core_processes(engine._llm)[0] if engine._llm else None
         engine.shutdown()
     assert last_sockets and not os.path.exists(last_sockets)  # removed with the engine
     # its TERM blocked, the core ended by the SIGINT of the engine's shutdown through vLLM's own handler (exit code 0),
@@ -122,9 +123,10 @@ OWNER = """
 import sys
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout import VLLMEngine
+from megatron_rl.rollout.vllm_engine import engine_core_processes
 
 engine = VLLMEngine(sys.argv[1], RolloutConfig(kv_cache_gib=0.25, max_model_len=128, multiprocessing=True))
-print("core pid", engine._llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid, flush=True)
+print("core pid", engine_core_processes(engine._llm)[0].pid, flush=True)
 sys.stdin.read()  # until the test kills this process
 """
 
