@@ -124,7 +124,8 @@ class MetricsLogger:
             self._bar.update(1)
         if self.summary_every:
             self._window.append(numeric)
-            if len(self._window) == self.summary_every:
+            # on the steps' own boundaries, so a run resumed at any step ends on the same line as an uninterrupted one
+            if (step + 1) % self.summary_every == 0:
                 self._print(summary_line(step, self._window))
                 self._window = []
 

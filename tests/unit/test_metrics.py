@@ -66,6 +66,15 @@ def test_evaluation_rows_go_to_their_own_jsonl_and_the_step_of_their_weights(tmp
     assert read_metrics(tmp_path / "eval" / "metrics.jsonl") == [{"step": 0, "eval/aime/mean@4": 0.25}, {"step": 1, "eval/aime/mean@4": 0.75}]
 
 
+def test_a_run_resumed_at_an_odd_step_prints_its_summary_lines_on_the_uninterrupted_runs_steps(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, summary_every=2)
+    for step in range(5, 12):  # resumed at step 5 of 12
+        logger.log(step, {"reward/mean": step / 10})
+    logger.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 5", "step 7", "step 9", "step 11"]
+    assert lines[-1] == "step 11: reward 1.050"  # the mean of steps 10 and 11
+
 
 PROBE = """
 import json, os, resource
